@@ -1,0 +1,1 @@
+"""LIBERO suites as gymnasium envs and the shared-memory vectorized env."""

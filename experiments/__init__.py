@@ -1,0 +1,1 @@
+"""Hydra entry points researchers launch (benchmarks, GRPO, reports)."""

@@ -1,0 +1,101 @@
+"""Benchmark result files: one JSON per run under benchmarks/results/, plus a RESULT line.
+
+Every benchmark records the same provenance (git sha, device, CPU count, config) so numbers
+from different machines and commits can be compared without guessing.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+from typing import Any, Mapping
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+        sha = out.stdout.strip()
+        if not sha:
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    """The GPU's name where torch sees one, else the CPU model."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return "cpu: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu: " + (platform.processor() or platform.machine())
+
+
+def provenance() -> dict[str, Any]:
+    return {
+        "git_sha": git_sha(),
+        "device": device_name(),
+        "cpu_count": os.cpu_count(),
+        "hostname": platform.node(),
+        "python": platform.python_version(),
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "unknown"
+
+
+def write_result(
+    name: str,
+    payload: Mapping[str, Any],
+    summary: Mapping[str, Any],
+    out_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Write `{provenance, summary, **payload}` as JSON and print `RESULT {summary}` last.
+
+    `name` starts the file name (e.g. "bench_env"); the device and a timestamp follow so runs
+    never overwrite each other.
+    """
+    meta = provenance()
+    record = {"name": name, **meta, "summary": dict(summary), **dict(payload)}
+    out = Path(out_dir) if out_dir else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = out / f"{name}_{_slug(meta['device'])}_{stamp}.json"
+    path.write_text(json.dumps(record, indent=2, default=_jsonable) + "\n")
+    print(f"wrote {path}")
+    line = {"device": meta["device"], **dict(summary)}
+    print("RESULT " + json.dumps(line, default=_jsonable), flush=True)
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    return str(value)

@@ -1,0 +1,1 @@
+"""GRPO training: advantages, losses, actor update, loop, checkpoints."""

@@ -1,0 +1,1 @@
+"""Step-timeline profiler. A leaf package: it imports nothing else of the project."""
