@@ -1,0 +1,202 @@
+"""Typed configuration of the LIBERO harness (Hydra group `env`, conf/env/*.yaml).
+
+`EnvConfig` is a Hydra structured config: every field has a type and a default, and
+`__post_init__` checks values and cross-field rules with errors naming the key
+("env.num_envs must be a multiple of env.group_size (8), got 12"). Build it from a Hydra
+node with `EnvConfig.from_mapping(cfg.env)`, which rejects unknown keys by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, List, Mapping, Optional
+
+from envs.suites import DEFAULT_MAX_EPISODE_STEPS, SUITES
+
+# Camera names in the config (and in observation keys "<name>_image") -> robosuite cameras.
+CAMERA_ALIASES = {"agentview": "agentview", "wrist": "robot0_eye_in_hand"}
+RENDER_EVERY = ("chunk_end", "substep")
+RENDER_BACKENDS = ("auto", "egl", "osmesa", "glfw")
+START_METHODS = ("spawn", "forkserver")  # never "fork": forking after GL deadlocks
+ENV_TYPES = ("libero", "countdown")  # countdown: envs/testing.py, a tiny deterministic env
+STEP_MODES = ("robosuite", "lean")
+
+
+def robosuite_camera(alias: str) -> str:
+    """The robosuite camera for a config camera name (robosuite names pass through)."""
+    return CAMERA_ALIASES.get(alias, alias)
+
+
+@dataclass
+class EnvConfig:
+    """One vectorized LIBERO env: which tasks, how many envs, workers, cameras, horizons."""
+
+    suite: str = "libero_10"
+    # Task per group (len = num_envs // group_size), per env (len = num_envs) or one for all
+    # (len 1). None: group g runs task g % num_tasks, so a suite's tasks share one vector env.
+    task_ids: Optional[List[int]] = None
+    num_envs: int = 4
+    group_size: int = 1  # G consecutive envs share one init state at reset (GRPO groups)
+    num_workers: int = 2
+    image_size: int = 128
+    cameras: List[str] = field(default_factory=lambda: ["agentview", "wrist"])
+    render_every: str = "chunk_end"  # or "substep": also return every sub-step's frames
+    chunk_size: int = 10  # largest H accepted by step_chunk (sizes the shared result buffers)
+    max_episode_steps: Optional[int] = None  # None -> the suite's openpi default
+    num_settle_steps: int = 10  # no-op steps (zeros, gripper -1) after set_init_state
+    render_backend: str = "auto"  # auto: egl where a GPU is usable, osmesa otherwise
+    step_mode: str = "robosuite"  # or "lean" (envs.lean.LeanStepper)
+    seed: int = 0
+    restart_on_crash: bool = False
+    worker_timeout_s: float = 300.0  # a worker silent this long on a command is declared hung
+    create_timeout_s: float = 900.0  # per worker, for creating all of its envs
+    start_method: str = "spawn"
+    env_type: str = "libero"
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("env.suite", self.suite, SUITES)
+        _check_choice("env.render_every", self.render_every, RENDER_EVERY)
+        _check_choice("env.render_backend", self.render_backend, RENDER_BACKENDS)
+        _check_choice("env.start_method", self.start_method, START_METHODS)
+        _check_choice("env.env_type", self.env_type, ENV_TYPES)
+        _check_choice("env.step_mode", self.step_mode, STEP_MODES)
+        for key in ("num_envs", "group_size", "num_workers", "image_size", "chunk_size"):
+            _check_positive_int(f"env.{key}", getattr(self, key))
+        _check_nonnegative_int("env.num_settle_steps", self.num_settle_steps)
+        _check_nonnegative_int("env.seed", self.seed)
+        if self.max_episode_steps is not None:
+            _check_positive_int("env.max_episode_steps", self.max_episode_steps)
+        for key in ("worker_timeout_s", "create_timeout_s"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"env.{key} must be a positive number of seconds, got {value!r}")
+        if self.num_envs % self.group_size:
+            raise ValueError(
+                f"env.num_envs must be a multiple of env.group_size ({self.group_size}), "
+                f"got {self.num_envs}"
+            )
+        if self.num_workers > self.num_envs:
+            raise ValueError(
+                f"env.num_workers ({self.num_workers}) must not exceed env.num_envs ({self.num_envs})"
+            )
+        self.cameras = list(self.cameras)
+        if len(set(self.cameras)) != len(self.cameras):
+            raise ValueError(f"env.cameras has duplicates: {self.cameras}")
+        for camera in self.cameras:
+            if not isinstance(camera, str) or not camera:
+                raise ValueError(f"env.cameras entries must be camera names, got {camera!r}")
+        if self.task_ids is not None:
+            self.task_ids = [int(t) for t in self.task_ids]
+            allowed = {1, self.num_envs, self.num_groups}
+            if len(self.task_ids) not in allowed:
+                raise ValueError(
+                    f"env.task_ids must have 1, num_groups ({self.num_groups}) or num_envs "
+                    f"({self.num_envs}) entries, got {len(self.task_ids)}"
+                )
+            for task_id in self.task_ids:
+                if task_id < 0:
+                    raise ValueError(f"env.task_ids entries must be >= 0, got {task_id}")
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_envs // self.group_size
+
+    @property
+    def episode_steps(self) -> int:
+        """The horizon in use: max_episode_steps, or the suite's default."""
+        if self.max_episode_steps is not None:
+            return self.max_episode_steps
+        return DEFAULT_MAX_EPISODE_STEPS[self.suite]
+
+    @property
+    def robosuite_cameras(self) -> tuple[str, ...]:
+        return tuple(robosuite_camera(c) for c in self.cameras)
+
+    def env_task_ids(self, num_tasks: int) -> list[int]:
+        """Task id of every env, validated against the suite's task count."""
+        if self.task_ids is None:
+            per_group = [g % num_tasks for g in range(self.num_groups)]
+        elif len(self.task_ids) == 1:
+            per_group = self.task_ids * self.num_groups
+        elif len(self.task_ids) == self.num_groups:
+            per_group = list(self.task_ids)
+        else:
+            per_group = None
+        ids = (
+            [t for t in per_group for _ in range(self.group_size)]
+            if per_group is not None
+            else list(self.task_ids)
+        )
+        for env_index, task_id in enumerate(ids):
+            if task_id >= num_tasks:
+                raise ValueError(
+                    f"env.task_ids: env {env_index} has task {task_id}, but {self.suite} has "
+                    f"{num_tasks} tasks (0..{num_tasks - 1})"
+                )
+        return ids
+
+    def worker_env_ids(self) -> list[list[int]]:
+        """Contiguous, balanced split of env indices over workers."""
+        base, extra = divmod(self.num_envs, self.num_workers)
+        out, start = [], 0
+        for w in range(self.num_workers):
+            count = base + (1 if w < extra else 0)
+            out.append(list(range(start, start + count)))
+            start += count
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any] | None = None, **overrides: Any) -> "EnvConfig":
+        """Build from a dict or OmegaConf node; unknown keys raise naming the key."""
+        data = dict(_to_container(mapping) if mapping is not None else {})
+        data.update(overrides)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown env config key(s) {['env.' + k for k in unknown]}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def _to_container(mapping: Any) -> dict:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(mapping, DictConfig):
+            return OmegaConf.to_container(mapping, resolve=True)  # type: ignore[return-value]
+    except ImportError:
+        pass
+    return dict(mapping)
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_positive_int(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+
+
+def _check_nonnegative_int(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
+
+
+HYDRA_SCHEMA_NAME = "env_schema"
+
+
+def register_hydra_schema() -> None:
+    """Store EnvConfig as the typed schema `env/env_schema` that conf/env/*.yaml extend.
+
+    Call before `@hydra.main` runs (entry points do it at import): Hydra then rejects unknown
+    keys and wrongly typed values under `env.` while composing.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="env", name=HYDRA_SCHEMA_NAME, node=EnvConfig)

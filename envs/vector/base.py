@@ -1,0 +1,242 @@
+"""The vector env interface shared by the in-process twin and the worker-process version.
+
+    vec = make_vector_env(EnvConfig(suite="libero_10", num_envs=8, group_size=4))
+    obs = vec.reset(init_state_ids=[3, 17])     # one init state per group of 4
+    out = vec.step_chunk(actions)               # (8, H, 7) -> ChunkResult
+    vec.close()
+
+Observation arrays returned by `reset` / `step_chunk` are views of the shared buffers: they
+are overwritten by the next call (copy what you keep).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from envs.config import EnvConfig
+from envs.vector.buffers import ACTION_DIM, SharedBuffers
+from envs.vector.catalog import EnvSlot, env_slots
+
+
+@dataclass
+class ChunkResult:
+    """What one `step_chunk` returns (arrays (N, H) are per sub-step)."""
+
+    obs: dict[str, Any]  # "<camera>_image" (N,S,S,3) uint8, "state" (N,8) float32, "prompt"
+    rewards: np.ndarray  # (N, H) float32; 0 on invalid sub-steps
+    terminated: np.ndarray  # (N, H) bool; True on the sub-step that succeeded
+    truncated: np.ndarray  # (N, H) bool; True on the sub-step that hit max_episode_steps
+    valid: np.ndarray  # (N, H) bool; sub-steps really executed (False after done / for lost)
+    success: np.ndarray  # (N,) bool; the episode has succeeded (at this chunk or before)
+    done: np.ndarray  # (N,) bool; finished: success, truncation or lost, until next reset
+    lost: np.ndarray  # (N,) bool; the env's worker crashed this episode (restart_on_crash)
+    frames: Optional[dict[str, np.ndarray]] = None  # render_every="substep": (N,H,S,S,3)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class VectorEnvBase:
+    """Validation, group layout, seeding and result assembly; subclasses move the work."""
+
+    def __init__(self, cfg: EnvConfig):
+        self.cfg = cfg
+        self.num_envs = cfg.num_envs
+        self.slots: list[EnvSlot] = env_slots(cfg)
+        self.task_ids = [slot.task_id for slot in self.slots]
+        self.prompts = [slot.prompt for slot in self.slots]
+        self.init_state_ids = np.full(self.num_envs, -1, dtype=np.int64)
+        self.episode_seeds = np.zeros(self.num_envs, dtype=np.int64)
+        self._lost = np.zeros(self.num_envs, dtype=bool)
+        self._reset_count = 0
+        self._has_reset = False
+        self._closed = False
+        self._buffers: Optional[SharedBuffers] = None
+
+    # ------------------------------------------------------------------ public interface
+    def reset(
+        self,
+        init_state_ids: Optional[Sequence[int]] = None,
+        group_size: Optional[int] = None,
+        seed: Optional[int] = None,
+    ) -> dict[str, Any]:
+        """Start a new episode in every env; returns the first observations.
+
+        init_state_ids: one per group (G = group_size consecutive envs share it) or one per
+        env; None draws one per group from a generator seeded by (seed, reset count).
+        """
+        self._check_open()
+        plan = self.plan_reset(init_state_ids, group_size, seed)
+        start = time.perf_counter()
+        self._reset_envs(plan)
+        self._lost[:] = False
+        self._has_reset = True
+        self.last_reset_s = time.perf_counter() - start
+        return self._obs()
+
+    def step_chunk(self, actions: np.ndarray) -> ChunkResult:
+        """Execute actions (N, H, 7) open-loop in every env that is not done."""
+        self._check_open()
+        if not self._has_reset:
+            raise RuntimeError("step_chunk() before reset(): call reset() first")
+        horizon = self.validate_actions(actions)
+        buf = self._buffers
+        buf["actions"][:, :horizon] = actions
+        start = time.perf_counter()
+        newly_lost = self._step_envs(horizon)
+        wall = time.perf_counter() - start
+        return self._result(horizon, wall, newly_lost)
+
+    def close(self) -> None:
+        """Stop workers and free shared memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_impl()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ shared helpers
+    def plan_reset(
+        self,
+        init_state_ids: Optional[Sequence[int]],
+        group_size: Optional[int],
+        seed: Optional[int],
+    ) -> list[tuple[int, int, int]]:
+        """(env_id, init_state_id, episode_seed) for every env; validates groups and ids."""
+        n = self.num_envs
+        g = self.cfg.group_size if group_size is None else int(group_size)
+        if g < 1 or n % g:
+            raise ValueError(f"group_size must divide num_envs ({n}), got {group_size}")
+        for start in range(0, n, g):
+            tasks = {self.task_ids[i] for i in range(start, start + g)}
+            if len(tasks) > 1:
+                raise ValueError(
+                    f"group of envs {start}..{start + g - 1} mixes tasks {sorted(tasks)}: "
+                    "a group must share one task (set env.task_ids per group)"
+                )
+        base_seed = self.cfg.seed if seed is None else int(seed)
+        self._reset_count += 1
+        if init_state_ids is None:
+            rng = np.random.default_rng([base_seed, self._reset_count])
+            per_group = [int(rng.integers(self.slots[s].num_init_states)) for s in range(0, n, g)]
+            ids = [k for k in per_group for _ in range(g)]
+        else:
+            ids = [int(k) for k in np.asarray(init_state_ids).reshape(-1)]
+            if len(ids) == n // g:
+                ids = [k for k in ids for _ in range(g)]
+            elif len(ids) != n:
+                raise ValueError(
+                    f"init_state_ids must have num_envs/group_size ({n // g}) or num_envs ({n}) "
+                    f"entries, got {len(ids)}"
+                )
+        for i, k in enumerate(ids):
+            if not 0 <= k < self.slots[i].num_init_states:
+                raise ValueError(
+                    f"env {i} ({self.slots[i].label}): init_state_id {k} out of range "
+                    f"(0..{self.slots[i].num_init_states - 1})"
+                )
+        seeds = [
+            int(np.random.SeedSequence([base_seed, self._reset_count, i]).generate_state(1)[0])
+            for i in range(n)
+        ]
+        self.init_state_ids[:] = ids
+        self.episode_seeds[:] = seeds
+        return [(i, ids[i], seeds[i]) for i in range(n)]
+
+    def validate_actions(self, actions: Any) -> int:
+        """Checks shape (N, H, 7), float dtype and finiteness; returns H."""
+        n, max_h = self.num_envs, self.cfg.chunk_size
+        if not isinstance(actions, np.ndarray):
+            raise ValueError(f"actions must be a numpy array (N={n}, H, 7), got {type(actions).__name__}")
+        if actions.dtype not in (np.float32, np.float64):
+            raise ValueError(f"actions must be float32 or float64, got dtype {actions.dtype}")
+        if actions.ndim != 3 or actions.shape[0] != n or actions.shape[2] != ACTION_DIM:
+            raise ValueError(f"actions must have shape (N={n}, H, {ACTION_DIM}), got {actions.shape}")
+        horizon = actions.shape[1]
+        if not 1 <= horizon <= max_h:
+            raise ValueError(
+                f"actions chunk length H={horizon} must be in 1..env.chunk_size ({max_h})"
+            )
+        finite = np.isfinite(actions)
+        if not finite.all():
+            env, h, dim = np.argwhere(~finite)[0]
+            raise ValueError(
+                f"actions for env {env} ({self.slots[env].label}) are not finite: "
+                f"value {actions[env, h, dim]} at sub-step {h}, dim {dim}"
+            )
+        return horizon
+
+    def _obs(self) -> dict[str, Any]:
+        buf = self._buffers
+        obs: dict[str, Any] = {f"{c}_image": buf[f"{c}_image"] for c in self.cfg.cameras}
+        obs["state"] = buf["state"]
+        obs["prompt"] = list(self.prompts)
+        return obs
+
+    def _result(self, horizon: int, wall_s: float, newly_lost: Sequence[dict]) -> ChunkResult:
+        buf = self._buffers
+        timing = buf["timing"]
+        info = {
+            "elapsed_steps": buf["elapsed_steps"].copy(),
+            "init_state_ids": self.init_state_ids.copy(),
+            "task_ids": list(self.task_ids),
+            "lost_workers": list(newly_lost),
+            "timing": self._timing(timing, wall_s),
+        }
+        frames = None
+        if self.cfg.render_every == "substep":
+            frames = {c: buf[f"{c}_frames"][:, :horizon] for c in self.cfg.cameras}
+        return ChunkResult(
+            obs=self._obs(),
+            rewards=buf["rewards"][:, :horizon].copy(),
+            terminated=buf["terminated"][:, :horizon].copy(),
+            truncated=buf["truncated"][:, :horizon].copy(),
+            valid=buf["valid"][:, :horizon].copy(),
+            success=buf["success"].copy(),
+            done=buf["done"].copy(),
+            lost=self._lost.copy(),
+            frames=frames,
+            info=info,
+        )
+
+    def _timing(self, per_env: np.ndarray, wall_s: float) -> dict[str, float]:
+        """Physics and render seconds (summed over envs), the busiest worker's time, and the
+        rest of the wall time (transfer and synchronisation)."""
+        busy = [float(per_env[ids].sum()) for ids in self._worker_env_ids()]
+        busiest = max(busy) if busy else 0.0
+        return {
+            "wall_s": wall_s,
+            "physics_s": float(per_env[:, 0].sum()),
+            "render_s": float(per_env[:, 1].sum()),
+            "busiest_worker_s": busiest,
+            "transfer_s": max(wall_s - busiest, 0.0),
+        }
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the vector env is closed")
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _worker_env_ids(self) -> list[list[int]]:
+        raise NotImplementedError
+
+    def _reset_envs(self, plan: list[tuple[int, int, int]]) -> None:
+        raise NotImplementedError
+
+    def _step_envs(self, horizon: int) -> list[dict]:
+        """Run the chunk; returns one dict per worker lost during it (restart_on_crash)."""
+        raise NotImplementedError
+
+    def _close_impl(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,142 @@
+"""The arrays a vector env shares with its workers, laid out in one block of memory.
+
+Parent and workers compute the same layout from the config, so a worker attaches to the
+parent's `SharedMemory` by name and builds identical numpy views: observations, actions and
+per-sub-step results travel through it and nothing but short command tuples is pickled.
+The in-process twin uses the same layout over a plain numpy buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Optional
+
+import numpy as np
+
+from envs.config import EnvConfig
+
+ALIGN = 64  # bytes; keeps every array cache-line aligned
+STATE_DIM = 8
+ACTION_DIM = 7
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def buffer_specs(cfg: EnvConfig) -> list[ArraySpec]:
+    """Every shared array, in a fixed order (the layout is a pure function of the config)."""
+    n, h, s = cfg.num_envs, cfg.chunk_size, cfg.image_size
+    specs = [
+        ArraySpec("actions", (n, h, ACTION_DIM), np.dtype(np.float64)),
+        ArraySpec("state", (n, STATE_DIM), np.dtype(np.float32)),
+        ArraySpec("rewards", (n, h), np.dtype(np.float32)),
+        ArraySpec("terminated", (n, h), np.dtype(np.bool_)),
+        ArraySpec("truncated", (n, h), np.dtype(np.bool_)),
+        ArraySpec("valid", (n, h), np.dtype(np.bool_)),
+        ArraySpec("success", (n,), np.dtype(np.bool_)),
+        ArraySpec("done", (n,), np.dtype(np.bool_)),
+        ArraySpec("elapsed_steps", (n,), np.dtype(np.int32)),
+        # seconds spent by each env in the last command: [physics, render]
+        ArraySpec("timing", (n, 2), np.dtype(np.float64)),
+    ]
+    for camera in cfg.cameras:
+        specs.append(ArraySpec(f"{camera}_image", (n, s, s, 3), np.dtype(np.uint8)))
+    if cfg.render_every == "substep":
+        for camera in cfg.cameras:
+            specs.append(ArraySpec(f"{camera}_frames", (n, h, s, s, 3), np.dtype(np.uint8)))
+    return specs
+
+
+def _layout(specs: list[ArraySpec]) -> tuple[list[int], int]:
+    offsets, cursor = [], 0
+    for spec in specs:
+        cursor = -(-cursor // ALIGN) * ALIGN
+        offsets.append(cursor)
+        cursor += int(np.prod(spec.shape)) * spec.dtype.itemsize
+    return offsets, max(cursor, 1)
+
+
+class SharedBuffers:
+    """Named numpy views over one buffer (shared memory, or private memory for the twin)."""
+
+    def __init__(self, cfg: EnvConfig, buffer, shm: Optional[shared_memory.SharedMemory], owner: bool):
+        self._shm = shm
+        self._owner = owner
+        specs = buffer_specs(cfg)
+        offsets, _ = _layout(specs)
+        self.arrays: dict[str, np.ndarray] = {
+            spec.name: np.ndarray(spec.shape, dtype=spec.dtype, buffer=buffer, offset=offset)
+            for spec, offset in zip(specs, offsets)
+        }
+
+    @staticmethod
+    def nbytes(cfg: EnvConfig) -> int:
+        return _layout(buffer_specs(cfg))[1]
+
+    @classmethod
+    def private(cls, cfg: EnvConfig) -> "SharedBuffers":
+        """Plain process-private memory, for the in-process twin."""
+        return cls(cfg, bytearray(cls.nbytes(cfg)), None, owner=False)
+
+    @classmethod
+    def create(cls, cfg: EnvConfig) -> "SharedBuffers":
+        shm = shared_memory.SharedMemory(create=True, size=cls.nbytes(cfg))
+        try:
+            np.frombuffer(shm.buf, dtype=np.uint8)[:] = 0
+            return cls(cfg, shm.buf, shm, owner=True)
+        except BaseException:
+            shm.close()
+            shm.unlink()
+            raise
+
+    @classmethod
+    def attach(cls, cfg: EnvConfig, name: str) -> "SharedBuffers":
+        shm = shared_memory.SharedMemory(name=name)
+        if shm.size < cls.nbytes(cfg):
+            shm.close()
+            raise RuntimeError(f"shared memory {name} has {shm.size} bytes, layout needs {cls.nbytes(cfg)}")
+        return cls(cfg, shm.buf, shm, owner=False)
+
+    @property
+    def name(self) -> Optional[str]:
+        return self._shm.name if self._shm is not None else None
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.arrays[key]
+
+    def close(self) -> None:
+        """Drop the views and the mapping; the owner also unlinks the segment. Idempotent."""
+        self.arrays = {}
+        shm, self._shm = self._shm, None
+        if shm is None:
+            return
+        try:
+            shm.close()
+        except BufferError:
+            # A caller still holds a view (e.g. an observation array). Forget the mapping
+            # instead: it is unmapped when the last view is garbage collected, and the name is
+            # unlinked below regardless, so /dev/shm is clean now.
+            _forget_mapping(shm)
+        if self._owner:
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _forget_mapping(shm: shared_memory.SharedMemory) -> None:
+    """Detach a SharedMemory from a mapping that numpy views still export (CPython 3.10-3.13
+    internals: `_buf`, `_mmap`, `_fd`), so its own close()/__del__ become no-ops."""
+    import os
+
+    shm._buf = None  # type: ignore[attr-defined]
+    shm._mmap = None  # type: ignore[attr-defined]
+    fd = getattr(shm, "_fd", -1)
+    if fd >= 0:
+        os.close(fd)
+        shm._fd = -1  # type: ignore[attr-defined]

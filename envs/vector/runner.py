@@ -1,0 +1,124 @@
+"""Episode bookkeeping for a set of envs, writing into the shared buffers.
+
+One `EnvRunner` runs inside each worker process (over that worker's envs) and one runs in the
+in-process twin (over all envs): the chunk semantics live here once, so both vector envs
+behave identically by construction and the twin tests check the transport.
+
+Chunk semantics: each env executes its H actions open-loop. Sub-step h of env i is "valid"
+when it was really executed; an env that succeeds (terminated) or reaches max_episode_steps
+(truncated) stops there: its later sub-steps are invalid with zero reward, and it stays done
+(no auto-reset) until the next reset. Cameras render once, after the env's last executed
+sub-step of the chunk (or after every sub-step with render_every="substep").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from envs.config import EnvConfig
+
+
+class EnvRunner:
+    def __init__(self, cfg: EnvConfig, env_ids: Sequence[int], envs: Sequence[Any], buffers: dict):
+        if len(env_ids) != len(envs):
+            raise ValueError(f"{len(env_ids)} env ids for {len(envs)} envs")
+        self.env_ids = list(env_ids)
+        self.envs = list(envs)
+        self.buf = buffers
+        self.cameras = list(cfg.cameras)
+        self.max_steps = cfg.episode_steps
+        self.render_substeps = cfg.render_every == "substep"
+
+    def create(self, on_created: Callable[[int], None] = lambda env_id: None) -> None:
+        """Build every env's simulator (the slow part: ~13 s per LIBERO env on CPU)."""
+        for env_id, env in zip(self.env_ids, self.envs):
+            env.ensure_created()
+            on_created(env_id)
+
+    def reset(self, plan: Sequence[tuple[int, int, int]]) -> None:
+        """plan: (env_id, init_state_id, seed) for envs of this runner; writes their obs."""
+        local = {env_id: k for k, env_id in enumerate(self.env_ids)}
+        buf = self.buf
+        for env_id, init_state_id, seed in plan:
+            env = self.envs[local[env_id]]
+            start = time.perf_counter()
+            env.begin_episode(int(init_state_id), int(seed))
+            physics = time.perf_counter() - start
+            buf["done"][env_id] = False
+            buf["success"][env_id] = False
+            buf["elapsed_steps"][env_id] = 0
+            buf["valid"][env_id] = False
+            buf["rewards"][env_id] = 0
+            buf["terminated"][env_id] = False
+            buf["truncated"][env_id] = False
+            render = self._write_obs(env_id, env)
+            buf["timing"][env_id] = (physics, render)
+
+    def step_chunk(self, horizon: int) -> None:
+        """Execute actions[:, :horizon] for this runner's envs (see the module docstring)."""
+        buf = self.buf
+        for env_id, env in zip(self.env_ids, self.envs):
+            buf["rewards"][env_id] = 0
+            buf["terminated"][env_id] = False
+            buf["truncated"][env_id] = False
+            buf["valid"][env_id] = False
+            buf["timing"][env_id] = 0
+            if buf["done"][env_id]:
+                continue  # finished envs stay finished until the next reset
+            physics, render = self._run_env_chunk(env_id, env, horizon)
+            if not self.render_substeps:
+                render += self._write_obs(env_id, env)
+            buf["timing"][env_id] = (physics, render)
+
+    def _run_env_chunk(self, env_id: int, env: Any, horizon: int) -> tuple[float, float]:
+        buf = self.buf
+        actions = buf["actions"][env_id]
+        physics = render = 0.0
+        for h in range(horizon):
+            start = time.perf_counter()
+            reward, success = env.control_step(actions[h].copy())
+            physics += time.perf_counter() - start
+            steps = int(buf["elapsed_steps"][env_id]) + 1
+            buf["elapsed_steps"][env_id] = steps
+            buf["valid"][env_id, h] = True
+            buf["rewards"][env_id, h] = reward
+            truncated = (not success) and steps >= self.max_steps
+            if success:
+                buf["terminated"][env_id, h] = True
+                buf["success"][env_id] = True
+            elif truncated:
+                buf["truncated"][env_id, h] = True
+            finished = success or truncated
+            if self.render_substeps:
+                render += self._write_obs(env_id, env, frame_index=h)
+            if finished:
+                buf["done"][env_id] = True
+                break
+        return physics, render
+
+    def _write_obs(self, env_id: int, env: Any, frame_index: int | None = None) -> float:
+        """Observe env (with images) into the obs rows (and frame h); returns seconds spent."""
+        start = time.perf_counter()
+        obs = env.observation(render=True)
+        buf = self.buf
+        buf["state"][env_id] = obs["state"]
+        for camera in self.cameras:
+            image = obs[f"{camera}_image"]
+            buf[f"{camera}_image"][env_id] = image
+            if frame_index is not None:
+                buf[f"{camera}_frames"][env_id, frame_index] = image
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        errors = []
+        for env in self.envs:
+            try:
+                env.close()
+            except Exception as exc:  # close every env even if one fails
+                errors.append(exc)
+        self.envs = []
+        if errors:
+            raise errors[0]

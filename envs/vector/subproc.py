@@ -1,0 +1,320 @@
+"""The worker-process vector env: N envs over W spawned workers, shared-memory transport.
+
+Each worker owns a contiguous block of envs and runs `worker.worker_main`. Commands are short
+tuples over a pipe; observations, actions and per-sub-step results live in one shared-memory
+block (`buffers.py`), so no image is pickled. The parent waits on every worker's pipe *and*
+its process sentinel, so a worker that dies is noticed at once and one that hangs after
+`worker_timeout_s`. Without `restart_on_crash` that raises `WorkerCrashedError` naming the
+worker, its envs and their tasks; with it the worker is restarted (its envs are rebuilt in the
+background) and its envs are reported as lost episodes (done, `lost` mask, zeroed
+observations) until the next reset, which waits for the rebuild.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
+from typing import Any, Callable, Optional, Sequence
+
+from envs.config import EnvConfig
+from envs.vector.base import VectorEnvBase
+from envs.vector.buffers import SharedBuffers
+from envs.vector.worker import worker_main
+
+CLOSE_GRACE_S = 10.0
+
+
+class WorkerCrashedError(RuntimeError):
+    """An env worker process died or stopped answering."""
+
+
+class EnvWorkerError(RuntimeError):
+    """An env worker raised an exception (its traceback is in the message)."""
+
+
+@dataclass
+class WorkerHandle:
+    index: int
+    env_ids: list[int]
+    process: Any
+    conn: Any
+    creating: bool = True  # "create" sent, reply not yet collected
+
+
+class AsyncVectorEnv(VectorEnvBase):
+    def __init__(self, cfg: EnvConfig):
+        super().__init__(cfg)
+        self._ctx = mp.get_context(cfg.start_method)
+        self._broken: Optional[str] = None
+        self._buffers = SharedBuffers.create(cfg)
+        self._workers: list[WorkerHandle] = []
+        # Runs on close(), on garbage collection and at interpreter exit: never leak processes
+        # or /dev/shm segments, even when the caller forgets close().
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._buffers)
+        try:
+            for index, env_ids in enumerate(cfg.worker_env_ids()):
+                self._workers.append(self._start_worker(index, env_ids))
+            self._wait_created(self._workers)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------------- properties
+    @property
+    def worker_pids(self) -> list[int]:
+        return [h.process.pid for h in self._workers]
+
+    @property
+    def worker_env_ids(self) -> list[list[int]]:
+        return [list(h.env_ids) for h in self._workers]
+
+    # ---------------------------------------------------------------------- worker life
+    def _start_worker(self, index: int, env_ids: Sequence[int]) -> WorkerHandle:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=worker_main,
+            args=(child_conn, index, list(env_ids), self.cfg.to_dict(), self._buffers.name),
+            name=f"vla-env-worker-{index}",
+            daemon=True,
+        )
+        process.start()
+        child_conn.close()
+        handle = WorkerHandle(index, list(env_ids), process, parent_conn)
+        self._send(handle, ("create", None))  # envs are built in parallel across workers
+        return handle
+
+    def _wait_created(self, handles: Sequence[WorkerHandle]) -> None:
+        handles = [h for h in handles if h.creating]
+        if not handles:
+            return
+        bar = None
+        if self.cfg.show_progress:
+            from tqdm.auto import tqdm
+
+            total = sum(len(h.env_ids) for h in handles)
+            bar = tqdm(total=total, desc=f"creating envs ({len(handles)} workers)", unit="env")
+        try:
+            replies, errors, failures = self._gather(
+                handles, "create", self.cfg.create_timeout_s,
+                on_progress=(lambda env_id: bar.update(1)) if bar else None,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        for h in handles:
+            if h.index in replies:
+                h.creating = False
+        if failures:  # a crash while building envs is not transient: never retried
+            self._raise_crash(failures, "create")
+        self._raise_errors(errors, "create")
+
+    def _kill(self, handle: WorkerHandle) -> None:
+        _stop_process(handle, graceful=False)
+
+    # ---------------------------------------------------------------------- messaging
+    def _send(self, handle: WorkerHandle, message: tuple) -> bool:
+        try:
+            handle.conn.send(message)
+            return True
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            return False
+
+    def _gather(
+        self,
+        handles: Sequence[WorkerHandle],
+        command: str,
+        timeout_s: float,
+        on_progress: Optional[Callable[[int], None]] = None,
+    ) -> tuple[dict, dict, dict]:
+        """Collect one reply per worker. Returns (ok payloads, error tracebacks, failures),
+        each keyed by worker index; failures say why a worker gave no reply (died / hung)."""
+        pending = {h.index: h for h in handles}
+        replies: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                for index in pending:
+                    failures[index] = f"sent no reply to {command!r} within {timeout_s:.0f} s (hung)"
+                break
+            waitables = [h.conn for h in pending.values()] + [h.process.sentinel for h in pending.values()]
+            mp_connection.wait(waitables, timeout=min(remaining, 1.0))
+            for index, handle in list(pending.items()):
+                message, gone = _poll(handle)
+                if message is None:
+                    if gone or not handle.process.is_alive():
+                        failures[index] = _death_reason(handle)
+                        del pending[index]
+                    continue
+                kind, payload = message
+                if kind == "progress":
+                    if on_progress is not None:
+                        on_progress(payload)
+                    continue
+                del pending[index]
+                if kind == "ok":
+                    replies[index] = payload
+                else:
+                    errors[index] = payload
+        return replies, errors, failures
+
+    def _describe(self, handle: WorkerHandle) -> str:
+        tasks = sorted({self.slots[i].label for i in handle.env_ids})
+        return f"env worker {handle.index} (pid {handle.process.pid}, envs {handle.env_ids}, tasks {tasks})"
+
+    def _raise_errors(self, errors: dict[int, str], command: str) -> None:
+        if errors:
+            index, text = sorted(errors.items())[0]
+            raise EnvWorkerError(
+                f"{self._describe(self._workers[index])} raised during {command!r}:\n{text}"
+            )
+
+    def _raise_crash(self, failures: dict[int, str], command: str) -> None:
+        lines = [f"{self._describe(self._workers[i])} {reason}" for i, reason in sorted(failures.items())]
+        self._broken = "; ".join(lines)
+        hint = "" if self.cfg.restart_on_crash else " (set env.restart_on_crash=true to restart it)"
+        raise WorkerCrashedError(f"during {command!r}: " + "; ".join(lines) + hint)
+
+    def _handle_failures(self, failures: dict[int, str], command: str) -> list[dict]:
+        """Restart crashed workers (restart_on_crash) and mark their envs lost; else raise."""
+        if not failures:
+            return []
+        if not self.cfg.restart_on_crash:
+            self._raise_crash(failures, command)
+        lost = []
+        for index, reason in sorted(failures.items()):
+            handle = self._workers[index]
+            description = self._describe(handle)
+            self._kill(handle)
+            self._mark_lost(handle.env_ids)
+            self._workers[index] = self._start_worker(index, handle.env_ids)
+            warnings.warn(f"{description} {reason} during {command!r}; restarted, envs lost",
+                          RuntimeWarning, stacklevel=3)
+            lost.append({
+                "worker": index,
+                "env_ids": list(handle.env_ids),
+                "tasks": [self.slots[i].label for i in handle.env_ids],
+                "reason": reason,
+            })
+        return lost
+
+    def _mark_lost(self, env_ids: Sequence[int]) -> None:
+        """The worker is gone, so the parent may write its rows: done, nothing valid, and
+        zeroed observations so nobody consumes stale ones by accident."""
+        buf = self._buffers
+        for name in ("rewards", "terminated", "truncated", "valid", "timing", "state"):
+            buf[name][env_ids] = 0
+        for camera in self.cfg.cameras:
+            buf[f"{camera}_image"][env_ids] = 0
+        buf["done"][env_ids] = True
+        buf["success"][env_ids] = False
+        self._lost[env_ids] = True
+
+    # ---------------------------------------------------------------------- hooks
+    def _check_open(self) -> None:
+        super()._check_open()
+        if self._broken is not None:
+            raise RuntimeError(f"the vector env is unusable after a worker crash: {self._broken}")
+
+    def _worker_env_ids(self) -> list[list[int]]:
+        return [h.env_ids for h in self._workers]
+
+    def _reset_envs(self, plan: list[tuple[int, int, int]]) -> None:
+        by_worker = {h.index: [p for p in plan if p[0] in set(h.env_ids)] for h in self._workers}
+        attempts = 2 if self.cfg.restart_on_crash else 1
+        for _ in range(attempts):
+            handles = [self._workers[i] for i in by_worker]
+            self._wait_created(handles)
+            sent = [h for h in handles if self._send(h, ("reset", by_worker[h.index]))]
+            replies, errors, failures = self._gather(sent, "reset", self.cfg.worker_timeout_s)
+            for h in handles:
+                if h not in sent:
+                    failures[h.index] = _death_reason(h)
+            self._handle_failures(failures, "reset")
+            self._raise_errors(errors, "reset")
+            if not failures:
+                return
+            by_worker = {i: by_worker[i] for i in failures}  # retry on the restarted workers
+        self._raise_crash({i: "crashed again after a restart" for i in by_worker}, "reset")
+
+    def _step_envs(self, horizon: int) -> list[dict]:
+        # Workers still rebuilding after a crash hold only lost (done) envs: nothing to step.
+        handles = [h for h in self._workers if not h.creating]
+        sent = [h for h in handles if self._send(h, ("step", horizon))]
+        replies, errors, failures = self._gather(sent, "step", self.cfg.worker_timeout_s)
+        for h in handles:
+            if h not in sent:
+                failures[h.index] = _death_reason(h)
+        lost = self._handle_failures(failures, "step")
+        self._raise_errors(errors, "step")
+        return lost
+
+    def _close_impl(self) -> None:
+        self._finalizer()
+
+
+def _poll(handle: WorkerHandle) -> tuple[Optional[tuple], bool]:
+    """(message or None, pipe closed)."""
+    try:
+        if handle.conn.poll():
+            return handle.conn.recv(), False
+    except (EOFError, OSError):
+        return None, True
+    return None, False
+
+
+def _death_reason(handle: WorkerHandle) -> str:
+    handle.process.join(timeout=1.0)
+    code = handle.process.exitcode
+    if code is None:
+        return "closed its pipe but is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"died (killed by {name})"
+    return f"died (exit code {code})"
+
+
+def _stop_process(handle: WorkerHandle, graceful: bool) -> None:
+    process = handle.process
+    if graceful and process.is_alive() and not handle.creating:
+        try:
+            handle.conn.send(("close", None))
+            if handle.conn.poll(CLOSE_GRACE_S):
+                handle.conn.recv()
+        except (OSError, EOFError):
+            pass
+        process.join(timeout=CLOSE_GRACE_S)
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout=5.0)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout=5.0)
+    try:
+        handle.conn.close()
+    except OSError:
+        pass
+    try:
+        process.close()
+    except ValueError:
+        pass
+
+
+def _shutdown(workers: list[WorkerHandle], buffers: SharedBuffers) -> None:
+    """Stop every worker, then free the shared memory. Safe to call more than once."""
+    try:
+        for handle in workers:
+            _stop_process(handle, graceful=True)
+        workers.clear()
+    finally:
+        buffers.close()

@@ -1,0 +1,89 @@
+"""The env worker process: an explicit command loop over a few envs.
+
+Runs in a spawned (or forkserver) process. It chooses the GL backend before anything imports
+MuJoCo, attaches the parent's shared memory, builds its envs lazily on "create", and answers
+every command with ("ok", payload) or ("error", traceback). Observations and results go
+through shared memory, never through the pipe. Envs and the mapping are released in
+`finally`, whatever ends the loop.
+
+Commands (parent -> worker):  ("create", None)  ("reset", plan)  ("step", horizon)  ("close", None)
+Replies (worker -> parent):   ("progress", env_id) during create, then ("ok", payload) or
+                              ("error", "<traceback>")
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+from typing import Any
+
+
+def worker_main(conn: Any, worker_index: int, env_ids: list, cfg_dict: dict, shm_name: str) -> None:
+    # Ctrl-C reaches the whole process group; the parent decides how to shut workers down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    runner = buffers = None
+    try:
+        from envs.config import EnvConfig
+
+        cfg = EnvConfig(**cfg_dict)
+        if cfg.env_type == "libero":
+            from envs.rendering import configure_gl
+
+            configure_gl(cfg.render_backend)  # before anything imports mujoco
+        from envs.vector.buffers import SharedBuffers
+        from envs.vector.catalog import env_slots, make_env
+        from envs.vector.runner import EnvRunner
+
+        buffers = SharedBuffers.attach(cfg, shm_name)
+        slots = env_slots(cfg)
+        envs = [make_env(cfg, slots[i].task_id) for i in env_ids]
+        runner = EnvRunner(cfg, env_ids, envs, buffers.arrays)
+        _command_loop(conn, runner)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent went away: nothing to report to
+    except BaseException:
+        _send(conn, ("error", f"worker {worker_index} (pid {os.getpid()}) failed to start:\n"
+                              + traceback.format_exc()))
+    finally:
+        try:
+            if runner is not None:
+                runner.close()
+        finally:
+            if buffers is not None:
+                buffers.close()
+            conn.close()
+
+
+def _command_loop(conn: Any, runner: Any) -> None:
+    while True:
+        command, payload = conn.recv()
+        if command == "close":
+            runner.close()
+            conn.send(("ok", None))
+            return
+        try:
+            if command == "create":
+                runner.create(on_created=lambda env_id: conn.send(("progress", env_id)))
+                reply = None
+            elif command == "reset":
+                runner.reset(payload)
+                reply = None
+            elif command == "step":
+                runner.step_chunk(int(payload))
+                reply = None
+            elif command == "pid":
+                reply = os.getpid()
+            else:
+                raise ValueError(f"unknown worker command {command!r}")
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+        else:
+            conn.send(("ok", reply))
+
+
+def _send(conn: Any, message: tuple) -> None:
+    try:
+        conn.send(message)
+    except (OSError, EOFError):
+        pass

@@ -1,0 +1,19 @@
+# Sourced at the start of every GPU-machine call (the machine starts bare, with no network).
+# Carried, git-ignored inputs: .gl (EGL/GL loader debs), .carry/whl (wheels the image lacks),
+# .carry/env/libero.tar.gz (scripts/pack_libero_carry.py). Sets PYTHONPATH and LIBERO config.
+for f in .gl/*.deb; do dpkg -x "$f" / ; done; ldconfig
+if [ -d .carry/whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .carry/whl/*.whl || return 1
+fi
+if [ -f .carry/env/libero.tar.gz ]; then
+    mkdir -p /tmp/site && tar -xzf .carry/env/libero.tar.gz -C /tmp/site
+fi
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export LIBERO_CONFIG_PATH=/tmp/libero_config PYTHONUNBUFFERED=1
+# flashinfer JIT-compiles its kernels on first use (~100 s for the bf16/hd256 prefill module on
+# the H200); the compiled cache from an earlier call is carried back in and unpacked here.
+if [ -f .carry/jit/flashinfer_cache.tgz ]; then
+    mkdir -p ~/.cache && tar -xzf .carry/jit/flashinfer_cache.tgz -C ~/.cache
+fi
+nvidia-smi -L
