@@ -256,6 +256,12 @@ def summarize(env_cfg: EnvConfig, payload: dict[str, Any]) -> dict[str, Any]:
     for mode, measured in ours_all.items():
         if mode != headline_mode:
             summary[f"ours_{mode}_env_steps_per_s"] = measured.get("env_steps_per_s")
+    for mode, section in payload.get("step_mode_comparison", {}).items():
+        if "error" in section:
+            continue
+        for scope, values in section.items():
+            for key, value in values.items():
+                summary[f"{mode}_{scope}_{key}"] = value
     if baseline is not None:
         summary["baseline_env_steps_per_s"] = baseline["env_steps_per_s"]
         summary["baseline_chunks_per_s"] = baseline["chunks_per_s"]
@@ -278,6 +284,18 @@ def print_table(payload: dict[str, Any]) -> None:
               f"{p['physics_s']:10.2f} {p['render_s']:9.2f} {p['transfer_s']:10.3f}")
 
 
+def print_step_mode_table(section: dict[str, Any]) -> None:
+    print(f"{'step mode':12s} {'1 process, no images':>21s} {'1 process, cams at end':>23s} "
+          f"{'all workers, no images':>23s} {'all workers, cams at end':>25s}   (env steps/s)")
+    for mode, r in section.items():
+        if "error" in r:
+            print(f"{mode:12s} unavailable: {r['error']}")
+            continue
+        p, w = r["per_process"], r["all_workers"]
+        print(f"{mode:12s} {p['no_images_steps_per_s']:21.1f} {p['cameras_at_chunk_end_steps_per_s']:23.1f} "
+              f"{w['no_images_env_steps_per_s']:23.1f} {w['cameras_at_chunk_end_env_steps_per_s']:25.1f}")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_env")
 def main(cfg: DictConfig) -> None:
     env_cfg = EnvConfig.from_mapping(cfg.env)
@@ -287,6 +305,8 @@ def main(cfg: DictConfig) -> None:
         f"chunk {env_cfg.chunk_size}")
     payload = run(env_cfg, bench)
     print_table(payload)
+    if "step_mode_comparison" in payload:
+        print_step_mode_table(payload["step_mode_comparison"])
     summary = summarize(env_cfg, payload)
     write_result("bench_env", payload, summary)
 

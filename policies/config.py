@@ -13,8 +13,11 @@ Sizes of the full model are LeRobot 0.6.1's `get_gemma_config` ("gemma_2b" prefi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any
+
+from policies.fast.config import FastConfig
 
 DTYPES = ("float32", "bfloat16")
 TRAIN_MODES = ("sde", "sde_all")
@@ -48,7 +51,9 @@ class VisionConfig:
                 f"({self.patch_size})"
             )
         if self.width % self.num_heads:
-            raise ValueError(f"{key}.width ({self.width}) must be divisible by {key}.num_heads ({self.num_heads})")
+            raise ValueError(
+                f"{key}.width ({self.width}) must be divisible by {key}.num_heads ({self.num_heads})"
+            )
         _check_positive_float(f"{key}.layer_norm_eps", self.layer_norm_eps)
 
 
@@ -74,7 +79,9 @@ class GemmaConfig:
                 f"({self.num_kv_heads})"
             )
         if self.head_dim % 2:
-            raise ValueError(f"{key}.head_dim must be even (RoPE rotates halves), got {self.head_dim}")
+            raise ValueError(
+                f"{key}.head_dim must be even (RoPE rotates halves), got {self.head_dim}"
+            )
         _check_positive_float(f"{key}.rms_norm_eps", self.rms_norm_eps)
         _check_positive_float(f"{key}.rope_theta", self.rope_theta)
 
@@ -87,14 +94,16 @@ class SamplingConfig:
     train_mode: str = "sde"  # "sde": one random stochastic step per call; "sde_all": every step
     noise_level: float = 0.5  # a in sigma_t = a * sqrt(t / (1 - t))
     exclude_last_step: bool = False  # RLinf `ignore_last`: never pick step K-1 in "sde" mode
-    logprob_chunk: Optional[int] = None  # actions counted in the log-prob (None: chunk_size)
+    logprob_chunk: int | None = None  # actions counted in the log-prob (None: chunk_size)
 
     def validate(self, key: str, chunk_size: int) -> None:
         _check_positive_int(f"{key}.num_steps", self.num_steps)
         _check_choice(f"{key}.train_mode", self.train_mode, TRAIN_MODES)
         _check_positive_float(f"{key}.noise_level", self.noise_level)
         if self.exclude_last_step and self.num_steps < 2:
-            raise ValueError(f"{key}.exclude_last_step needs {key}.num_steps >= 2, got {self.num_steps}")
+            raise ValueError(
+                f"{key}.exclude_last_step needs {key}.num_steps >= 2, got {self.num_steps}"
+            )
         if self.logprob_chunk is not None:
             _check_positive_int(f"{key}.logprob_chunk", self.logprob_chunk)
             if self.logprob_chunk > chunk_size:
@@ -109,34 +118,42 @@ class InputConfig:
     """How raw env observations map onto the model's inputs (policies/transforms.py)."""
 
     # env observation key -> model camera slot; slots not mapped are filled with black and masked
-    camera_map: Dict[str, str] = field(
+    camera_map: dict[str, str] = field(
         default_factory=lambda: {"agentview_image": "base_0_rgb", "wrist_image": "left_wrist_0_rgb"}
     )
     state_key: str = "state"
     prompt_key: str = "prompt"
-    resize_images: bool = True  # resize-with-pad to vision.image_size (openpi/LeRobot); else exact size required
+    resize_images: bool = (
+        True  # resize-with-pad to vision.image_size (openpi/LeRobot); else exact size required
+    )
     # LeRobot QUANTILES normalisation, x -> 2 (x - q01) / (q99 - q01) - 1; None: state already in [-1, 1]
-    state_q01: Optional[List[float]] = None
-    state_q99: Optional[List[float]] = None
-    action_q01: Optional[List[float]] = None
-    action_q99: Optional[List[float]] = None
+    state_q01: list[float] | None = None
+    state_q99: list[float] | None = None
+    action_q01: list[float] | None = None
+    action_q99: list[float] | None = None
 
-    def validate(self, key: str, cameras: List[str], state_dim: int, action_dim: int) -> None:
+    def validate(self, key: str, cameras: list[str], state_dim: int, action_dim: int) -> None:
         slots = list(self.camera_map.values())
         if not slots:
             raise ValueError(f"{key}.camera_map must map at least one env camera to a slot")
         for env_key, slot in self.camera_map.items():
             if slot not in cameras:
-                raise ValueError(f"{key}.camera_map[{env_key!r}] = {slot!r} is not one of policy.cameras {cameras}")
+                raise ValueError(
+                    f"{key}.camera_map[{env_key!r}] = {slot!r} is not one of policy.cameras {cameras}"
+                )
         if len(set(slots)) != len(slots):
-            raise ValueError(f"{key}.camera_map maps two env cameras to one slot: {self.camera_map}")
+            raise ValueError(
+                f"{key}.camera_map maps two env cameras to one slot: {self.camera_map}"
+            )
         for name, dim in (("state", state_dim), ("action", action_dim)):
             low, high = getattr(self, f"{name}_q01"), getattr(self, f"{name}_q99")
             if (low is None) != (high is None):
                 raise ValueError(f"{key}.{name}_q01 and {key}.{name}_q99 must be given together")
             for stat, values in ((f"{name}_q01", low), (f"{name}_q99", high)):
                 if values is not None and len(values) != dim:
-                    raise ValueError(f"{key}.{stat} must have {dim} entries ({name}_dim), got {len(values)}")
+                    raise ValueError(
+                        f"{key}.{stat} must have {dim} entries ({name}_dim), got {len(values)}"
+                    )
 
 
 @dataclass
@@ -147,7 +164,9 @@ class PolicyConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     prefix: GemmaConfig = field(default_factory=GemmaConfig)
     expert: GemmaConfig = field(
-        default_factory=lambda: GemmaConfig(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256)
+        default_factory=lambda: GemmaConfig(
+            width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256
+        )
     )
     vocab_size: int = PALIGEMMA_VOCAB
     chunk_size: int = 50  # H actions per call
@@ -155,19 +174,24 @@ class PolicyConfig:
     max_state_dim: int = 32
     action_dim: int = 7  # real (env) action dims; the rest of max_action_dim is padding
     state_dim: int = 8  # real state dims written into the prompt
-    cameras: List[str] = field(default_factory=lambda: ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"])
+    cameras: list[str] = field(
+        default_factory=lambda: ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"]
+    )
     max_token_len: int = 200
     min_period: float = 4e-3  # sincos time embedding periods
     max_period: float = 4.0
     dtype: str = "float32"  # "bfloat16" keeps vision, projector, norms, time/action projections in fp32 (LeRobot)
     train_expert_only: bool = True  # log_prob grads reach only the expert + action/time projections
-    tokenizer_path: Optional[str] = None  # PaliGemma SentencePiece model; None: built-in byte tokenizer
-    checkpoint: Optional[str] = None  # None: random init from `seed`
+    tokenizer_path: str | None = (
+        None  # PaliGemma SentencePiece model; None: built-in byte tokenizer
+    )
+    checkpoint: str | None = None  # None: random init from `seed`
     checkpoint_format: str = "auto"
     seed: int = 0
-    init_std: float = 0.02
+    init_scale: float = 1.0  # random init std = init_scale / sqrt(fan_in)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     inputs: InputConfig = field(default_factory=InputConfig)
+    fast: FastConfig = field(default_factory=FastConfig)  # the GPU fast path (policies/fast)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -183,22 +207,38 @@ class PolicyConfig:
                     f"policy.expert.{name} must equal policy.prefix.{name} ({theirs}) because the expert "
                     f"attends to the prefix K/V layer by layer, got {mine}"
                 )
-        for name in ("vocab_size", "chunk_size", "max_action_dim", "max_state_dim", "action_dim", "state_dim", "max_token_len"):
+        for name in (
+            "vocab_size",
+            "chunk_size",
+            "max_action_dim",
+            "max_state_dim",
+            "action_dim",
+            "state_dim",
+            "max_token_len",
+        ):
             _check_positive_int(f"policy.{name}", getattr(self, name))
         if self.action_dim > self.max_action_dim:
-            raise ValueError(f"policy.action_dim ({self.action_dim}) must not exceed policy.max_action_dim ({self.max_action_dim})")
+            raise ValueError(
+                f"policy.action_dim ({self.action_dim}) must not exceed policy.max_action_dim ({self.max_action_dim})"
+            )
         if self.state_dim > self.max_state_dim:
-            raise ValueError(f"policy.state_dim ({self.state_dim}) must not exceed policy.max_state_dim ({self.max_state_dim})")
+            raise ValueError(
+                f"policy.state_dim ({self.state_dim}) must not exceed policy.max_state_dim ({self.max_state_dim})"
+            )
         if self.expert.width % 2:
-            raise ValueError(f"policy.expert.width must be even (sincos time embedding), got {self.expert.width}")
+            raise ValueError(
+                f"policy.expert.width must be even (sincos time embedding), got {self.expert.width}"
+            )
         self.cameras = list(self.cameras)
         if not self.cameras or len(set(self.cameras)) != len(self.cameras):
-            raise ValueError(f"policy.cameras must be non-empty camera slot names without duplicates, got {self.cameras}")
+            raise ValueError(
+                f"policy.cameras must be non-empty camera slot names without duplicates, got {self.cameras}"
+            )
         _check_positive_float("policy.min_period", self.min_period)
         _check_positive_float("policy.max_period", self.max_period)
         _check_choice("policy.dtype", self.dtype, DTYPES)
         _check_choice("policy.checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
-        _check_positive_float("policy.init_std", self.init_std)
+        _check_positive_float("policy.init_scale", self.init_scale)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"policy.seed must be a non-negative integer, got {self.seed!r}")
         self.sampling.validate("policy.sampling", self.chunk_size)
@@ -215,18 +255,18 @@ class PolicyConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def replace(self, **overrides: Any) -> "PolicyConfig":
+    def replace(self, **overrides: Any) -> PolicyConfig:
         """A copy with top-level or nested (dict) overrides, validated."""
         return _build(type(self), _merge(self.to_dict(), overrides), "policy")
 
     @staticmethod
-    def preset(name: str, **overrides: Any) -> "PolicyConfig":
+    def preset(name: str, **overrides: Any) -> PolicyConfig:
         if name not in PRESETS:
             raise ValueError(f"policy.preset must be one of {sorted(PRESETS)}, got {name!r}")
         return _build(PolicyConfig, _merge(PRESETS[name], overrides), "policy")
 
     @staticmethod
-    def from_mapping(mapping: Mapping[str, Any] | None = None, **overrides: Any) -> "PolicyConfig":
+    def from_mapping(mapping: Mapping[str, Any] | None = None, **overrides: Any) -> PolicyConfig:
         """Build from a dict / OmegaConf node: `preset` (default "pi05") plus overrides."""
         data = _merge(_to_container(mapping) if mapping is not None else {}, overrides)
         preset = data.pop("preset", None) or data.get("name") or "pi05"
@@ -243,15 +283,50 @@ PRESETS: dict[str, dict[str, Any]] = {
     "pi05_small": {
         "name": "pi05_small",
         "vision": {"width": 64, "depth": 2, "num_heads": 4, "mlp_dim": 128},
-        "prefix": {"width": 64, "depth": 2, "mlp_dim": 128, "num_heads": 4, "num_kv_heads": 1, "head_dim": 16},
-        "expert": {"width": 32, "depth": 2, "mlp_dim": 64, "num_heads": 4, "num_kv_heads": 1, "head_dim": 16},
+        "prefix": {
+            "width": 64,
+            "depth": 2,
+            "mlp_dim": 128,
+            "num_heads": 4,
+            "num_kv_heads": 1,
+            "head_dim": 16,
+        },
+        "expert": {
+            "width": 32,
+            "depth": 2,
+            "mlp_dim": 64,
+            "num_heads": 4,
+            "num_kv_heads": 1,
+            "head_dim": 16,
+        },
     },
     # Unit-test size: 56 px images (16 patches), 2 cameras, byte-token prompts, chunk 8, 4 steps.
     "tiny": {
         "name": "tiny",
-        "vision": {"image_size": 56, "patch_size": 14, "width": 32, "depth": 2, "num_heads": 2, "mlp_dim": 64},
-        "prefix": {"width": 48, "depth": 2, "mlp_dim": 96, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16},
-        "expert": {"width": 32, "depth": 2, "mlp_dim": 64, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16},
+        "vision": {
+            "image_size": 56,
+            "patch_size": 14,
+            "width": 32,
+            "depth": 2,
+            "num_heads": 2,
+            "mlp_dim": 64,
+        },
+        "prefix": {
+            "width": 48,
+            "depth": 2,
+            "mlp_dim": 96,
+            "num_heads": 2,
+            "num_kv_heads": 1,
+            "head_dim": 16,
+        },
+        "expert": {
+            "width": 32,
+            "depth": 2,
+            "mlp_dim": 64,
+            "num_heads": 2,
+            "num_kv_heads": 1,
+            "head_dim": 16,
+        },
         "vocab_size": 512,
         "chunk_size": 8,
         "max_action_dim": 16,
@@ -267,11 +342,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 def _build(cls: type, data: Mapping[str, Any], key: str) -> Any:
     """Instantiate a (nested) config dataclass, rejecting unknown keys by their full name."""
     if not isinstance(data, Mapping):
-        raise ValueError(f"{key} must be a mapping, got {type(data).__name__}")
+        raise TypeError(f"{key} must be a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"unknown config key(s) {[f'{key}.{k}' for k in unknown]}; known: {sorted(fields)}")
+        raise ValueError(
+            f"unknown config key(s) {[f'{key}.{k}' for k in unknown]}; known: {sorted(fields)}"
+        )
     kwargs = {}
     for name, value in data.items():
         sub = _NESTED.get((cls.__name__, name))
@@ -289,6 +366,7 @@ def _nested_table() -> dict[tuple[str, str], type]:
         ("PolicyConfig", "expert"): GemmaConfig,
         ("PolicyConfig", "sampling"): SamplingConfig,
         ("PolicyConfig", "inputs"): InputConfig,
+        ("PolicyConfig", "fast"): FastConfig,
     }
 
 
@@ -297,11 +375,18 @@ _NESTED = _nested_table()
 
 def _merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Recursive dict merge; dataclass values are turned into dicts first."""
-    out = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in base.items()}
+    out = {
+        k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in base.items()
+    }
     for k, v in overrides.items():
         if dataclasses.is_dataclass(v):
             v = dataclasses.asdict(v)
-        if k in out and isinstance(out[k], Mapping) and isinstance(v, Mapping) and k != "camera_map":
+        if (
+            k in out
+            and isinstance(out[k], Mapping)
+            and isinstance(v, Mapping)
+            and k != "camera_map"
+        ):
             out[k] = _merge(out[k], v)
         else:
             out[k] = v

@@ -56,7 +56,9 @@ def euler_step(x: Tensor, v: Tensor, dt: float | Tensor) -> Tensor:
     return x + dt * v
 
 
-def sde_step_mean_std(x: Tensor, v: Tensor, t: Tensor, delta: Tensor, sigma: Tensor) -> tuple[Tensor, Tensor]:
+def sde_step_mean_std(
+    x: Tensor, v: Tensor, t: Tensor, delta: Tensor, sigma: Tensor
+) -> tuple[Tensor, Tensor]:
     """Mean and std of RLinf's flow-SDE transition from t to t - delta (all broadcastable)."""
     x0 = x - v * t
     x1 = x + v * (1 - t)

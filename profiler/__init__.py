@@ -12,16 +12,43 @@ Heavy dependencies (matplotlib, rich, wandb, torch) are imported only by the fun
 from profiler.clock import ClockSample, OffsetEstimate, estimate_offset, measure_offset, now_ns
 from profiler.config import ProfilerConfig, WandbConfig
 from profiler.spans import (
-    NULL_SPAN, NULL_TIMELINE, NullTimeline, Timeline, get_timeline, make_timeline, set_timeline, span,
+    NULL_SPAN,
+    NULL_TIMELINE,
+    NullTimeline,
+    Timeline,
+    get_timeline,
+    make_timeline,
+    profiler_environ,
+    set_timeline,
+    span,
     spanned,
+    timeline_from_environ,
 )
 from profiler.step_report import StepReport
 from profiler.trace import SpanRecord, Trace, load_trace, write_meta
 
 __all__ = [
-    "ClockSample", "OffsetEstimate", "estimate_offset", "measure_offset", "now_ns",
-    "ProfilerConfig", "WandbConfig",
-    "NULL_SPAN", "NULL_TIMELINE", "NullTimeline", "Timeline", "get_timeline", "make_timeline",
-    "set_timeline", "span", "spanned",
-    "StepReport", "SpanRecord", "Trace", "load_trace", "write_meta",
+    "NULL_SPAN",
+    "NULL_TIMELINE",
+    "ClockSample",
+    "NullTimeline",
+    "OffsetEstimate",
+    "ProfilerConfig",
+    "SpanRecord",
+    "StepReport",
+    "Timeline",
+    "Trace",
+    "WandbConfig",
+    "estimate_offset",
+    "get_timeline",
+    "load_trace",
+    "make_timeline",
+    "measure_offset",
+    "now_ns",
+    "profiler_environ",
+    "set_timeline",
+    "span",
+    "spanned",
+    "timeline_from_environ",
+    "write_meta",
 ]

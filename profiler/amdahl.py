@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from profiler.config import DEFAULT_SPEEDUPS
 

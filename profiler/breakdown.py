@@ -20,9 +20,11 @@ Definitions (seconds):
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from profiler.amdahl import ideal_projection
 from profiler.critical_path import build_graph, matches, on_path_ns, replay
@@ -128,16 +130,16 @@ def find_step_windows(spans: Sequence[Any], step_name: str = STEP_NAME) -> list[
 
 def spans_by_step(spans: Sequence[Any], windows: Sequence[tuple[Any, int, int]]) -> dict[Any, list[Any]]:
     out: dict[Any, list[Any]] = {w[0]: [] for w in windows}
+    starts = [w[1] for w in windows]  # windows are sorted by start
     for s in spans:
         index = s.attrs.get("step")
         if index is not None and int(index) in out:
             out[int(index)].append(s)
             continue
         mid = (s.start_ns + s.end_ns) // 2
-        for key, start, end in windows:
-            if start <= mid <= end:
-                out[key].append(s)
-                break
+        i = bisect.bisect_right(starts, mid) - 1
+        if i >= 0 and mid <= windows[i][2]:
+            out[windows[i][0]].append(s)
     return out
 
 
@@ -161,8 +163,9 @@ def compute_step(step: Any, window: tuple[int, int], spans: Sequence[Any], opts:
         phases={name: max(ranks.values()) for name, ranks in per_rank.items()},
         per_rank=per_rank, predict_name=opts.predict_name, rollout_name=opts.rollout_name,
     )
-    _exposed_predict(result, window, spans, opts)
-    result.projections = _projections(result, window, spans, opts)
+    graphs = _phase_graphs(spans, window, opts)
+    _exposed_predict(result, graphs, window, spans, opts)
+    result.projections = _projections(result, graphs, opts)
     return result
 
 
@@ -179,13 +182,24 @@ def _phase_windows(spans: Sequence[Any], step_window: tuple[int, int], opts: Rep
     return {name: (a, b) for name, (a, b) in windows.items()}
 
 
-def _exposed_predict(result: StepBreakdown, step_window, spans, opts: ReportOptions) -> None:
+def _phase_graphs(spans, step_window, opts: ReportOptions) -> dict[str, tuple]:
+    """{phase: (window, nodes, dropped edges)}: one dependency graph per top-level phase window,
+    built once per step and replayed for every target and speed-up."""
+    windows = _phase_windows(spans, step_window, opts)
+    exclude = tuple(set(windows) | {opts.step_name})
+    return {name: (w, *build_graph(spans, w, exclude_names=exclude, predict_name=opts.predict_name))
+            for name, w in windows.items()}
+
+
+def _exposed_predict(result: StepBreakdown, graphs, step_window, spans, opts: ReportOptions) -> None:
     if not result.predict_per_rank:
         return
-    windows = _phase_windows(spans, step_window, opts)
-    window = windows.get(opts.rollout_name, step_window)
-    nodes, dropped = build_graph(spans, window, exclude_names=(opts.rollout_name, opts.step_name),
-                                 predict_name=opts.predict_name)
+    if opts.rollout_name in graphs:
+        window, nodes, dropped = graphs[opts.rollout_name]
+    else:  # no rollout phase recorded: the whole step is the pipeline
+        window = step_window
+        nodes, dropped = build_graph(spans, window, exclude_names=(opts.step_name,),
+                                     predict_name=opts.predict_name)
     path = replay(nodes, window[0], dropped_edges=dropped).critical_path
     result.dropped_edges = dropped
     exposed = on_path_ns(path, opts.predict_name) * 1e-9
@@ -196,19 +210,15 @@ def _exposed_predict(result: StepBreakdown, step_window, spans, opts: ReportOpti
     result.overlapped_predict_s = max(0.0, result.predict_per_rank.get(rank, 0.0) - exposed)
 
 
-def _critical_path_saving_s(target: str, speedup: float, step_window, spans, opts: ReportOptions) -> float:
+def _critical_path_saving_s(target: str, speedup: float, graphs) -> float:
     saving = 0.0
-    top_names = set(_phase_windows(spans, step_window, opts))
-    for name, window in _phase_windows(spans, step_window, opts).items():
-        nodes, dropped = build_graph(spans, window, exclude_names=tuple(top_names | {opts.step_name}),
-                                     predict_name=opts.predict_name)
-        if not any(matches(n.name, target) for n in nodes):
-            continue
-        saving += replay(nodes, window[0], target, speedup, dropped).saving_ns * 1e-9
+    for window, nodes, dropped in graphs.values():
+        if any(matches(n.name, target) for n in nodes):
+            saving += replay(nodes, window[0], target, speedup, dropped).saving_ns * 1e-9
     return saving
 
 
-def _projections(result: StepBreakdown, step_window, spans, opts: ReportOptions) -> list[Projection]:
+def _projections(result: StepBreakdown, graphs, opts: ReportOptions) -> list[Projection]:
     out = []
     for target in opts.targets:
         phase_s = result.phases.get(target, 0.0)
@@ -217,7 +227,7 @@ def _projections(result: StepBreakdown, step_window, spans, opts: ReportOptions)
         for s in opts.speedups:
             ideal = ideal_projection(result.total_s, min(phase_s, result.total_s), s)
             if "/" in target:
-                cp_step = result.total_s - _critical_path_saving_s(target, s, step_window, spans, opts)
+                cp_step = result.total_s - _critical_path_saving_s(target, s, graphs)
             else:
                 cp_step = ideal.step_s  # a top-level phase sits on the step's sequential path
             out.append(Projection(

@@ -12,8 +12,8 @@ torch.distributed, a Ray call).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 # A worker on another host measures the reference host (rank 0's) as the "remote" and passes
 # `estimate.offset_ns` to its Timeline as `clock_offset_ns`: its spans are then written on the

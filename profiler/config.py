@@ -96,7 +96,7 @@ class ProfilerConfig:
         self.amdahl_targets = [str(t) for t in self.amdahl_targets]
 
     @classmethod
-    def from_dict(cls, data: Any, logger: Any = None) -> "ProfilerConfig":
+    def from_dict(cls, data: Any, logger: Any = None) -> ProfilerConfig:
         """Build from a Hydra group (DictConfig or dict). Unknown keys raise, naming the key.
 
         `logger`, when given (the `logger` group), replaces the `wandb` sub-config.

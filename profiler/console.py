@@ -134,7 +134,7 @@ def report_tables(report, skip_first: int = 0) -> list:
             phyai_table(report, mean), *roofline_tables(report)]
 
 
-def render(report, skip_first: int = 0, width: int = 150) -> str:
+def render(report, skip_first: int = 0, width: int = 200) -> str:
     """The whole console report as plain text."""
     from rich.console import Console
 
@@ -148,6 +148,6 @@ def print_report(report, skip_first: int = 0) -> None:
     from rich.console import Console
 
     # a pipe or file gets 80 columns by default: too narrow for these tables
-    console = Console() if sys.stdout.isatty() else Console(width=150)
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     for table in report_tables(report, skip_first):
         console.print(table)

@@ -1,8 +1,11 @@
 """Critical-path replay: re-run a recorded phase with some spans shortened.
 
-The model (a dependency graph over the leaf spans inside a phase window, e.g. one rollout):
-- Nodes: leaf spans (spans containing no other span of their lane) fully inside the window,
-  except the phase spans themselves. A lane is (rank, worker).
+The model (a dependency graph over the spans inside a phase window, e.g. one rollout):
+- Nodes: the exclusive pieces of the spans fully inside the window (the phase spans themselves
+  excluded): a leaf span is one piece; a span with children on its lane contributes the stretches
+  not covered by them (its own work), under its own name. A lane is (rank, worker); pieces take
+  `stage`/`chunk` from enclosing spans, so "rollout/predict/vision" inside a keyed
+  "rollout/predict" is keyed too.
 - Edges:
   1. lane order: spans of one lane run one after another;
   2. pipeline keys: spans carrying (or inheriting) `stage` and `chunk` attributes. The predict
@@ -20,23 +23,24 @@ The model (a dependency graph over the leaf spans inside a phase window, e.g. on
 - Replay in recorded order: start' = max(end' of predecessors, window start) + overhead,
   end' = start' + duration / speed-up for the target spans, + duration for the others.
   With speed-up 1 the replay reproduces the recording exactly.
-The phase gets shorter by (recorded end of its last leaf - replayed end of its last leaf).
-The critical path is followed backwards from the last leaf through each node's binding
+The phase gets shorter by (recorded end of its last piece - replayed end of its last piece).
+The critical path is followed backwards from the last piece through each node's binding
 predecessor (the one finishing last; a cross-lane edge wins a tie).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-from profiler.intervals import leaf_spans
+from profiler.intervals import exclusive_pieces
 
 
 @dataclass
 class Node:
-    span: Any  # SpanRecord-like: name, lane, rank, start_ns, end_ns, attrs
+    span: Any  # an intervals.Piece: name, lane, rank, start_ns, end_ns, attrs
     attrs: dict
     index: int = 0
     preds: list[int] = field(default_factory=list)
@@ -76,10 +80,10 @@ def build_graph(
     predict_name: str = "rollout/predict",
     tolerance_ns: int = 50_000,
 ) -> tuple[list[Node], int]:
-    """Leaf nodes inside `window` with their predecessor lists; returns (nodes, dropped edges)."""
+    """Nodes (exclusive pieces) inside `window` with their predecessors; returns (nodes, dropped edges)."""
     w0, w1 = window
     inside = [s for s in spans if w0 <= s.start_ns and s.end_ns <= w1 and s.name not in exclude_names]
-    nodes = [Node(span=s, attrs=a) for s, a in leaf_spans(inside)]
+    nodes = [Node(span=p, attrs=p.attrs) for p in exclusive_pieces(inside)]
     for i, node in enumerate(nodes):
         node.index = i
     dropped = 0

@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     parser.add_argument("--envs-per-stage", type=int, default=8)
     parser.add_argument("--particles", type=int, default=24)
     parser.add_argument("--substeps", type=int, default=4)
-    parser.add_argument("--control-budget-ms", type=float, default=60.0,
+    parser.add_argument("--control-budget-ms", type=float, default=100.0,
                         help="demo control budget per chunk (a setting, not a measurement)")
     parser.add_argument("--no-wandb", action="store_true")
     args = parser.parse_args(argv)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -139,12 +139,12 @@ def plot_control_roofline(control: ControlRoofline, path: str | os.PathLike) -> 
     ax.legend(fontsize=8, loc="upper left")
     if control.budget_s is not None:
         margin_ms = control.margin_s * 1e3
-        ax2.hist(margin_ms, bins=min(40, max(5, len(margin_ms) // 3)), color="#1f77b4")
+        ax2.hist(margin_ms, bins=min(40, max(5, len(margin_ms) // 3)), color="#1f77b4", edgecolor="white")
         ax2.axvline(0, color="k", lw=1)
         ax2.set_xlabel(f"control margin = budget ({control.budget_s * 1e3:g} ms) - L_control (ms)")
         ax2.set_title(f"{np.mean(margin_ms < 0):.0%} of chunks over budget")
     else:
-        ax2.hist(control.l_control_s * 1e3, bins=min(40, max(5, len(x) // 3)), color="#1f77b4")
+        ax2.hist(control.l_control_s * 1e3, bins=min(40, max(5, len(x) // 3)), color="#1f77b4", edgecolor="white")
         ax2.set_xlabel("L_control (ms); no budget given")
     ax2.set_ylabel("chunks")
     return _save(fig, path)

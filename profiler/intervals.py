@@ -1,8 +1,10 @@
-"""Interval arithmetic on (start, end) pairs: unions and the leaf spans of nested lanes."""
+"""Interval arithmetic on (start, end) pairs: unions, and the exclusive pieces of nested lanes."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 # Attributes a child span takes from its enclosing span on the same lane when it lacks them
 # (so "rollout/predict/vision" inside a "rollout/predict" with stage=1, chunk=4 is keyed too).
@@ -24,28 +26,58 @@ def union_length(intervals: Iterable[tuple[int, int]]) -> int:
     return sum(b - a for a, b in merge(intervals))
 
 
-def leaf_spans(spans: Sequence[Any]) -> list[tuple[Any, dict]]:
-    """Spans that contain no other span of their lane, with attributes inherited from ancestors.
+@dataclass(frozen=True)
+class Piece:
+    """A stretch of one span's exclusive time (the span minus its children on the same lane)."""
 
-    `spans` have .lane, .start_ns, .end_ns, .attrs. Spans on one lane nest like a call stack,
-    so after sorting by (start, -end) a span has a child iff the next span starts before it ends.
+    name: str
+    rank: int
+    lane: Any
+    start_ns: int
+    end_ns: int
+    attrs: dict
+    source: Any  # the span it comes from
+
+
+def exclusive_pieces(spans: Sequence[Any]) -> list[Piece]:
+    """Split each lane's nested spans into exclusive pieces, so every instant of a lane is counted
+    once: a leaf span is one piece; a parent contributes the gaps between its children (its own
+    work: launching, Python overhead). Pieces inherit `INHERITED_ATTRS` from their ancestors.
+
+    `spans` have .name, .rank, .lane, .start_ns, .end_ns, .attrs. Spans on one lane nest like a
+    call stack; sorted by (start, -end), a span's parent is the innermost open span containing it.
     """
     by_lane: dict[Any, list[Any]] = {}
     for s in spans:
         by_lane.setdefault(s.lane, []).append(s)
-    leaves: list[tuple[Any, dict]] = []
+    pieces: list[Piece] = []
     for lane_spans in by_lane.values():
         lane_spans.sort(key=lambda s: (s.start_ns, -s.end_ns))
-        stack: list[Any] = []  # open ancestors
+        stack: list[int] = []
+        children: dict[int, list[int]] = {}
+        attrs: list[dict] = []
         for i, s in enumerate(lane_spans):
-            while stack and stack[-1].end_ns <= s.start_ns:
+            while stack and lane_spans[stack[-1]].end_ns <= s.start_ns:
                 stack.pop()
-            has_child = i + 1 < len(lane_spans) and lane_spans[i + 1].start_ns < s.end_ns
-            if not has_child:
-                inherited = {}
-                for ancestor in stack:
-                    inherited.update({k: ancestor.attrs[k] for k in INHERITED_ATTRS if k in ancestor.attrs})
-                leaves.append((s, {**inherited, **s.attrs}))
-            stack.append(s)
-    leaves.sort(key=lambda item: (item[0].start_ns, item[0].end_ns))
-    return leaves
+            inherited = {}
+            if stack:
+                children.setdefault(stack[-1], []).append(i)
+                parent = attrs[stack[-1]]
+                inherited = {k: parent[k] for k in INHERITED_ATTRS if k in parent}
+            attrs.append({**inherited, **s.attrs})
+            stack.append(i)
+        for i, s in enumerate(lane_spans):
+            kids = children.get(i)
+            if not kids:
+                pieces.append(Piece(s.name, s.rank, s.lane, s.start_ns, s.end_ns, attrs[i], s))
+                continue
+            cursor = s.start_ns
+            for k in kids:
+                child = lane_spans[k]
+                if child.start_ns > cursor:
+                    pieces.append(Piece(s.name, s.rank, s.lane, cursor, child.start_ns, attrs[i], s))
+                cursor = max(cursor, min(child.end_ns, s.end_ns))
+            if s.end_ns > cursor:
+                pieces.append(Piece(s.name, s.rank, s.lane, cursor, s.end_ns, attrs[i], s))
+    pieces.sort(key=lambda p: (p.start_ns, p.end_ns))
+    return pieces

@@ -17,13 +17,13 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from profiler.breakdown import find_step_windows
 from profiler.config import EXPORTS, ProfilerConfig
 from profiler.step_report import StepReport
-from profiler.trace import load_trace
+from profiler.trace import load_trace, strict_json
 
 PROFILE_SUBDIR = "profile"
 
@@ -50,7 +50,8 @@ def build_exports(
     written: dict[str, Path] = {}
     if "json" in exports:
         written["json"] = out / "report.json"
-        written["json"].write_text(json.dumps(report.to_dict(skip_first), indent=2, default=_jsonable) + "\n")
+        doc = strict_json(report.to_dict(skip_first))
+        written["json"].write_text(json.dumps(doc, indent=2, default=_jsonable, allow_nan=False) + "\n")
     if "console" in exports:
         from profiler.console import print_report, render
 

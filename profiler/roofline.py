@@ -18,8 +18,9 @@ min(peak FLOP/s, I * peak bytes/s); the stage is compute-bound when I >= peak FL
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -72,7 +73,7 @@ class ControlRoofline:
             return {"chunks": 0}
         x, y = self.x, self.y
         out: dict[str, Any] = {
-            "chunks": int(len(x)),
+            "chunks": len(x),
             "median_l_inference_s": float(np.median(self.l_inference_s)),
             "median_l_env_s": float(np.median(self.l_env_s)),
             "median_l_control_s": float(np.median(self.l_control_s)),
@@ -107,10 +108,11 @@ def control_from_spans(
     spans: Sequence[Any], predict_name: str = "rollout/predict", env_name: str = "rollout/env_step",
     budget_s: float | None = None,
 ) -> ControlRoofline:
-    """Chunks from spans keyed by (rank, stage, chunk): L_inference = the chunk's predict time,
-    L_env = its longest env-step span (env workers of one key run in parallel),
-    L_control = start of the env step of chunk c+1 - start of chunk c's (same rank, stage).
-    The last chunk of each stage has no successor and is left out."""
+    """One sample per control period of a (rank, stage): from the start of env step c to the
+    start of env step c+1. In that period the env executes chunk c (L_env: its longest env-step
+    span; env workers of one key run in parallel) and the policy predicts chunk c+1
+    (L_inference), so L_control = L_env + L_inference when nothing overlaps. The last chunk of
+    each stage closes no period and is left out."""
     predict: dict[tuple, float] = {}
     env_start: dict[tuple, int] = {}
     env_time: dict[tuple, float] = {}
@@ -126,9 +128,9 @@ def control_from_spans(
     rows = []
     for (rank, stage, chunk), start in sorted(env_start.items()):
         nxt = env_start.get((rank, stage, chunk + 1))
-        if nxt is None or (rank, stage, chunk) not in predict:
+        if nxt is None or (rank, stage, chunk + 1) not in predict:
             continue
-        rows.append((predict[(rank, stage, chunk)], env_time[(rank, stage, chunk)], (nxt - start) * 1e-9))
+        rows.append((predict[(rank, stage, chunk + 1)], env_time[(rank, stage, chunk)], (nxt - start) * 1e-9))
     arr = np.array(rows, dtype=float).reshape(-1, 3)
     return ControlRoofline(arr[:, 0], arr[:, 1], arr[:, 2], budget_s=budget_s)
 

@@ -16,6 +16,10 @@ exit. Disabled, every call returns one shared no-op object: nothing is allocated
 
 Module-level `span()` / `spanned()` use the process's current timeline (`set_timeline`), so
 library code can be instrumented without passing a timeline around.
+
+Create a timeline inside each process (after spawn) and `close()` it in the worker's `finally`:
+multiprocessing children leave through os._exit, which skips the atexit flush. A forked copy of
+a parent's timeline writes nothing (its spans belong to the parent).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import functools
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from profiler.clock import now_ns
 from profiler.config import ProfilerConfig
@@ -39,10 +44,10 @@ class _NullSpan:
 
     __slots__ = ()
 
-    def __enter__(self) -> "_NullSpan":
+    def __enter__(self) -> _NullSpan:
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: object) -> bool:
         return False
 
     def __call__(self, fn: Callable) -> Callable:
@@ -75,14 +80,14 @@ NULL_TIMELINE = NullTimeline()
 
 
 class _Span:
-    __slots__ = ("_timeline", "_name", "_attrs", "_start", "_start_event")
+    __slots__ = ("_attrs", "_name", "_start", "_start_event", "_timeline")
 
-    def __init__(self, timeline: "Timeline", name: str, attrs: dict | None) -> None:
+    def __init__(self, timeline: Timeline, name: str, attrs: dict | None) -> None:
         self._timeline = timeline
         self._name = name
         self._attrs = attrs
 
-    def __enter__(self) -> "_Span":
+    def __enter__(self) -> _Span:
         self._start = now_ns()
         return self
 
@@ -100,7 +105,7 @@ class _SyncGpuSpan(_Span):
 
     __slots__ = ()
 
-    def __enter__(self) -> "_SyncGpuSpan":
+    def __enter__(self) -> _SyncGpuSpan:
         self._timeline._gpu.synchronize()
         self._start = now_ns()
         return self
@@ -115,7 +120,7 @@ class _EventGpuSpan(_Span):
 
     __slots__ = ()
 
-    def __enter__(self) -> "_EventGpuSpan":
+    def __enter__(self) -> _EventGpuSpan:
         self._start = now_ns()
         self._start_event = self._timeline._gpu.record_event()
         return self
@@ -220,6 +225,9 @@ class Timeline:
 
     # -- output -----------------------------------------------------------------------------
     def flush(self) -> None:
+        if os.getpid() != self.pid:  # a forked copy: the parent owns these spans and the file
+            self._pending = []
+            return
         with self._lock:
             pending, self._pending = self._pending, []
             if not pending:
@@ -251,10 +259,10 @@ class Timeline:
                 self._file.close()
                 self._file = None
 
-    def __enter__(self) -> "Timeline":
+    def __enter__(self) -> Timeline:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -276,6 +284,27 @@ def make_timeline(
         gpu_timing=cfg.gpu_timing, flush_every=cfg.flush_every,
         clock_offset_ns=clock_offset_ns, gpu_backend=gpu_backend,
     )
+
+
+# Worker processes started by code that does not carry the config (env workers, engine ranks)
+# find the profiler through the environment, which spawn/forkserver children inherit.
+ENV_RUN_DIR = "VLA_PROFILER_RUN_DIR"
+ENV_GPU_TIMING = "VLA_PROFILER_GPU_TIMING"
+
+
+def profiler_environ(cfg: ProfilerConfig, run_dir: str | os.PathLike | None = None) -> dict[str, str]:
+    """Variables to put in os.environ before starting workers ({} when disabled)."""
+    if not cfg.enabled:
+        return {}
+    return {ENV_RUN_DIR: str(run_dir if run_dir is not None else cfg.out_dir), ENV_GPU_TIMING: cfg.gpu_timing}
+
+
+def timeline_from_environ(rank: int, worker: str, environ=os.environ) -> Timeline | NullTimeline:
+    """In a worker: a Timeline under the parent's run dir, or NULL_TIMELINE if none was set."""
+    run_dir = environ.get(ENV_RUN_DIR)
+    if not run_dir:
+        return NULL_TIMELINE
+    return Timeline(run_dir, rank=rank, worker=worker, gpu_timing=environ.get(ENV_GPU_TIMING, "none"))
 
 
 _current: Timeline | NullTimeline = NULL_TIMELINE
@@ -312,7 +341,7 @@ def spanned(name: str, gpu: bool = False, **attrs: Any) -> Callable[[Callable], 
 
 
 # -- flush at exit, without keeping timelines alive ------------------------------------------
-_open_timelines: "weakref.WeakSet[Timeline]" = weakref.WeakSet()
+_open_timelines: weakref.WeakSet[Timeline] = weakref.WeakSet()
 
 
 def _register_for_exit(timeline: Timeline) -> None:

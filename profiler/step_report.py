@@ -8,16 +8,28 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from profiler.amdahl import ideal_projection
 from profiler.breakdown import (
-    Projection, ReportOptions, StepBreakdown, compute_step, find_step_windows, spans_by_step,
+    Projection,
+    ReportOptions,
+    StepBreakdown,
+    compute_step,
+    find_step_windows,
+    spans_by_step,
 )
 from profiler.config import ProfilerConfig
+from profiler.console import fmt_s
 from profiler.roofline import (
-    Ceilings, ControlRoofline, StagePoint, control_from_spans, stage_roofline, stages_from_spans,
+    Ceilings,
+    ControlRoofline,
+    StagePoint,
+    control_from_spans,
+    stage_roofline,
+    stages_from_spans,
 )
 from profiler.trace import Trace, load_trace
 
@@ -46,7 +58,7 @@ class StepReport:
     def from_trace(
         cls, source: str | os.PathLike | Trace | Sequence[Any], config: ProfilerConfig | None = None,
         control_budget_s: float | None = None, ceilings: Ceilings | None = None,
-    ) -> "StepReport":
+    ) -> StepReport:
         trace = source if isinstance(source, Trace) else (
             Trace(list(source)) if isinstance(source, (list, tuple)) else load_trace(source))
         config = config or _config_from_meta(trace.meta)
@@ -103,7 +115,7 @@ class StepReport:
         value = self.meta.get("predict_speedup")
         if value is not None:
             return float(value), str(self.meta.get("predict_speedup_source", "given"))
-        return 2.55, "PhyAI's published speed-up (none measured for this run)"
+        return 2.55, "PhyAI's published speed-up; none measured for this run"
 
     def phyai_rows(self, step: StepBreakdown | None = None) -> list[PhyaiRow]:
         step = step or self.mean()
@@ -126,7 +138,7 @@ class StepReport:
         ))
         if step.exposed_predict_s is not None:
             rows.append(PhyaiRow("  exposed on the critical path", step.exposed_predict_s,
-                                 f"overlapped {step.overlapped_predict_s or 0.0:.4g} s"))
+                                 f"overlapped {fmt_s(step.overlapped_predict_s or 0.0)}"))
         rows.append(PhyaiRow("Predict speed-up", None, f"{speedup:g}x ({source})"))
         if step.predict_max_s > 0:
             ideal = ideal_projection(step.total_s, step.predict_max_s, speedup)

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import re
 import socket
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _quote
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 FORMAT = "vla-rollout-spans"
 VERSION = 1
@@ -104,10 +107,14 @@ def header_line(header: dict) -> str:
 
 
 def span_line(name: str, start_ns: int, end_ns: int, attrs: dict | None) -> str:
-    record: dict[str, Any] = {"name": name, "start_ns": start_ns, "end_ns": end_ns}
+    """One span as a JSON line (without the newline). Hand-assembled around a reused encoder:
+    `json.dumps` with options builds a new encoder per call, which dominated the span cost."""
+    quoted = _QUOTED_NAMES.get(name)
+    if quoted is None:
+        quoted = _QUOTED_NAMES[name] = _encode(str(name))
     if attrs:
-        record["attrs"] = attrs
-    return json.dumps(record, default=_jsonable, separators=(",", ":"))
+        return f'{{"name":{quoted},"start_ns":{int(start_ns)},"end_ns":{int(end_ns)},"attrs":{_encode_attrs(attrs)}}}'
+    return f'{{"name":{quoted},"start_ns":{int(start_ns)},"end_ns":{int(end_ns)}}}'
 
 
 def write_meta(run_dir: str | os.PathLike, **fields: Any) -> Path:
@@ -122,7 +129,7 @@ def write_meta(run_dir: str | os.PathLike, **fields: Any) -> Path:
         }
     meta.update(fields)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(meta, indent=2, default=_jsonable) + "\n")
+    tmp.write_text(json.dumps(strict_json(meta), indent=2, default=_jsonable) + "\n")
     os.replace(tmp, path)
     return path
 
@@ -179,9 +186,45 @@ def _read_span_file(path: Path, processes: list[dict]) -> Iterable[SpanRecord]:
         )
 
 
+def strict_json(value: Any) -> Any:
+    """Replace non-finite floats by the strings "inf", "-inf", "nan" (strict JSON has no
+    Infinity; float("inf") reads them back) in nested dicts/lists/tuples."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):  # numpy / torch scalars
+    if hasattr(value, "item") and getattr(value, "size", 1) == 1:  # numpy / torch scalars
         return value.item()
     if hasattr(value, "tolist"):
         return value.tolist()
     return str(value)
+
+
+_encode = json.JSONEncoder(separators=(",", ":"), default=_jsonable).encode
+_QUOTED_NAMES: dict[str, str] = {}
+
+
+def _encode_attrs(attrs: dict) -> str:
+    """Fast path for the usual attributes (str keys; int, finite float, str values); anything
+    else goes through the general encoder."""
+    parts = []
+    for key, value in attrs.items():
+        kind = type(value)
+        if kind is int:
+            text = int.__repr__(value)
+        elif kind is str:
+            text = _quote(value)
+        elif kind is float and math.isfinite(value):
+            text = float.__repr__(value)
+        else:
+            return _encode(attrs)
+        if type(key) is not str:
+            return _encode(attrs)
+        parts.append(_quote(key) + ":" + text)
+    return "{" + ",".join(parts) + "}"

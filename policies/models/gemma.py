@@ -60,9 +60,13 @@ class AdaRMSNorm(nn.Module):
         return normed.to(x.dtype), gate.to(x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """positions (B, T) -> cos, sin (B, T, head_dim), computed in fp32 then cast (GemmaRotaryEmbedding)."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    exponent = (
+        torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    )
     inv_freq = 1.0 / (theta**exponent)
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -132,7 +136,7 @@ class GemmaBlock(nn.Module):
         """Only k and v (the last prefix layer needs nothing else)."""
         b, t, _ = h.shape
         _, k_size, v_size = self.qkv_sizes
-        weight = self.qkv.weight[-(k_size + v_size):]
+        weight = self.qkv.weight[-(k_size + v_size) :]
         k, v = F.linear(h, weight).split((k_size, v_size), dim=-1)
         hd = self.cfg.head_dim
         return k.view(b, t, -1, hd).transpose(1, 2), v.view(b, t, -1, hd).transpose(1, 2)
@@ -154,7 +158,11 @@ class GemmaStack(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(GemmaBlock(cfg, cond_dim) for _ in range(cfg.depth))
-        self.final_norm = RMSNorm(cfg.width, cfg.rms_norm_eps) if cond_dim is None else AdaRMSNorm(cfg.width, cond_dim, cfg.rms_norm_eps)
+        self.final_norm = (
+            RMSNorm(cfg.width, cfg.rms_norm_eps)
+            if cond_dim is None
+            else AdaRMSNorm(cfg.width, cond_dim, cfg.rms_norm_eps)
+        )
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -165,7 +173,9 @@ class GemmaStack(nn.Module):
 
     def adaptive_norms(self) -> list[AdaRMSNorm]:
         """All AdaRMS norms in table order: layer i input (2i), layer i post (2i+1), final (2L)."""
-        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)] + [self.final_norm]
+        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)] + [
+            self.final_norm
+        ]
         if not all(isinstance(n, AdaRMSNorm) for n in norms):
             raise TypeError("this Gemma stack has no AdaRMS norms (built without cond_dim)")
         return norms  # type: ignore[return-value]

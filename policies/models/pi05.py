@@ -27,6 +27,7 @@ them only as keys (their own outputs are never read), which keeps every row fini
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +49,12 @@ class PrefixCache:
     pad_mask: Tensor  # (B, P) bool, True = valid prefix token
     offsets: Tensor  # (B,) number of valid prefix tokens = first expert position
 
-    def index_select(self, index: Tensor) -> "PrefixCache":
+    def index_select(self, index: Tensor) -> PrefixCache:
         return PrefixCache(
-            [k[index] for k in self.keys], [v[index] for v in self.values], self.pad_mask[index], self.offsets[index]
+            [k[index] for k in self.keys],
+            [v[index] for v in self.values],
+            self.pad_mask[index],
+            self.offsets[index],
         )
 
 
@@ -70,15 +74,20 @@ class PI05Model(nn.Module):
 
     # ----- weights -----
     @torch.no_grad()
-    def init_weights(self, seed: int, std: float) -> None:
-        """Random init (deterministic in `seed`): N(0, std) matrices and embeddings, zero biases,
-        RMSNorm offsets 0, LayerNorm 1/0. AdaRMS dense: N(0, std) weights, bias 0 for scale/shift
-        and 1 for the gate, so the random expert starts as a plain residual net whose norms still
-        depend on t (LeRobot zero-inits the dense weight, which would make t irrelevant)."""
-        gen = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
-            if p.dim() >= 2 or name.endswith("position_embedding"):
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    def init_weights(self, seed: int, scale: float = 1.0) -> None:
+        """Random init, deterministic in `seed` per device type (the generator lives on the
+        parameters' device, so a 3B model initialises in place). Matrices, convolutions and
+        embeddings: N(0, (scale / sqrt(fan_in))^2) with fan_in = row size, which keeps every
+        activation O(1) at any width (so the small presets are as sensitive as the full one);
+        biases 0; RMSNorm offsets 0; LayerNorm 1/0. AdaRMS dense: the same weights, bias 0 for
+        scale/shift and 1 for the gate, so the random expert starts as a residual net whose
+        norms depend on t (LeRobot zero-inits the dense weight, making t irrelevant at init)."""
+        device = self.action_in_proj.weight.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for p in self.parameters():
+            if p.dim() >= 2:
+                std = scale / math.sqrt(p[0].numel())
+                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * std)
             else:
                 p.zero_()
         for m in self.modules():
@@ -87,20 +96,28 @@ class PI05Model(nn.Module):
             elif isinstance(m, AdaRMSNorm):
                 m.dense.bias[2 * m.dense.out_features // 3 :] = 1.0
 
-    def apply_precision(self, dtype: str) -> "PI05Model":
+    def apply_precision(self, dtype: str) -> PI05Model:
         if dtype == "float32":
             return self.to(torch.float32)
         if dtype != "bfloat16":
             raise ValueError(f"policy.dtype must be 'float32' or 'bfloat16', got {dtype!r}")
         self.to(torch.bfloat16)
-        keep_fp32 = [self.vision, self.action_in_proj, self.action_out_proj, self.time_mlp_in, self.time_mlp_out]
+        keep_fp32 = [
+            self.vision,
+            self.action_in_proj,
+            self.action_out_proj,
+            self.time_mlp_in,
+            self.time_mlp_out,
+        ]
         keep_fp32 += [m for m in self.modules() if isinstance(m, (RMSNorm, AdaRMSNorm))]
         for module in keep_fp32:
             module.float()
         return self
 
     # ----- prefix -----
-    def embed_prefix(self, images: Tensor, image_masks: Tensor, tokens: Tensor, token_mask: Tensor) -> tuple[Tensor, Tensor]:
+    def embed_prefix(
+        self, images: Tensor, image_masks: Tensor, tokens: Tensor, token_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """images (B, C, 3, R, R) in [-1, 1], image_masks (B, C) bool, tokens/token_mask (B, L)
         -> embeddings (B, C*N + L, W) and pad mask (B, C*N + L). All cameras go through SigLIP in
         one batch (B*C images)."""
@@ -111,11 +128,15 @@ class PI05Model(nn.Module):
         img_pad = image_masks[:, :, None].expand(b, c, n).reshape(b, c * n)
         lang = self.embed_language(tokens)
         # torch.cat promotes (fp32 image tokens + bf16 text in bf16 mode -> fp32), as LeRobot's cat does
-        return torch.cat([img, lang.to(torch.promote_types(img.dtype, lang.dtype))], dim=1), torch.cat([img_pad, token_mask.bool()], dim=1)
+        return torch.cat(
+            [img, lang.to(torch.promote_types(img.dtype, lang.dtype))], dim=1
+        ), torch.cat([img_pad, token_mask.bool()], dim=1)
 
     def embed_language(self, tokens: Tensor) -> Tensor:
         weight = self.embed_tokens.weight
-        scale = torch.tensor(self.cfg.prefix.width**0.5, dtype=torch.float32, device=weight.device).to(weight.dtype)
+        scale = torch.tensor(
+            self.cfg.prefix.width**0.5, dtype=torch.float32, device=weight.device
+        ).to(weight.dtype)
         return self.embed_tokens(tokens) * scale
 
     def compute_prefix_cache(self, embeddings: Tensor, pad_mask: Tensor) -> PrefixCache:
@@ -138,18 +159,26 @@ class PI05Model(nn.Module):
             keys.append(k)
             values.append(v)
             heads = q.shape[1]
-            attn = F.scaled_dot_product_attention(q, expand_kv(k, heads), expand_kv(v, heads), attn_mask=key_mask)
+            attn = F.scaled_dot_product_attention(
+                q, expand_kv(k, heads), expand_kv(v, heads), attn_mask=key_mask
+            )
             h = h + layer.attention_output(attn)
             h = h + layer.mlp(layer.post_norm(h))
         return PrefixCache(keys, values, pad_mask, pad_mask.sum(dim=1))
 
-    def prefix_cache(self, images: Tensor, image_masks: Tensor, tokens: Tensor, token_mask: Tensor) -> PrefixCache:
-        return self.compute_prefix_cache(*self.embed_prefix(images, image_masks, tokens, token_mask))
+    def prefix_cache(
+        self, images: Tensor, image_masks: Tensor, tokens: Tensor, token_mask: Tensor
+    ) -> PrefixCache:
+        return self.compute_prefix_cache(
+            *self.embed_prefix(images, image_masks, tokens, token_mask)
+        )
 
     # ----- time conditioning (weight-derived tables) -----
     def time_conditioning(self, t: Tensor) -> Tensor:
         """t (N,) float32 -> AdaRMS condition (N, expert width)."""
-        emb = sincos_time_embedding(t, self.cfg.expert.width, self.cfg.min_period, self.cfg.max_period)
+        emb = sincos_time_embedding(
+            t, self.cfg.expert.width, self.cfg.min_period, self.cfg.max_period
+        )
         x = F.silu(self.time_mlp_in(emb.to(self.time_mlp_in.weight.dtype)))
         return F.silu(self.time_mlp_out(x))
 
@@ -166,7 +195,9 @@ class PI05Model(nn.Module):
         b, s, _ = h.shape
         positions = cache.offsets[:, None] + torch.arange(s, device=h.device)[None, :]
         cos, sin = stack.rope(positions, h.dtype)
-        key_mask = torch.cat([cache.pad_mask, cache.pad_mask.new_ones(b, s)], dim=1)[:, None, None, :]
+        key_mask = torch.cat([cache.pad_mask, cache.pad_mask.new_ones(b, s)], dim=1)[
+            :, None, None, :
+        ]
         for i, layer in enumerate(stack.layers):
             normed, gate = layer.input_norm(h, modulation[:, 2 * i])
             q, k, v = layer.project_qkv(normed)
@@ -184,5 +215,11 @@ class PI05Model(nn.Module):
     def trainable_parameters(self, expert_only: bool) -> list[nn.Parameter]:
         if not expert_only:
             return list(self.parameters())
-        modules = [self.expert, self.action_in_proj, self.action_out_proj, self.time_mlp_in, self.time_mlp_out]
+        modules = [
+            self.expert,
+            self.action_in_proj,
+            self.action_out_proj,
+            self.time_mlp_in,
+            self.time_mlp_out,
+        ]
         return [p for m in modules for p in m.parameters()]

@@ -50,7 +50,9 @@ class SiglipVision(nn.Module):
     def __init__(self, cfg: VisionConfig, out_width: int):
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = nn.Conv2d(3, cfg.width, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.patch_embed = nn.Conv2d(
+            3, cfg.width, kernel_size=cfg.patch_size, stride=cfg.patch_size
+        )
         self.position_embedding = nn.Parameter(torch.zeros(cfg.num_patches, cfg.width))
         self.layers = nn.ModuleList(SiglipBlock(cfg) for _ in range(cfg.depth))
         self.post_ln = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)

@@ -4,7 +4,12 @@ import numpy as np
 import pytest
 
 from profiler.clock import (
-    ClockSample, connection_exchange, estimate_offset, measure_offset, serve_clock, stop_clock_server,
+    ClockSample,
+    connection_exchange,
+    estimate_offset,
+    measure_offset,
+    serve_clock,
+    stop_clock_server,
 )
 from profiler.spans import Timeline
 from profiler.trace import load_trace

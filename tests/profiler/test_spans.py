@@ -2,7 +2,15 @@ import pytest
 
 import profiler
 from profiler.config import ProfilerConfig
-from profiler.spans import NULL_SPAN, NULL_TIMELINE, Timeline, make_timeline, set_timeline, span, spanned
+from profiler.spans import (
+    NULL_SPAN,
+    NULL_TIMELINE,
+    Timeline,
+    make_timeline,
+    set_timeline,
+    span,
+    spanned,
+)
 from profiler.trace import load_trace, span_file_path
 
 
@@ -30,9 +38,8 @@ def test_context_manager_and_decorator_record_names_attrs_and_nesting(tmp_path):
 
 def test_exception_is_recorded_and_propagates(tmp_path):
     tl = Timeline(tmp_path, keep_in_memory=True)
-    with pytest.raises(KeyError):
-        with tl.span("weight_sync"):
-            raise KeyError("boom")
+    with pytest.raises(KeyError), tl.span("weight_sync"):
+        raise KeyError("boom")
     tl.close()
     assert tl.spans[0][3] == {"error": "KeyError"}
 
@@ -150,7 +157,7 @@ def test_gpu_timing_cuda_event_places_events_via_the_anchor():
     assert gpu.syncs == 1  # only the anchor's, at the first GPU span; none on the hot path
     anchor_cpu = tl._anchor.cpu_ns
     tl.flush()
-    name, start, end, attrs = tl.spans[0]
+    _, start, end, attrs = tl.spans[0]
     # events at fake GPU times 2000 and 3000 ns, anchor event at 1000 ns
     assert (start - anchor_cpu, end - anchor_cpu) == (1_000, 2_000)
     assert attrs["gpu"] == "cuda_event" and attrs["chunk"] == 0 and "cpu_start_ns" in attrs
@@ -164,3 +171,34 @@ def test_gpu_span_without_cuda_fails_clearly():
     tl = Timeline(None, gpu_timing="sync")
     with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
         tl.span("rollout/predict", gpu=True)
+
+
+def test_span_lines_round_trip_through_json():
+    import json
+    import math
+
+    import numpy as np
+
+    from profiler.trace import span_line
+
+    cases = [None, {}, {"stage": 1, "chunk": -3}, {"x": 1.5, "s": 'é"\n\\', "b": True, "n": None},
+             {"f": math.inf}, {"a": np.int64(3), "v": np.float32(0.5)}, {"l": [1, 2], "d": {"k": "v"}}]
+    for attrs in cases:
+        record = json.loads(span_line("rollout/predict", 10, 20, attrs))
+        assert (record["name"], record["start_ns"], record["end_ns"]) == ("rollout/predict", 10, 20)
+        expected = {k: (v.item() if hasattr(v, "item") else v) for k, v in (attrs or {}).items()}
+        assert record.get("attrs", {}) == expected
+
+
+def test_workers_find_the_profiler_through_the_environment(tmp_path):
+    from profiler.spans import profiler_environ, timeline_from_environ
+
+    assert profiler_environ(ProfilerConfig(enabled=False)) == {}
+    assert timeline_from_environ(0, "env0", environ={}) is NULL_TIMELINE
+    environ = profiler_environ(ProfilerConfig(out_dir=str(tmp_path)))
+    tl = timeline_from_environ(3, "env7", environ=environ)
+    with tl.span("rollout/env_step"):
+        pass
+    tl.close()
+    span_, = load_trace(tmp_path).spans
+    assert (span_.rank, span_.worker) == (3, "env7")

@@ -1,0 +1,193 @@
+"""Attention over the fast path's slot KV layout, through PyTorch SDPA or flashinfer.
+
+KV layout (one "slot" of S = P + H rows per sample and layer, (B, S, KV, hd)): the prefix's
+tokens are permuted so the valid ones come first (RoPE is applied before K is stored, so key
+order does not matter), rows [0, n_b) hold them; each denoise step writes its H action tokens'
+K/V at rows [n_b, n_b + H), over padding that nothing reads. So every query attends to one
+contiguous run of keys per sample: [0, n_b) for the prefix, [0, n_b + H) for the expert.
+
+- `SdpaAttention`: F.scaled_dot_product_attention with a key-length mask (B, 1, 1, S).
+- `TritonSplitKVAttention` (triton_attention.py): GQA-packed split-KV flash-decoding kernels.
+- `FlashInferAttention`: flashinfer's paged prefill with one page per sample (page size S,
+  last-page length = the run's length): no mask, MQA/GQA native. `plan()` runs on the host
+  before each call or graph replay; the kernel reads the plan from fixed buffers.
+Which is fastest depends on shape and device; `AttentionSelector` checks each against fp32
+attention, times the correct ones on the real shapes and records times, errors and the choice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BACKENDS = ("sdpa", "flashinfer", "triton")
+
+
+class SdpaAttention:
+    name = "sdpa"
+
+    def __init__(self, batch: int, rows: int, device: torch.device):
+        self.key_len = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.arange = torch.arange(rows, device=device)
+
+    def plan(self, key_len: Tensor) -> None:
+        self.key_len.copy_(key_len, non_blocking=True)
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """q (B, T, H, hd); caches (B, S, KV, hd) -> (B, T, H * hd)."""
+        b, t, heads, hd = q.shape
+        kv = k_cache.shape[2]
+        mask = (self.arange[None, :] < self.key_len[:, None])[:, None, None, :]
+        k = k_cache.transpose(1, 2)
+        v = v_cache.transpose(1, 2)
+        if kv != heads:
+            s = k.shape[2]
+            k = k[:, :, None].expand(b, kv, heads // kv, s, hd).reshape(b, heads, s, hd)
+            v = v[:, :, None].expand(b, kv, heads // kv, s, hd).reshape(b, heads, s, hd)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, t, heads * hd)
+
+
+class FlashInferAttention:
+    name = "flashinfer"
+    WORKSPACE_BYTES = 128 * 1024 * 1024
+
+    def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        import flashinfer
+
+        self.shape = (batch, queries, rows, heads, kv_heads, head_dim)
+        self.dtype = dtype
+        self.workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.qo_indptr = torch.arange(batch + 1, **i32) * queries
+        self.kv_indptr = torch.arange(batch + 1, **i32)
+        self.kv_indices = torch.arange(batch, **i32)
+        self.last_page_len = torch.full((batch,), rows, **i32)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            qo_indptr_buf=self.qo_indptr, paged_kv_indptr_buf=self.kv_indptr,
+            paged_kv_indices_buf=self.kv_indices, paged_kv_last_page_len_buf=self.last_page_len,
+        )
+        self.plan(torch.full((batch,), rows, dtype=torch.int32))
+
+    def plan(self, key_len: Tensor) -> None:
+        batch, _, rows, heads, kv_heads, head_dim = self.shape
+        self.wrapper.plan(
+            self.qo_indptr.cpu(), self.kv_indptr.cpu(), self.kv_indices.cpu(), key_len.to("cpu", torch.int32),
+            heads, kv_heads, head_dim, rows, causal=False, q_data_type=self.dtype, kv_data_type=self.dtype,
+        )
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        b, t, heads, hd = q.shape
+        out = self.wrapper.run(q.reshape(b * t, heads, hd), (k_cache, v_cache))
+        return out.view(b, t, heads * hd)
+
+
+def flashinfer_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return True
+
+
+@dataclass
+class AttentionSelector:
+    """Chooses a backend per (stage, batch, queries, rows) by timing the candidates on the real
+    shapes. A candidate must first reproduce fp32 attention on the same random inputs (relative
+    L2 below `tolerance`); one that does not is recorded as rejected and never used.
+
+    `policy` is "auto" (measure), or one backend name to force. Every decision (times, errors,
+    choice) lands in `records`, and in `profile_path` as JSON when given.
+    """
+
+    policy: str = "auto"
+    profile_path: str | None = None
+    tolerance: float = 2e-2
+    records: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.policy not in ("auto", *BACKENDS):
+            raise ValueError(f"policy.fast.attention must be 'auto' or one of {BACKENDS}, got {self.policy!r}")
+
+    def candidates(self, batch, queries, rows, heads, kv_heads, head_dim, dtype, device) -> dict:
+        found = {"sdpa": lambda: SdpaAttention(batch, rows, device)}
+        if device.type == "cuda" and flashinfer_available():
+            found["flashinfer"] = lambda: FlashInferAttention(batch, queries, rows, heads, kv_heads, head_dim, dtype, device)
+        if device.type == "cuda" and triton_available():
+            from policies.fast.triton_attention import TritonSplitKVAttention
+
+            found["triton"] = lambda: TritonSplitKVAttention(batch, queries, rows, heads, kv_heads, head_dim, device)
+        return found
+
+    def build(self, stage: str, batch: int, queries: int, rows: int, heads: int, kv_heads: int,
+              head_dim: int, dtype: torch.dtype, device: torch.device, key_len: Tensor):
+        key = f"{stage}/b{batch}/q{queries}/s{rows}"
+        found = self.candidates(batch, queries, rows, heads, kv_heads, head_dim, dtype, device)
+        if self.policy != "auto":
+            if self.policy not in found:
+                raise RuntimeError(f"policy.fast.attention={self.policy!r} is not usable on {device} here")
+            return self._record(key, found[self.policy](), {}, {}, "forced")
+        if device.type != "cuda":
+            return self._record(key, found["sdpa"](), {}, {}, "no cuda")
+        q = torch.randn(batch, queries, heads, head_dim, device=device, dtype=dtype)
+        k = torch.randn(batch, rows, kv_heads, head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        lengths = torch.randint(max(1, rows // 2), rows + 1, (batch,), dtype=torch.int32)
+        exact = SdpaAttention(batch, rows, device)
+        exact.plan(lengths)
+        want = exact(q.float(), k.float(), v.float())
+        built, times, errors = {}, {}, {}
+        for name, make in found.items():
+            try:
+                backend = make()
+                backend.plan(lengths)
+                got = backend(q, k, v).float()
+                errors[name] = float((got - want).norm() / want.norm())
+                if errors[name] < self.tolerance:
+                    backend.plan(key_len)
+                    times[name] = _median_cuda_ms(lambda: backend(q, k, v))
+                    built[name] = backend
+            except Exception as exc:  # noqa: BLE001 - a failing candidate is recorded and skipped
+                errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+        best = min(built, key=times.__getitem__)
+        return self._record(key, built[best], times, errors, "measured")
+
+    def _record(self, key, backend, times, errors, why):
+        self.records[key] = {"chosen": backend.name, "times_ms": times, "rel_err": errors, "why": why}
+        if self.profile_path:
+            path = Path(self.profile_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.records, indent=2))
+        return backend
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def _median_cuda_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(start, end):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(start, end))
+    return times[len(times) // 2]

@@ -1,0 +1,324 @@
+"""Fused element-wise kernels for the fast path (Triton on CUDA; plain PyTorch elsewhere).
+
+Why: at batch 1 the denoise loop is launch-bound (18 layers x 10 steps), and a plain PyTorch
+RMSNorm is 6-8 kernels. Each function here is one kernel on CUDA:
+- `add_rms_norm`: h <- h + y * gate (optional), then out = rms(h) * (1 + scale) + shift, with
+  per-row (AdaRMS) or shared (Gemma RMSNorm) scale/shift. Residual stream in the activation
+  dtype (as LeRobot's bf16 residual adds), normalisation in fp32.
+- `rope_scatter_qkv`: split a fused QKV projection, apply RoPE to q and k, write q to a dense
+  buffer and k, v into per-sample KV-cache slots (the prefix/suffix layout of `attention.py`).
+- `gelu_tanh_mul`: GeGLU's gelu_tanh(gate) * up over a fused gate/up projection.
+- `add_layer_norm`: SigLIP's residual add + LayerNorm in one pass (same kernel, LayerNorm mode).
+- `linear_gelu_tanh`: SigLIP's fc1 with the GELU in cuBLASLt's epilogue on CUDA.
+- `flow_step`: one ODE/SDE denoise update with its log-density (RLinf's flow-SDE, policies.flow).
+Each has a `*_reference` twin in plain PyTorch: the CPU path, and what the tests compare the
+Triton kernels against (on CPU through TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+# ----------------------------------------------------------------------------- references
+
+
+def add_rms_norm_reference(
+    h: Tensor, y: Tensor | None, gate: Tensor | None, scale: Tensor, shift: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
+    """h (N, W); y (N, W) or None; gate/scale/shift (N, W) or (W,) -> (new h, normed), h's dtype."""
+    if y is not None:
+        update = y.float() * gate.float() if gate is not None else y.float()
+        h = (h.float() + update).to(h.dtype)
+    x = h.float()
+    normed = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps) * (1.0 + scale.float())
+    if shift is not None:
+        normed = normed + shift.float()
+    return h, normed.to(h.dtype)
+
+
+def add_layer_norm_reference(
+    h: Tensor, y: Tensor | None, weight: Tensor, bias: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """SigLIP's pre-norm residual step: h <- h + y (in h's dtype), then LayerNorm(h) in fp32."""
+    if y is not None:
+        h = (h.float() + y.float()).to(h.dtype)
+    normed = torch.nn.functional.layer_norm(h.float(), (h.shape[-1],), weight.float(), bias.float(), eps)
+    return h, normed.to(h.dtype)
+
+
+def rope_scatter_qkv_reference(
+    qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int,
+    q_out: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+) -> None:
+    """qkv (B, T, (H + 2 KV) hd); cos/sin (B, T, hd); q_out (B, T, H, hd);
+    k_cache/v_cache (B, S, KV, hd); slots (B, T) int: cache row of each token."""
+    b, t, _ = qkv.shape
+    hd = cos.shape[-1]
+    q, k, v = qkv.split((num_heads * hd, num_kv_heads * hd, num_kv_heads * hd), dim=-1)
+    q = q.view(b, t, num_heads, hd).float()
+    k = k.view(b, t, num_kv_heads, hd).float()
+    c, s = cos.float()[:, :, None, :], sin.float()[:, :, None, :]
+
+    def rot(x: Tensor) -> Tensor:
+        half = hd // 2
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+    q_out.copy_((q * c + rot(q) * s).to(q_out.dtype))
+    rows = torch.arange(b, device=qkv.device)[:, None].expand(b, t)
+    k_cache[rows, slots.long()] = (k * c + rot(k) * s).to(k_cache.dtype)
+    v_cache[rows, slots.long()] = v.view(b, t, num_kv_heads, hd).to(v_cache.dtype)
+
+
+def gelu_tanh_mul_reference(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (torch.nn.functional.gelu(gate.float(), approximate="tanh") * up.float()).to(gate_up.dtype)
+
+
+def flow_step_reference(chains: Tensor, v: Tensor, step_noise: Tensor, stochastic: Tensor, logp: Tensor,
+                        k: int, t: float, delta: float, sigma: float, dt: float) -> None:
+    """One denoise update, in place: chains[:, k+1] from chains[:, k] and the velocity v (B, H, D):
+    RLinf's flow-SDE step where stochastic[:, k], else the Euler step x + dt v; logp[:, k] gets the
+    Gaussian log-density of a stochastic step (0 on deterministic ones). fp32, as policies.flow."""
+    from policies import flow
+
+    x = chains[:, k]
+    as_t = lambda value: torch.tensor(value, dtype=x.dtype, device=x.device)  # noqa: E731
+    mean, std = flow.sde_step_mean_std(x, v, as_t(t), as_t(delta), as_t(sigma))
+    chosen = stochastic[:, k, None, None]
+    x_next = torch.where(chosen, mean + std * step_noise[:, k], flow.euler_step(x, v, dt))
+    chains[:, k + 1].copy_(x_next)
+    logp[:, k].copy_(torch.where(chosen, flow.gaussian_log_prob(x_next, mean, std), torch.zeros_like(x_next)))
+
+
+# ----------------------------------------------------------------------------- triton
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_kernels():
+    """Compile-on-import of the Triton kernels, deferred so CPU-only runs never import triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_norm_kernel(
+        h_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, out_ptr, width, eps,
+        gate_row_stride, scale_row_stride, shift_row_stride,
+        HAS_Y: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, LAYER_NORM: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < width
+        h = tl.load(h_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_Y:
+            y = tl.load(y_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_GATE:
+                y = y * tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            h = (h + y).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * width + cols, h, mask=mask)
+            h = h.to(tl.float32)
+        scale = tl.load(scale_ptr + row * scale_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if LAYER_NORM:  # (h - mean) * rstd * weight + bias
+            h = tl.where(mask, h - tl.sum(h, axis=0) / width, 0.0)
+            normed = h * tl.rsqrt(tl.sum(h * h, axis=0) / width + eps) * scale
+        else:  # Gemma RMSNorm / AdaRMS: h * rstd * (1 + scale) + shift
+            normed = h * tl.rsqrt(tl.sum(h * h, axis=0) / width + eps) * (1.0 + scale)
+        if HAS_SHIFT:
+            normed += tl.load(shift_ptr + row * shift_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * width + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def rope_scatter_kernel(
+        qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
+        tokens_per_sample, cache_rows, num_heads, num_kv_heads,
+        HD: tl.constexpr, HALF: tl.constexpr,
+    ):
+        token = tl.program_id(0)  # flat (b * T + t)
+        head = tl.program_id(1)  # 0..H-1 q heads, then KV k heads, then KV v heads
+        sample = token // tokens_per_sample
+        d = tl.arange(0, HALF)
+        row_width = (num_heads + 2 * num_kv_heads) * HD
+        src = qkv_ptr + token * row_width + head * HD
+        x1 = tl.load(src + d).to(tl.float32)
+        x2 = tl.load(src + HALF + d).to(tl.float32)
+        slot = tl.load(slot_ptr + token)
+        if head < num_heads + num_kv_heads:
+            c1 = tl.load(cos_ptr + token * HD + d).to(tl.float32)
+            c2 = tl.load(cos_ptr + token * HD + HALF + d).to(tl.float32)
+            s1 = tl.load(sin_ptr + token * HD + d).to(tl.float32)
+            s2 = tl.load(sin_ptr + token * HD + HALF + d).to(tl.float32)
+            o1 = x1 * c1 - x2 * s1
+            o2 = x2 * c2 + x1 * s2
+            if head < num_heads:
+                dst = q_ptr + (token * num_heads + head) * HD
+            else:
+                kv = head - num_heads
+                dst = k_ptr + ((sample * cache_rows + slot) * num_kv_heads + kv) * HD
+            tl.store(dst + d, o1.to(dst.dtype.element_ty))
+            tl.store(dst + HALF + d, o2.to(dst.dtype.element_ty))
+        else:
+            kv = head - num_heads - num_kv_heads
+            dst = v_ptr + ((sample * cache_rows + slot) * num_kv_heads + kv) * HD
+            tl.store(dst + d, x1.to(dst.dtype.element_ty))
+            tl.store(dst + HALF + d, x2.to(dst.dtype.element_ty))
+
+    @triton.jit
+    def gelu_tanh_mul_kernel(gu_ptr, out_ptr, width, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < width
+        g = tl.load(gu_ptr + row * 2 * width + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * width + width + cols, mask=mask, other=0.0).to(tl.float32)
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh is +-1 there; avoids exp overflow
+        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+        out = 0.5 * g * (1.0 + tanh) * u
+        tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def flow_step_kernel(chains_ptr, v_ptr, noise_ptr, stoch_ptr, logp_ptr, k, num_steps, width,
+                         t, delta, sigma, dt, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = i < width
+        src = chains_ptr + (b * (num_steps + 1) + k) * width + i
+        x = tl.load(src, mask=m, other=0.0)
+        v = tl.load(v_ptr + b * width + i, mask=m, other=0.0)
+        eps = tl.load(noise_ptr + (b * num_steps + k) * width + i, mask=m, other=0.0)
+        chosen = tl.load(stoch_ptr + b * num_steps + k) != 0
+        x0 = x - v * t
+        x1 = x + v * (1 - t)
+        mean = x0 * (1 - (t - delta)) + x1 * (t - delta - sigma * sigma * delta / (2 * t))
+        std = tl.sqrt(delta) * sigma
+        x_next = tl.where(chosen, mean + std * eps, x + dt * v)
+        safe = tl.where(chosen, std, 1.0)
+        z = (x_next - mean) / safe
+        logp = tl.where(chosen, -tl.log(safe) - 0.9189385332046727 - 0.5 * z * z, 0.0)
+        tl.store(src + width, x_next, mask=m)
+        tl.store(logp_ptr + (b * num_steps + k) * width + i, logp, mask=m)
+
+    return add_norm_kernel, rope_scatter_kernel, gelu_tanh_mul_kernel, flow_step_kernel
+
+
+def triton_usable(t: Tensor) -> bool:
+    """Dispatch to Triton for CUDA tensors only. (The `*_triton` functions also run on CPU
+    tensors under TRITON_INTERPRET=1; the tests call them directly that way.)"""
+    return t.is_cuda
+
+
+def _row_stride(t: Tensor | None) -> int:
+    return 0 if t is None or t.dim() == 1 else t.stride(0)
+
+
+def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool) -> tuple[Tensor, Tensor]:
+    kernel = _triton_kernels()[0]
+    width = h.shape[-1]
+    rows = h.numel() // width
+    out = torch.empty_like(h)
+    block = 1 << max(4, math.ceil(math.log2(width)))
+    kernel[(rows,)](
+        h, y if y is not None else h, gate if gate is not None else h, scale,
+        shift if shift is not None else scale, out, width, eps,
+        _row_stride(gate), _row_stride(scale), _row_stride(shift),
+        HAS_Y=y is not None, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None, LAYER_NORM=layer_norm,
+        BLOCK=block, num_warps=8 if width >= 2048 else 4,
+    )
+    return h, out
+
+
+def add_rms_norm_triton(
+    h: Tensor, y: Tensor | None, gate: Tensor | None, scale: Tensor, shift: Tensor | None, eps: float,
+) -> tuple[Tensor, Tensor]:
+    """In place on h (when y is given). Rows are the leading dims flattened; (W,) params are shared."""
+    return _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm=False)
+
+
+def add_layer_norm_triton(h: Tensor, y: Tensor | None, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """In place on h (when y is given): h += y; returns (h, LayerNorm(h))."""
+    return _add_norm_triton(h, y, None, weight, bias, eps, layer_norm=True)
+
+
+def rope_scatter_qkv_triton(
+    qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int,
+    q_out: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+) -> None:
+    kernel = _triton_kernels()[1]
+    b, t, _ = qkv.shape
+    hd = cos.shape[-1]
+    kernel[(b * t, num_heads + 2 * num_kv_heads)](
+        qkv, cos, sin, q_out, k_cache, v_cache, slots, t, k_cache.shape[1], num_heads, num_kv_heads,
+        HD=hd, HALF=hd // 2, num_warps=1,
+    )
+
+
+def gelu_tanh_mul_triton(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
+    kernel = _triton_kernels()[2]
+    width = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // (2 * width)
+    out = gate_up.new_empty(*gate_up.shape[:-1], width) if out is None else out
+    block = 1024
+    kernel[(rows, math.ceil(width / block))](gate_up, out, width, BLOCK=block, num_warps=4)
+    return out
+
+
+def flow_step_triton(chains, v, step_noise, stochastic, logp, k, t, delta, sigma, dt) -> None:
+    kernel = _triton_kernels()[3]
+    batch, steps_plus_one = chains.shape[:2]
+    width = chains[0, 0].numel()
+    block = 1024
+    kernel[(batch, math.ceil(width / block))](
+        chains, v, step_noise, stochastic, logp, k, steps_plus_one - 1, width, t, delta, sigma, dt,
+        BLOCK=block, num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def add_rms_norm(h, y, gate, scale, shift, eps):
+    if triton_usable(h) and h.is_contiguous():
+        return add_rms_norm_triton(h, y, gate, scale, shift, eps)
+    new_h, normed = add_rms_norm_reference(h, y, gate, scale, shift, eps)
+    if y is not None:
+        h.copy_(new_h)
+    return h, normed
+
+
+def add_layer_norm(h, y, weight, bias, eps):
+    if triton_usable(h) and h.is_contiguous():
+        return add_layer_norm_triton(h, y, weight, bias, eps)
+    new_h, normed = add_layer_norm_reference(h, y, weight, bias, eps)
+    if y is not None:
+        h.copy_(new_h)
+    return h, normed
+
+
+def linear_gelu_tanh(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """gelu_tanh(x W^T + b); on CUDA the GELU runs in cuBLASLt's GEMM epilogue (one kernel)."""
+    if x.is_cuda:
+        shape = x.shape
+        out = torch._addmm_activation(bias, x.reshape(-1, shape[-1]), weight.t(), use_gelu=True)
+        return out.view(*shape[:-1], -1)
+    return torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias), approximate="tanh")
+
+
+def rope_scatter_qkv(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots):
+    if triton_usable(qkv) and qkv.is_contiguous():
+        return rope_scatter_qkv_triton(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots)
+    return rope_scatter_qkv_reference(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots)
+
+
+def gelu_tanh_mul(gate_up: Tensor) -> Tensor:
+    if triton_usable(gate_up) and gate_up.is_contiguous():
+        return gelu_tanh_mul_triton(gate_up)
+    return gelu_tanh_mul_reference(gate_up)
+
+
+def flow_step(chains, v, step_noise, stochastic, logp, k, t, delta, sigma, dt) -> None:
+    if triton_usable(chains) and chains.is_contiguous() and v.is_contiguous():
+        return flow_step_triton(chains, v, step_noise, stochastic, logp, k, t, delta, sigma, dt)
+    return flow_step_reference(chains, v, step_noise, stochastic, logp, k, t, delta, sigma, dt)

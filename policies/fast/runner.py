@@ -1,0 +1,289 @@
+"""The fast pi0.5 sampler: bucketed static buffers, three stages, one CUDA graph per stage.
+
+Stages of one call (each a CUDA graph per (batch bucket, prompt bucket) on CUDA, eager
+elsewhere), all reading and writing fixed buffers of a `Bucket`:
+1. vision: every camera of the whole batch through SigLIP in one batched call, the prompt
+   embedded, the prefix tokens permuted so the valid ones come first (attention.py's layout).
+2. prefix: the Gemma prefix once, writing RoPE'd K/V of every layer into the slot caches (the
+   last layer stops after its K/V: nothing reads the rest).
+3. denoise: all K steps (AdaRMS rows from the precomputed table, the expert attending to the
+   cached prefix K/V, ODE/SDE update with the step noise and the per-sample stochastic mask,
+   log-probs) with no host synchronisation.
+The host work per call is small: pick the bucket, copy inputs into its buffers, plan the
+attention, replay. The plain model (`policies.models.pi05` / `reference.py`) stays the
+reference the tests compare this against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from policies import flow
+from policies.fast import kernels as K
+from policies.fast.attention import AttentionSelector
+from policies.fast.config import FastConfig
+from policies.fast.weights import FastWeights
+from policies.models.gemma import rope_cos_sin
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+STAGES = ("vision", "prefix", "denoise")
+
+
+@dataclass
+class Bucket:
+    batch: int
+    prompt_len: int
+    tensors: dict[str, Tensor]
+    k_cache: list[Tensor]
+    v_cache: list[Tensor]
+    prefix_attn: object = None
+    expert_attn: object = None
+    graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
+    staged: object = None  # CUDA event recorded after the last copy out of host_pack
+
+
+class FastSampler:
+    def __init__(self, model, fast_cfg: FastConfig):
+        self.model, self.cfg = model, model.cfg
+        self.fast = fast_cfg
+        self.device = model.action_in_proj.weight.device
+        self.dtype = DTYPES[fast_cfg.dtype]
+        self.num_steps = self.cfg.sampling.num_steps
+        self.w = FastWeights(model, self.dtype, self.num_steps)
+        self.selector = AttentionSelector(fast_cfg.attention, fast_cfg.attention_profile_path)
+        self.buckets: dict[tuple[int, int], Bucket] = {}
+        self.use_graphs = fast_cfg.cuda_graphs and self.device.type == "cuda"
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        grid = self.w.grid  # fixed per num_steps: baked into the graphs as constants
+        deltas, sigmas = flow.step_deltas(grid), flow.sde_sigmas(grid, self.cfg.sampling.noise_level)
+        self.step_constants = [(float(grid[k]), float(deltas[k]), float(sigmas[k]), -1.0 / self.num_steps)
+                               for k in range(self.num_steps)]
+
+    # ------------------------------------------------------------------ public
+    def refresh_weights(self) -> None:
+        """Call after the model's weights changed in place (no graph re-capture needed)."""
+        self.w.refresh()
+
+    @torch.no_grad()
+    def sample_chains(self, inputs, noise: Tensor, step_noise: Tensor | None, stochastic: Tensor) -> tuple[Tensor, Tensor]:
+        """inputs: ModelInputs; noise (B, H, D); step_noise (B, K, H, D) or None (drawn here);
+        stochastic (B, K) bool -> chains (B, K+1, H, D), step_logprobs (B, K, H, D), fp32."""
+        total = inputs.batch_size
+        largest = self.fast.batch_buckets[-1]
+        if total > largest:  # split: graphs exist only up to the largest bucket
+            parts = [self.sample_chains(_rows(inputs, s, s + largest), noise[s:s + largest],
+                                        None if step_noise is None else step_noise[s:s + largest],
+                                        stochastic[s:s + largest]) for s in range(0, total, largest)]
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        bucket = self.prepare(inputs, noise, step_noise, stochastic)
+        for stage in STAGES:
+            self.run_stage(bucket, stage)
+        t = bucket.tensors
+        return t["chains"][:total].clone(), t["step_logprobs"][:total].clone()
+
+    def prepare(self, inputs, noise: Tensor, step_noise: Tensor | None, stochastic: Tensor) -> Bucket:
+        """Pick (and build on first use) the bucket, and copy this call's inputs into it.
+
+        The token layout (valid-first order, RoPE positions, suffix slots) is computed on the
+        host from the masks (tiny) and sent as one packed copy; the attention is planned from
+        the same host lengths, so no device value is read back."""
+        b = inputs.batch_size
+        token_mask = inputs.token_mask.bool().cpu()
+        image_masks = inputs.image_masks.bool().cpu()
+        trailing = (token_mask.flip(1).cumsum(1) == 0).sum(1)
+        used = int(token_mask.shape[1] - trailing.min()) if b else 0
+        bucket = self._bucket(_pick(self.fast.batch_buckets, b, "batch size"),
+                              _pick(self.fast.prompt_buckets, max(used, 1), "prompt length"))
+        n_valid = self._fill(bucket, inputs, image_masks, token_mask, noise, step_noise, stochastic)
+        bucket.prefix_attn.plan(n_valid)
+        bucket.expert_attn.plan(n_valid + self.cfg.chunk_size)
+        return bucket
+
+    def run_stage(self, bucket: Bucket, stage: str) -> None:
+        """Replay the stage's graph (captured on first use), or run it eagerly without graphs."""
+        graph = bucket.graphs.get(stage)
+        if graph is not None:
+            graph.replay()
+            return
+        fn = getattr(self, f"_stage_{stage}")
+        if not self.use_graphs:
+            fn(bucket)
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(bucket)  # warm-up on a side stream (allocator, cuBLAS handles, Triton compile)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            fn(bucket)
+        bucket.graphs[stage] = graph
+        graph.replay()
+
+    # ------------------------------------------------------------------ buffers
+    def _bucket(self, batch: int, prompt_len: int) -> Bucket:
+        key = (batch, prompt_len)
+        if key in self.buckets:
+            return self.buckets[key]
+        cfg, dev = self.cfg, self.device
+        cams, res, n = len(cfg.cameras), cfg.vision.image_size, cfg.vision.num_patches
+        h, d, steps = cfg.chunk_size, cfg.max_action_dim, self.num_steps
+        p = cams * n + prompt_len
+        rows = p + h
+        kv, hd = cfg.prefix.num_kv_heads, cfg.prefix.head_dim
+        z = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        tensors = {
+            "images": z(batch, cams, 3, res, res, dtype=self.dtype),
+            "tokens": z(batch, prompt_len, dtype=torch.long),
+            # order (B, P), positions (B, P), suffix slots = positions (B, H): one packed H2D copy
+            "index_pack": z(batch * (2 * p + h), dtype=torch.long),
+            "prefix_slots": torch.arange(p, device=dev).repeat(batch, 1),
+            "embeddings": z(batch, p, cfg.prefix.width, dtype=self.dtype),
+            "noise": z(batch, h, d),
+            "step_noise": z(batch, steps, h, d),
+            "stochastic": z(batch, steps, dtype=torch.bool),
+            "chains": z(batch, steps + 1, h, d),
+            "step_logprobs": z(batch, steps, h, d),
+        }
+        pack = tensors["index_pack"]
+        tensors["order"] = pack[: batch * p].view(batch, p)
+        tensors["positions"] = pack[batch * p: 2 * batch * p].view(batch, p)
+        tensors["suffix_slots"] = tensors["suffix_positions"] = pack[2 * batch * p:].view(batch, h)
+        caches = [[z(batch, rows, kv, hd, dtype=self.dtype) for _ in range(cfg.expert.depth)] for _ in range(2)]
+        bucket = Bucket(batch, prompt_len, tensors, caches[0], caches[1])
+        bucket.host_pack = torch.empty(pack.numel(), dtype=torch.long, pin_memory=dev.type == "cuda")
+        full = torch.full((batch,), p, dtype=torch.int32)
+        heads = cfg.prefix.num_heads
+        bucket.prefix_attn = self.selector.build("prefix", batch, p, rows, heads, kv, hd, self.dtype, dev, full)
+        bucket.expert_attn = self.selector.build("expert", batch, h, rows, heads, kv, hd, self.dtype, dev, full)
+        self.buckets[key] = bucket
+        return bucket
+
+    def _fill(self, bucket: Bucket, inputs, image_masks: Tensor, token_mask: Tensor, noise, step_noise, stochastic) -> Tensor:
+        """Copy inputs into the bucket's buffers; returns the host (bucket rows,) valid prefix lengths."""
+        t, b, rows = bucket.tensors, inputs.batch_size, bucket.batch
+        mask = F.pad(token_mask[:, : bucket.prompt_len], (0, bucket.prompt_len - min(token_mask.shape[1], bucket.prompt_len)))
+        image_pad = image_masks[:, :, None].expand(-1, -1, self.cfg.vision.num_patches).flatten(1)
+        valid = _pad_rows(torch.cat([image_pad, mask], dim=1), rows)  # (rows, P) host bool
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid tokens first
+        positions = (torch.cumsum(valid.long(), dim=1) - 1).gather(1, order)
+        n_valid = valid.sum(dim=1)
+        suffix = n_valid[:, None] + torch.arange(self.cfg.chunk_size)
+        packed = torch.cat([order.flatten(), positions.flatten(), suffix.flatten()])
+        if bucket.staged is not None:
+            bucket.staged.synchronize()  # the previous call's copy out of the staging buffer is done
+        bucket.host_pack.copy_(packed)
+        t["index_pack"].copy_(bucket.host_pack, non_blocking=True)
+        if self.device.type == "cuda":
+            bucket.staged = torch.cuda.Event()
+            bucket.staged.record()
+        tokens = inputs.tokens[:, : bucket.prompt_len]
+        copies = {"images": inputs.images, "tokens": tokens, "noise": noise, "stochastic": stochastic}
+        if step_noise is not None:
+            copies["step_noise"] = step_noise
+        for name, value in copies.items():
+            buf = t[name]
+            if name == "tokens" and value.shape[1] < buf.shape[1]:
+                buf.zero_()
+                buf = buf[:, : value.shape[1]]
+            buf[:b].copy_(value, non_blocking=True)
+            if b < rows:  # padding rows repeat row 0: finite numbers, outputs dropped
+                buf[b:].copy_(buf[:1].expand_as(buf[b:]))
+        if step_noise is None:
+            t["step_noise"].normal_()
+        return n_valid.to(torch.int32)
+
+    # ------------------------------------------------------------------ stages
+    def _stage_vision(self, bk: Bucket) -> None:
+        t, w, cfg = bk.tensors, self.w.vision, self.cfg.vision
+        imgs = t["images"].flatten(0, 1)
+        x = F.conv2d(imgs, w["patch"].weight, w["patch"].bias, stride=cfg.patch_size)
+        x = x.flatten(2).transpose(1, 2) + w["pos"]
+        n, tok, width = x.shape
+        h = x.reshape(n * tok, width).contiguous()  # residual stream, updated in place
+        layers, eps = w["layers"], cfg.layer_norm_eps
+        _, y = K.add_layer_norm(h, None, layers[0]["ln1"].weight, layers[0]["ln1"].bias, eps)
+        for i, lw in enumerate(layers):
+            qkv = F.linear(y, lw["qkv"].weight, lw["qkv"].bias).view(n, tok, 3, cfg.num_heads, -1).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape(n * tok, width)
+            h, y = K.add_layer_norm(h, F.linear(a, lw["out"].weight, lw["out"].bias), lw["ln2"].weight, lw["ln2"].bias, eps)
+            mlp = F.linear(K.linear_gelu_tanh(y, lw["fc1"].weight, lw["fc1"].bias), lw["fc2"].weight, lw["fc2"].bias)
+            norm = layers[i + 1]["ln1"] if i + 1 < len(layers) else w["post_ln"]  # next pre-norm, or post_ln
+            h, y = K.add_layer_norm(h, mlp, norm.weight, norm.bias, eps)
+        img = F.linear(y, w["proj"].weight, w["proj"].bias).view(bk.batch, -1, self.cfg.prefix.width)
+        lang = F.embedding(t["tokens"], self.w.embed) * self.w.embed_scale
+        emb = torch.cat([img, lang.to(img.dtype)], dim=1)
+        t["embeddings"].copy_(emb.gather(1, t["order"][..., None].expand_as(emb)))
+
+    def _stage_prefix(self, bk: Bucket) -> None:
+        t, pcfg = bk.tensors, self.cfg.prefix
+        b, p, width = t["embeddings"].shape
+        h = t["embeddings"].reshape(b * p, width).clone()
+        cos, sin = rope_cos_sin(t["positions"], pcfg.head_dim, pcfg.rope_theta, self.dtype)
+        q = torch.empty(b, p, pcfg.num_heads, pcfg.head_dim, dtype=self.dtype, device=self.device)
+        _, normed = K.add_rms_norm(h, None, None, self.w.prefix_norms[0], None, pcfg.rms_norm_eps)
+        last = len(self.w.prefix) - 1
+        for i, lw in enumerate(self.w.prefix):
+            qkv = F.linear(normed, lw["qkv"].weight).view(b, p, -1)
+            K.rope_scatter_qkv(qkv, cos, sin, pcfg.num_heads, pcfg.num_kv_heads, q, bk.k_cache[i], bk.v_cache[i],
+                               t["prefix_slots"])
+            if i == last:
+                break
+            attn = bk.prefix_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * p, -1)
+            o = F.linear(attn, lw["o"].weight)
+            h, normed = K.add_rms_norm(h, o, None, self.w.prefix_post_norms[i], None, pcfg.rms_norm_eps)
+            mlp = F.linear(K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight)), lw["down"].weight)
+            h, normed = K.add_rms_norm(h, mlp, None, self.w.prefix_norms[i + 1], None, pcfg.rms_norm_eps)
+
+    def _stage_denoise(self, bk: Bucket) -> None:
+        t, steps = bk.tensors, self.num_steps
+        ecfg = self.cfg.expert
+        cos, sin = rope_cos_sin(t["suffix_positions"], ecfg.head_dim, ecfg.rope_theta, self.dtype)
+        chains = t["chains"]
+        chains[:, 0].copy_(t["noise"])
+        for k in range(steps):
+            v = self._velocity(bk, chains[:, k], k, cos, sin)
+            K.flow_step(chains, v, t["step_noise"], t["stochastic"], t["step_logprobs"], k, *self.step_constants[k])
+
+    def _velocity(self, bk: Bucket, x: Tensor, step: int, cos: Tensor, sin: Tensor) -> Tensor:
+        ecfg, w = self.cfg.expert, self.w
+        b, hlen, d = x.shape
+        h = F.linear(x, w.action_in.weight, w.action_in.bias).to(self.dtype).reshape(b * hlen, -1)
+        q = torch.empty(b, hlen, ecfg.num_heads, ecfg.head_dim, dtype=self.dtype, device=self.device)
+        scale, shift, gate = w.modulation(step, 0)
+        _, normed = K.add_rms_norm(h, None, None, scale, shift, ecfg.rms_norm_eps)
+        for i, lw in enumerate(w.expert):
+            qkv = F.linear(normed, lw["qkv"].weight).view(b, hlen, -1)
+            K.rope_scatter_qkv(qkv, cos, sin, ecfg.num_heads, ecfg.num_kv_heads, q, bk.k_cache[i], bk.v_cache[i],
+                               bk.tensors["suffix_slots"])
+            o = F.linear(bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1), lw["o"].weight)
+            scale, shift, post_gate = w.modulation(step, 2 * i + 1)
+            h, normed = K.add_rms_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps)
+            mlp = F.linear(K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight)), lw["down"].weight)
+            scale, shift, gate = w.modulation(step, 2 * i + 2)  # next input norm, or the final norm
+            h, normed = K.add_rms_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps)
+        out = F.linear(normed.float(), w.action_out.weight.float(), w.action_out.bias.float())
+        return out.view(b, hlen, d)
+
+
+def _pick(buckets: list[int], value: int, what: str) -> int:
+    for size in buckets:
+        if value <= size:
+            return size
+    raise ValueError(f"{what} {value} exceeds the largest fast-path bucket {buckets[-1]}")
+
+
+def _pad_rows(values: Tensor, rows: int) -> Tensor:
+    if len(values) >= rows:
+        return values
+    return torch.cat([values, values[:1].expand(rows - len(values), *values.shape[1:])])
+
+
+def _rows(inputs, start: int, stop: int):
+    return type(inputs)(inputs.images[start:stop], inputs.image_masks[start:stop], inputs.tokens[start:stop],
+                        inputs.token_mask[start:stop])

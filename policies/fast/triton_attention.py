@@ -1,0 +1,153 @@
+"""Split-KV attention over the slot KV layout, in Triton (the third backend of attention.py).
+
+Why: the expert's attention is tiny per sample (H=50 queries x 8 heads against one KV head of
+~1000 rows), so library prefill kernels run it on a handful of thread blocks, each walking the
+whole KV run: ~60 us per call at batch 1, 180 calls per sample. Here every query head of a KV
+head is packed into one row block (GQA: the K/V tile is loaded once for all 8 heads) and the
+KV run is split over several blocks when the batch alone cannot fill the GPU; a second small
+kernel merges the splits by their log-sum-exp (flash-decoding).
+
+Shapes: q (B, T, H, hd); k_cache, v_cache (B, S, KV, hd); key_len (B,) int32: sample b attends
+to rows [0, key_len[b]). Output (B, T, H * hd) in q's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kv_attention(
+        q_ptr, k_ptr, v_ptr, key_len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        sm_scale, T, S, NUM_SPLITS, SPLIT_ROWS,
+        H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        DIRECT: tl.constexpr,
+    ):
+        group = H // KV
+        bk = tl.program_id(0)  # b * KV + kv head
+        row_tile = tl.program_id(1)
+        split = tl.program_id(2)
+        b = bk // KV
+        kvh = bk % KV
+        rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (t, g) rows
+        row_ok = rows < T * group
+        t = rows // group
+        head = kvh * group + rows % group
+        d = tl.arange(0, HD)
+        q_off = ((b * T + t) * H + head) * HD
+        q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        key_len = tl.load(key_len_ptr + b)
+        start = split * SPLIT_ROWS
+        end = tl.minimum(start + SPLIT_ROWS, key_len)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HD], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            kv_off = ((b * S + n) * KV + kvh) * HD
+            k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * sm_scale
+            scores = tl.where(n_ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        if DIRECT:  # one split: normalise and write the output
+            out = acc / l_i[:, None]
+            o_off = ((b * T + t) * H + head) * HD
+            tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:  # partial result of this split and its log-sum-exp (-inf for an empty split)
+            safe_l = tl.where(l_i > 0, l_i, 1.0)
+            lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
+            part = (bk * NUM_SPLITS + split) * (T * group) + rows
+            tl.store(part_lse_ptr + part, lse, mask=row_ok)
+            tl.store(part_o_ptr + part[:, None] * HD + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
+
+    @triton.jit
+    def merge_splits(
+        part_o_ptr, part_lse_ptr, out_ptr, T, NUM_SPLITS,
+        H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, SPLITS_P2: tl.constexpr,
+    ):
+        group = H // KV
+        bk = tl.program_id(0)
+        row = tl.program_id(1)
+        b = bk // KV
+        kvh = bk % KV
+        s = tl.arange(0, SPLITS_P2)
+        s_ok = s < NUM_SPLITS
+        part = (bk * NUM_SPLITS + s) * (T * group) + row
+        lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        w = tl.where(s_ok, tl.exp(lse - m), 0.0)
+        d = tl.arange(0, HD)
+        o = tl.load(part_o_ptr + part[:, None] * HD + d[None, :], mask=s_ok[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+        t = row // group
+        head = kvh * group + row % group
+        tl.store(out_ptr + ((b * T + t) * H + head) * HD + d, out.to(out_ptr.dtype.element_ty))
+
+    return split_kv_attention, merge_splits
+
+
+class TritonSplitKVAttention:
+    """Backend with the `plan(key_len)` / `__call__(q, k_cache, v_cache)` interface of attention.py."""
+
+    name = "triton"
+    BLOCK_M, BLOCK_N = 32, 64
+
+    def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
+                 device: torch.device, target_blocks: int | None = None):
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
+        self.shape = (batch, queries, rows, heads, kv_heads, head_dim)
+        self.key_len = torch.full((batch,), rows, dtype=torch.int32, device=device)
+        packed_rows = queries * (heads // kv_heads)
+        self.row_tiles = math.ceil(packed_rows / self.BLOCK_M)
+        if target_blocks is None:
+            target_blocks = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        base_blocks = batch * kv_heads * self.row_tiles
+        max_splits = math.ceil(rows / self.BLOCK_N)
+        self.num_splits = max(1, min(max_splits, math.ceil(target_blocks / base_blocks)))
+        # split length: whole BLOCK_N multiples so no block straddles two splits
+        self.split_rows = math.ceil(math.ceil(rows / self.num_splits) / self.BLOCK_N) * self.BLOCK_N
+        if self.num_splits > 1:
+            self.part_o = torch.empty(batch * kv_heads * self.num_splits * packed_rows, head_dim,
+                                      dtype=torch.float32, device=device)
+            self.part_lse = torch.empty(batch * kv_heads * self.num_splits * packed_rows, dtype=torch.float32, device=device)
+
+    def plan(self, key_len: Tensor) -> None:
+        self.key_len.copy_(key_len, non_blocking=True)
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        attend, merge = _kernels()
+        b, t, heads, hd = q.shape
+        kv = k_cache.shape[2]
+        out = torch.empty_like(q)
+        direct = self.num_splits == 1
+        part_o = out if direct else self.part_o
+        part_lse = out if direct else self.part_lse
+        attend[(b * kv, self.row_tiles, self.num_splits)](
+            q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5, t, k_cache.shape[1],
+            self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
+            DIRECT=direct, num_warps=4, num_stages=2,
+        )
+        if not direct:
+            packed = t * (heads // kv)
+            merge[(b * kv, packed)](
+                self.part_o, self.part_lse, out, t, self.num_splits, H=heads, KV=kv, HD=hd,
+                SPLITS_P2=max(2, 1 << (self.num_splits - 1).bit_length()), num_warps=4,
+            )
+        return out.view(b, t, heads * hd)

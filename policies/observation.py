@@ -1,0 +1,184 @@
+"""The policy's input batch (openpi-style `Observation`) and its checked conversion to model tensors.
+
+Contract:
+- images: camera slot -> (B, R, R, 3), uint8 in [0, 255] or float in [-1, 1]; R = vision.image_size
+- image_masks: camera slot -> (B,) bool (missing entries mean "all valid")
+- state: (B, state_dim) float, normalised (only written into the prompt by pi0.5)
+- tokenized_prompt: (B, L) int ids, L <= max_token_len; tokenized_prompt_mask: (B, L) bool
+Every violation raises a ValueError that names the field and says what was expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor
+
+from policies.config import PolicyConfig
+
+
+@dataclass
+class Observation:
+    images: dict[str, Tensor]
+    state: Tensor
+    tokenized_prompt: Tensor
+    tokenized_prompt_mask: Tensor
+    image_masks: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokenized_prompt.shape[0])
+
+    def to(self, device: torch.device | str) -> Observation:
+        return Observation(
+            images={k: v.to(device) for k, v in self.images.items()},
+            state=self.state.to(device),
+            tokenized_prompt=self.tokenized_prompt.to(device),
+            tokenized_prompt_mask=self.tokenized_prompt_mask.to(device),
+            image_masks={k: v.to(device) for k, v in self.image_masks.items()},
+        )
+
+    def select(self, index: Tensor | slice) -> Observation:
+        """Rows `index` of every tensor (a sub-batch)."""
+        return Observation(
+            images={k: v[index] for k, v in self.images.items()},
+            state=self.state[index],
+            tokenized_prompt=self.tokenized_prompt[index],
+            tokenized_prompt_mask=self.tokenized_prompt_mask[index],
+            image_masks={k: v[index] for k, v in self.image_masks.items()},
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Observation:
+        """openpi's dict layout: image, image_mask, state, tokenized_prompt, tokenized_prompt_mask."""
+        aliases = {"image": "images", "image_mask": "image_masks"}
+        known = {f.name for f in fields(cls)}
+        kwargs = {}
+        for key, value in data.items():
+            name = aliases.get(key, key)
+            if name not in known:
+                raise ValueError(
+                    f"unknown observation key {key!r}; expected {sorted(known | set(aliases))}"
+                )
+            kwargs[name] = value
+        missing = sorted(known - set(kwargs) - {"image_masks"})
+        if missing:
+            raise ValueError(f"observation is missing {missing}")
+        return cls(**kwargs)
+
+
+@dataclass
+class ModelInputs:
+    images: Tensor  # (B, C, 3, R, R) float32 in [-1, 1], cameras in policy.cameras order
+    image_masks: Tensor  # (B, C) bool
+    tokens: Tensor  # (B, L) int64
+    token_mask: Tensor  # (B, L) bool
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def model_inputs(
+    obs: Observation, cfg: PolicyConfig, device: torch.device | str | None = None
+) -> ModelInputs:
+    """Validate `obs` against the config and build the model's tensors on `device`."""
+    if not isinstance(obs, Observation):
+        raise TypeError(f"expected a policies.observation.Observation, got {type(obs).__name__}")
+    tokens, token_mask = _check_prompt(obs, cfg)
+    b = tokens.shape[0]
+    _check_state(obs.state, b, cfg)
+    device = device if device is not None else tokens.device
+    images, masks = [], []
+    for cam in cfg.cameras:
+        if cam not in obs.images:
+            raise ValueError(
+                f"observation.images is missing camera {cam!r}; expected cameras {cfg.cameras}, got {sorted(obs.images)}"
+            )
+        images.append(_image_to_model(obs.images[cam], cam, b, cfg.vision.image_size).to(device))
+        masks.append(_image_mask(obs.image_masks.get(cam), cam, b).to(device))
+    extra = sorted(set(obs.images) - set(cfg.cameras))
+    if extra:
+        raise ValueError(
+            f"observation.images has unknown camera(s) {extra}; expected {cfg.cameras}"
+        )
+    return ModelInputs(
+        torch.stack(images, dim=1),
+        torch.stack(masks, dim=1),
+        tokens.to(device),
+        token_mask.to(device),
+    )
+
+
+def _check_prompt(obs: Observation, cfg: PolicyConfig) -> tuple[Tensor, Tensor]:
+    tokens, mask = obs.tokenized_prompt, obs.tokenized_prompt_mask
+    if tokens.dim() != 2 or tokens.dtype.is_floating_point:
+        raise ValueError(
+            f"observation.tokenized_prompt must be (B, L) integer ids, got {tuple(tokens.shape)} {tokens.dtype}"
+        )
+    if tokens.shape[1] > cfg.max_token_len:
+        raise ValueError(
+            f"observation.tokenized_prompt has {tokens.shape[1]} tokens, more than policy.max_token_len ({cfg.max_token_len})"
+        )
+    if tuple(mask.shape) != tuple(tokens.shape):
+        raise ValueError(
+            f"observation.tokenized_prompt_mask must have the prompt's shape {tuple(tokens.shape)}, got {tuple(mask.shape)}"
+        )
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size):
+        raise ValueError(
+            f"observation.tokenized_prompt ids must be in [0, {cfg.vocab_size}) (policy.vocab_size), "
+            f"got min {int(tokens.min())} max {int(tokens.max())}"
+        )
+    mask = mask.bool()
+    if tokens.shape[1] and not bool(mask.any(dim=1).all()):
+        raise ValueError(
+            "observation.tokenized_prompt_mask has a row without any valid token (<bos> at least)"
+        )
+    return tokens.long(), mask
+
+
+def _check_state(state: Tensor, b: int, cfg: PolicyConfig) -> None:
+    if state.dim() != 2 or state.shape[0] != b or state.shape[1] != cfg.state_dim:
+        raise ValueError(
+            f"observation.state must be (B={b}, {cfg.state_dim}) (policy.state_dim), got {tuple(state.shape)}"
+        )
+
+
+def _image_to_model(img: Tensor, cam: str, b: int, size: int) -> Tensor:
+    """(B, R, R, 3) uint8 or float in [-1, 1] -> (B, 3, R, R) float32 in [-1, 1]."""
+    expected = (b, size, size, 3)
+    if tuple(img.shape) != expected:
+        raise ValueError(
+            f"observation.images[{cam!r}] must be {expected} (B, H, W, 3; policy.vision.image_size={size}), "
+            f"got {tuple(img.shape)}; resize with policies.transforms first"
+        )
+    if img.dtype == torch.uint8:
+        img = img.float() / 255.0 * 2.0 - 1.0
+    elif img.dtype.is_floating_point:
+        img = img.float()
+        if (
+            img.device.type == "cpu"
+            and img.numel()
+            and (float(img.min()) < -1.001 or float(img.max()) > 1.001)
+        ):
+            raise ValueError(
+                f"observation.images[{cam!r}] is float but outside [-1, 1] (min {float(img.min()):.3g}, "
+                f"max {float(img.max()):.3g}); pass uint8 or float in [-1, 1]"
+            )
+    else:
+        raise ValueError(f"observation.images[{cam!r}] must be uint8 or float, got {img.dtype}")
+    return img.permute(0, 3, 1, 2)
+
+
+def _image_mask(mask: Tensor | None, cam: str, b: int) -> Tensor:
+    if mask is None:
+        return torch.ones(b, dtype=torch.bool)
+    mask = torch.as_tensor(mask)
+    if mask.dim() == 0:
+        return mask.bool().expand(b).clone()
+    if tuple(mask.shape) != (b,):
+        raise ValueError(
+            f"observation.image_masks[{cam!r}] must be ({b},) bool, got {tuple(mask.shape)}"
+        )
+    return mask.bool()

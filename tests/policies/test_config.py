@@ -1,0 +1,121 @@
+"""Config presets, validation messages, YAML files, parameter counts (meta device)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from policies import PolicyConfig
+from policies.models.pi05 import PI05Model
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.mark.parametrize("name", ["pi05", "pi05_small", "tiny"])
+def test_presets_and_yaml(name):
+    cfg = PolicyConfig.preset(name)
+    assert cfg.name == name
+    from_yaml = PolicyConfig.from_mapping(OmegaConf.load(ROOT / "conf" / "policy" / f"{name}.yaml"))
+    assert (
+        from_yaml.vision == cfg.vision
+        and from_yaml.prefix == cfg.prefix
+        and from_yaml.expert == cfg.expert
+    )
+
+
+def test_pi05_sizes_match_lerobot():
+    cfg = PolicyConfig.preset("pi05")
+    assert (
+        cfg.vision.width,
+        cfg.vision.depth,
+        cfg.vision.num_heads,
+        cfg.vision.mlp_dim,
+        cfg.vision.num_patches,
+    ) == (1152, 27, 16, 4304, 256)
+    assert (
+        cfg.prefix.width,
+        cfg.prefix.depth,
+        cfg.prefix.mlp_dim,
+        cfg.prefix.num_heads,
+        cfg.prefix.num_kv_heads,
+        cfg.prefix.head_dim,
+    ) == (2048, 18, 16384, 8, 1, 256)
+    assert (cfg.expert.width, cfg.expert.depth, cfg.expert.mlp_dim) == (1024, 18, 4096)
+    assert (
+        cfg.vocab_size,
+        cfg.chunk_size,
+        cfg.max_action_dim,
+        cfg.max_token_len,
+        cfg.sampling.num_steps,
+    ) == (257152, 50, 32, 200, 10)
+    assert cfg.prefix_len == 3 * 256 + 200
+
+
+def parameter_count(name: str) -> int:
+    with torch.device("meta"):
+        model = PI05Model(PolicyConfig.preset(name))
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_parameter_counts():
+    # LeRobot 0.6.1 PI05Pytorch has 4,143,404,816 elements incl. the unused PaliGemma lm_head
+    # (257152 x 2048) and expert lm_head (257152 x 1024): the model in use is the rest.
+    lerobot = json.loads((FIXTURES / "lerobot_pi05_full_keys.json").read_text())
+    in_use = lerobot["num_elements"] - 257152 * 2048 - 257152 * 1024
+    assert parameter_count("pi05") == in_use == 3_353_433_872
+    assert parameter_count("pi05_small") < 20_000_000
+    assert parameter_count("tiny") < 200_000
+
+
+def test_overrides_and_replace():
+    cfg = PolicyConfig.from_mapping(
+        {"preset": "tiny", "dtype": "bfloat16", "sampling": {"noise_level": 0.3}}
+    )
+    assert (
+        cfg.dtype == "bfloat16" and cfg.sampling.noise_level == 0.3 and cfg.sampling.num_steps == 4
+    )
+    assert cfg.replace(chunk_size=6).chunk_size == 6
+    assert cfg.replace(inputs={"camera_map": {"main_images": "base_0_rgb"}}).inputs.camera_map == {
+        "main_images": "base_0_rgb"
+    }
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"bogus": 1}, r"policy\.bogus"),
+        ({"sampling": {"steps": 3}}, r"policy\.sampling\.steps"),
+        ({"dtype": "float16"}, r"policy\.dtype must be one of"),
+        (
+            {"expert": {"num_heads": 4}},
+            r"policy\.expert\.num_heads must equal policy\.prefix\.num_heads",
+        ),
+        ({"expert": {"depth": 3}}, r"policy\.expert\.depth must equal"),
+        ({"vision": {"image_size": 50}}, r"policy\.vision\.image_size \(50\) must be a multiple"),
+        ({"action_dim": 40}, r"policy\.action_dim \(40\) must not exceed policy\.max_action_dim"),
+        ({"sampling": {"train_mode": "ode"}}, r"policy\.sampling\.train_mode"),
+        ({"sampling": {"logprob_chunk": 99}}, r"policy\.sampling\.logprob_chunk \(99\)"),
+        ({"chunk_size": 0}, r"policy\.chunk_size must be a positive integer"),
+        (
+            {"inputs": {"camera_map": {"agentview_image": "nope"}}},
+            r"policy\.inputs\.camera_map\['agentview_image'\]",
+        ),
+        (
+            {"inputs": {"state_q01": [0.0] * 8}},
+            r"policy\.inputs\.state_q01 and policy\.inputs\.state_q99",
+        ),
+    ],
+)
+def test_validation_errors_name_the_key(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig.preset("tiny", **overrides)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="policy.preset must be one of"):
+        PolicyConfig.preset("pi0")
