@@ -18,11 +18,12 @@ transfer for the baseline too.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import signal
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,9 @@ def _timed_camera_sensors(robosuite_env: Any, totals: dict) -> None:
         observable = robosuite_env._observables[f"{camera}_image"]
         sensor = observable._sensor
 
+        # wraps() copies the sensor's __modality__, which robosuite reads on every
+        # observation (LIBERO's reset retries forever on any exception, so it must be there).
+        @functools.wraps(sensor)
         def timed(obs_cache, _sensor=sensor):
             start = time.perf_counter()
             try:
@@ -144,7 +148,7 @@ class RlinfStyleVectorEnv:
         return reply
 
     def _call_all(self, command: str, data: list) -> list:
-        for conn, item in zip(self._conns, data):
+        for conn, item in zip(self._conns, data, strict=True):
             conn.send((command, item))
         return [self._check(i, conn.recv()) for i, conn in enumerate(self._conns)]
 
@@ -192,7 +196,7 @@ class RlinfStyleVectorEnv:
         return obs, rewards, terminations
 
     @property
-    def pids(self) -> list[Optional[int]]:
+    def pids(self) -> list[int | None]:
         return [p.pid for p in self._procs]
 
     def close(self) -> None:

@@ -46,7 +46,7 @@ class EnvConfig:
     max_episode_steps: Optional[int] = None  # None -> the suite's openpi default
     num_settle_steps: int = 10  # no-op steps (zeros, gripper -1) after set_init_state
     render_backend: str = "auto"  # auto: egl where a GPU is usable, osmesa otherwise
-    step_mode: str = "robosuite"  # or "lean" (envs.lean.LeanStepper)
+    step_mode: str = "lean"  # envs.lean.LeanStepper (bit-identical to robosuite's step), or "robosuite"
     seed: int = 0
     restart_on_crash: bool = False
     worker_timeout_s: float = 300.0  # a worker silent this long on a command is declared hung

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 import string
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -64,6 +65,35 @@ def rotate_180(image: np.ndarray) -> np.ndarray:
     return image[::-1, ::-1]
 
 
+def reset_robosuite(libero_env: Any, max_attempts: int = 100) -> None:
+    """LIBERO's `ControlEnv.reset` without its trap: it retries object placement on
+    RandomizationError but, through `finally: continue`, also retries forever on *any*
+    exception. Here only placement failures are retried, a bounded number of times."""
+    from robosuite.utils.errors import RandomizationError
+
+    for _ in range(max_attempts):
+        try:
+            libero_env.env.reset()
+            return
+        except RandomizationError:
+            continue
+    raise RuntimeError(f"object placement failed {max_attempts} times in a row during reset")
+
+
+def reset_gripper_memory(libero_env: Any) -> None:
+    """Zero the grippers' integrated command, as in a freshly built env.
+
+    robosuite's Panda gripper integrates sign(action) into `current_action` (clipped to +-1)
+    at every sub-step and a soft reset never clears it, so without this an episode's first
+    steps depend on how the previous episode ended: two envs reset to the same init state
+    with the same actions would drift apart (~1e-4 in qpos after the settle steps).
+    """
+    for robot in libero_env.env.robots:
+        gripper = getattr(robot, "gripper", None)
+        if gripper is not None:
+            gripper.current_action = np.zeros_like(gripper.current_action)
+
+
 class LiberoEnv(gym.Env):
     """One LIBERO task (one MuJoCo scene); see the module docstring."""
 
@@ -74,7 +104,7 @@ class LiberoEnv(gym.Env):
         task: TaskSpec,
         image_size: int = 128,
         cameras: Sequence[str] = ("agentview", "wrist"),
-        max_episode_steps: Optional[int] = None,
+        max_episode_steps: int | None = None,
         num_settle_steps: int = 10,
         step_mode: str = "robosuite",
         render_backend: str = "auto",
@@ -102,7 +132,7 @@ class LiberoEnv(gym.Env):
         self.action_space = gym.spaces.Box(-1.0, 1.0, (ACTION_DIM,), dtype=np.float32)
 
     @classmethod
-    def from_config(cls, cfg: EnvConfig, task_id: int) -> "LiberoEnv":
+    def from_config(cls, cfg: EnvConfig, task_id: int) -> LiberoEnv:
         return cls(
             get_task(cfg.suite, task_id),
             image_size=cfg.image_size,
@@ -165,7 +195,8 @@ class LiberoEnv(gym.Env):
                 f"(0..{len(states) - 1})"
             )
         self._env.seed(int(seed) % 2**32)  # LIBERO seeds numpy's global generator
-        self._env.reset()
+        reset_robosuite(self._env)
+        reset_gripper_memory(self._env)
         self._stepper.after_reset()
         self._env.set_init_state(states[init_state_id])
         self._stepper.after_reset()
@@ -189,7 +220,7 @@ class LiberoEnv(gym.Env):
         return obs
 
     # ----------------------------------------------------------------------- gymnasium API
-    def reset(self, *, seed: Optional[int] = None, options: Optional[dict] = None):
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed if seed is not None else None)
         options = dict(options or {})
         init_state_id = options.pop("init_state_id", None)

@@ -35,9 +35,11 @@ The protocol (every stepper implements exactly these; constructor takes the LIBE
     reused by other steppers.
 
 `after_reset() -> None`
-    Called after `libero_env.reset()` and after `libero_env.set_init_state(state)` (the
-    simulator state was overwritten from outside): resynchronise any cached state
-    (controller goals, cached body poses, ...). Settle steps come after it, through `step`.
+    Called after the robosuite reset (with the grippers' integrated command
+    `robot.gripper.current_action` zeroed, see `envs.libero_env.reset_gripper_memory`) and
+    again after `libero_env.set_init_state(state)` (the simulator state was overwritten from
+    outside): resynchronise any cached state (controller goals, gripper command, cached body
+    poses, ...). Settle steps come after it, through `step`.
 
 Note on robosuite's own step observations: robosuite samples observables on a timer that drifts
 within the 25 sub-steps (its `Observable.update` samples at the start of a sampling period), so

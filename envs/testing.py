@@ -8,18 +8,21 @@ Dynamics: progress starts at 0; each action adds action[0] to it; the episode su
 1) on the step where progress >= target, with target = 1 + task_id + (init_state_id % 3).
 So with action[0] = 1 an episode of task t from init state k lasts 1 + t + k % 3 steps.
 State (8,): [progress, target, steps, init_state_id, task_id, episode_seed % 1000, 0, 0].
+Fault injection (to test error forwarding): an action with action[1] == FAULT_VALUE makes
+`control_step` raise.
 Images are a deterministic function of (camera, progress, steps, init_state_id): the same
 inputs always give the same pixels, different steps give different pixels.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 NUM_TASKS = 4
 NUM_INIT_STATES = 6
+FAULT_VALUE = 99.0
 
 
 class CountdownEnv:
@@ -58,6 +61,8 @@ class CountdownEnv:
         )
 
     def control_step(self, action: np.ndarray) -> tuple[float, bool]:
+        if float(action[1]) == FAULT_VALUE:
+            raise RuntimeError(f"countdown task {self.task_id}: injected fault (action[1] == {FAULT_VALUE})")
         self._state[0] += float(action[0])
         self._state[2] += 1
         success = bool(self._state[0] >= self._state[1])

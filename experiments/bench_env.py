@@ -39,10 +39,10 @@ register_hydra_schema()
 class BenchConfig:
     num_chunks: int = 6  # timed chunks
     warmup_chunks: int = 1
-    step_modes: List[str] = field(default_factory=lambda: ["robosuite"])
+    step_modes: List[str] = field(default_factory=lambda: ["lean", "robosuite"])
     baseline: bool = True
-    step_mode_comparison: bool = False  # per-process and all-worker section per step mode
-    step_mode_steps: int = 40  # control steps per per-process measurement
+    step_mode_comparison: bool = True  # per-process and all-worker section per step mode
+    step_mode_steps: int = 200  # control steps per per-process measurement
     action_scale: float = 0.5  # actions ~ U(-scale, scale)
     seed: int = 0
 
@@ -174,6 +174,9 @@ def measure_single_process(env_cfg: EnvConfig, bench: BenchConfig) -> dict[str, 
         env.begin_episode(0, bench.seed)
         rng = np.random.default_rng(bench.seed)
         actions = rng.uniform(-bench.action_scale, bench.action_scale, (bench.step_mode_steps, 7))
+        for action in actions[:5]:  # warm-up: the lean kernel's first call compiles (numba)
+            env.control_step(action)
+        env.begin_episode(0, bench.seed)
         t0 = time.perf_counter()
         for action in actions:
             env.control_step(action)
@@ -239,7 +242,7 @@ def run(env_cfg: EnvConfig, bench: BenchConfig) -> dict[str, Any]:
 
 def summarize(env_cfg: EnvConfig, payload: dict[str, Any]) -> dict[str, Any]:
     ours_all = payload["ours"]
-    headline_mode = "robosuite" if "robosuite" in ours_all else next(iter(ours_all))
+    headline_mode = env_cfg.step_mode if env_cfg.step_mode in ours_all else next(iter(ours_all))
     ours, baseline = ours_all[headline_mode], payload["baseline"]
     summary: dict[str, Any] = {
         "suite": env_cfg.suite,
@@ -262,6 +265,7 @@ def summarize(env_cfg: EnvConfig, payload: dict[str, Any]) -> dict[str, Any]:
         for scope, values in section.items():
             for key, value in values.items():
                 summary[f"{mode}_{scope}_{key}"] = value
+    summary.update(issue_keys(payload, env_cfg))
     if baseline is not None:
         summary["baseline_env_steps_per_s"] = baseline["env_steps_per_s"]
         summary["baseline_chunks_per_s"] = baseline["chunks_per_s"]
@@ -270,6 +274,25 @@ def summarize(env_cfg: EnvConfig, payload: dict[str, Any]) -> dict[str, Any]:
             diff = np.abs(np.asarray(ours["final_state"]) - np.asarray(baseline["final_state"]))
             summary["max_final_state_diff"] = float(diff.max())
     return summary
+
+
+def issue_keys(payload: dict[str, Any], env_cfg: EnvConfig) -> dict[str, Any]:
+    """The lean-vs-robosuite headline numbers (no images): one process and all workers, and the
+    largest state difference between the two modes after the same actions (0 when identical)."""
+    out: dict[str, Any] = {}
+    section = payload.get("step_mode_comparison", {})
+    for mode in ("lean", "robosuite"):
+        values = section.get(mode, {})
+        if "per_process" in values:
+            out[f"{mode}_steps_per_s_1proc"] = values["per_process"]["no_images_steps_per_s"]
+            out[f"{mode}_steps_per_s_all"] = values["all_workers"]["no_images_env_steps_per_s"]
+    ours = payload["ours"]
+    if all("final_state" in ours.get(m, {}) for m in ("lean", "robosuite")):
+        diff = np.abs(np.asarray(ours["lean"]["final_state"]) - np.asarray(ours["robosuite"]["final_state"]))
+        out["lean_vs_robosuite_max_state_diff"] = float(diff.max())
+    if out:
+        out["num_workers"] = env_cfg.num_workers
+    return out
 
 
 def print_table(payload: dict[str, Any]) -> None:

@@ -282,6 +282,16 @@ def summarise(results: dict) -> dict:
     return summary
 
 
+def print_table(results: dict) -> None:
+    for name, result in results.items():
+        print(f"\n{name}: parity rel L2 vs LeRobot {result.get('parity_rel_l2')}; attention {sorted({v['chosen'] for v in result['attention_choices'].values()})}")
+        print(f"{'B':>4} {'ours ms':>9} {'ours/s':>8} {'LeRobot ms':>11} {'LeRobot/s':>10} {'x':>6}  vision/prefix/denoise ms (MFU)")
+        for r in result["rows"]:
+            st = " ".join(f"{v['ms']:.2f}({v['mfu']:.0%})" for v in r["stages"].values())
+            lr = f"{r['lerobot_ms']:11.1f} {r['lerobot_samples_per_s']:10.1f} {r['speedup']:6.1f}" if "lerobot_ms" in r else " " * 29
+            print(f"{r['batch']:4d} {r['ours_ms']:9.2f} {r['ours_samples_per_s']:8.1f} {lr}  {st}")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_predict")
 def main(cfg: DictConfig) -> None:
     bench = BenchPredictConfig(**OmegaConf.to_container(cfg.bench, resolve=True))
@@ -290,6 +300,7 @@ def main(cfg: DictConfig) -> None:
     ceilings = measure_ceilings(device)
     print(f"device {device}; ceilings {ceilings}")
     results = {name: bench_configuration(name, base, bench, device, ceilings) for name in bench.configurations}
+    print_table(results)
     payload = {"bench": asdict(bench), "ceilings": ceilings, "configurations": results}
     write_result("bench_predict", payload, summarise(results), bench.out_dir)
 

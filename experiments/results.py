@@ -78,11 +78,12 @@ def write_result(
     """Write `{provenance, summary, **payload}` as JSON and print `RESULT {summary}` last.
 
     `name` starts the file name (e.g. "bench_env"); the device and a timestamp follow so runs
-    never overwrite each other.
+    never overwrite each other. The folder: `out_dir`, else $VLA_RESULTS_DIR, else
+    benchmarks/results/.
     """
     meta = provenance()
     record = {"name": name, **meta, "summary": dict(summary), **dict(payload)}
-    out = Path(out_dir) if out_dir else RESULTS_DIR
+    out = Path(out_dir or os.environ.get("VLA_RESULTS_DIR") or RESULTS_DIR)
     out.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out / f"{name}_{_slug(meta['device'])}_{stamp}.json"

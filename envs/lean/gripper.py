@@ -33,7 +33,8 @@ class LeanGripper:
         check_supported_gripper(gripper)
         self.gripper = gripper
         self.actuator_ids = [
-            mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_ACTUATOR, name) for name in gripper.actuators
+            mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_ACTUATOR, name)
+            for name in gripper.actuators
         ]
         if min(self.actuator_ids) < 0:
             raise ValueError(f"gripper actuators {gripper.actuators} not all found in the model")

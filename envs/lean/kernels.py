@@ -13,6 +13,9 @@ against `envs.lean.osc.LeanOsc` and against robosuite's `env.step`.
 
 from __future__ import annotations
 
+from typing import Any
+
+import mujoco
 import numba
 import numpy as np
 from robosuite.utils.control_utils import nullspace_torques, opspace_matrices, orientation_error
@@ -113,3 +116,64 @@ def osc_gripper_substep(
         ctrl[gripper_actuators[k]] = gripper_bias[k] + gripper_weight[k] * g
     for i in range(n):
         ctrl[arm_actuators[i]] = torques_out[i]
+
+
+def _as_index(ids) -> np.ndarray:
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+def _as_float(values) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float64)
+
+
+class FusedSubstep:
+    """`osc_gripper_substep` bound to one env: mjData views and the controller's constants.
+
+    mjData's arrays never move, so the views stay valid for the env's lifetime; the constants
+    change when `env.reset()` builds a new controller, so a new instance is made then."""
+
+    def __init__(self, osc: Any, gripper: Any, arm_actuator_ids, torque_low, torque_high):
+        d = osc.data
+        self.osc, self.gripper = osc, gripper
+        self.model, self.data, self.site_id = osc.model, d, osc.site_id
+        self.jacp, self.jacr, self.full_mass, self.qM = osc.jacp, osc.jacr, osc.full_mass, d.qM
+        self.site_xpos, self.site_xmat = d.site_xpos[osc.site_id], d.site_xmat[osc.site_id]
+        self.qpos, self.qvel, self.qfrc_bias, self.ctrl = d.qpos, d.qvel, d.qfrc_bias, d.ctrl
+        self.qpos_index, self.qvel_index = _as_index(osc.qpos_index), _as_index(osc.qvel_index)
+        self.kp, self.kd = _as_float(osc.kp), _as_float(osc.kd)
+        self.initial_joint = _as_float(osc.initial_joint)
+        self.torque_low, self.torque_high = _as_float(torque_low), _as_float(torque_high)
+        self.arm_actuators = _as_index(arm_actuator_ids)
+        self.gripper_actuators = _as_index(gripper.actuator_ids)
+        self.torques = np.zeros(len(self.qvel_index))
+        self.goal_pos = self.goal_ori = self.gripper_current = None
+        self._args: tuple = ()
+
+    def begin_step(self) -> None:
+        """After the goal is set (first sub-step): bind this step's goal and gripper state.
+
+        The kernel updates the gripper's `current_action` in place, so the gripper gets its own
+        float64 array with one entry per finger actuator (robosuite starts it as the 1-vector
+        np.zeros(dof), which its first `format_action` broadcasts to two entries). The argument
+        tuple is built once per env.step, not per sub-step (26 attribute loads add up)."""
+        controller, g = self.osc.controller, self.gripper
+        self.goal_pos = np.ascontiguousarray(controller.goal_pos, dtype=np.float64)
+        self.goal_ori = np.ascontiguousarray(controller.goal_ori, dtype=np.float64)
+        current = np.empty(len(g.actuator_ids))
+        current[:] = g.gripper.current_action
+        g.gripper.current_action = current
+        self.gripper_current = current
+        self._args = (
+            self.site_xpos, self.site_xmat, self.jacp, self.jacr, self.qpos, self.qvel,
+            self.full_mass, self.qfrc_bias, self.qpos_index, self.qvel_index,
+            self.goal_pos, self.goal_ori, self.kp, self.kd, self.initial_joint,
+            self.torque_low, self.torque_high, self.osc.uncoupling, self.arm_actuators,
+            current, g.increment, g.bias, g.weight, self.gripper_actuators,
+            self.ctrl, self.torques,
+        )  # fmt: skip
+
+    def __call__(self) -> None:
+        """One sub-step's controls, after mj_step1 and before mj_step2 (and `begin_step`)."""
+        mujoco.mj_jacSite(self.model, self.data, self.jacp, self.jacr, self.site_id)
+        mujoco.mj_fullM(self.model, self.full_mass, self.qM)
+        osc_gripper_substep(*self._args)

@@ -14,25 +14,33 @@ the controller and gripper on that data, then `mj_step2` (actuation, constraint 
 integration). mj_step1 + mj_step2 run exactly the stages of `mj_step`, and the two extra
 `mj_forward` calls robosuite makes recompute the same values from the same state (they do not
 touch `qacc_warmstart`, which only the integrator writes), so the simulation is the same to
-the last bit (the tests check qpos/qvel equality). Success is checked once per env.step, as
-robosuite's reward does; observables are not computed in `step` (see `observe`).
+the last bit (the tests check qpos/qvel equality over hundreds of steps). Two robosuite quirks
+are reproduced because they change the simulation: the goal orientation is kept when the
+rotation command is exactly 0, and the first action after `env.reset()` uses the state the new
+controller cached when it was built (see `LeanOsc.read_for_new_action`). Success is checked
+once per env.step, as robosuite's reward does; observables are not computed in `step` (see
+`observe`).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import mujoco
 import numpy as np
 
 from envs.lean.gripper import LeanGripper
-from envs.lean.kernels import osc_gripper_substep
+from envs.lean.kernels import FusedSubstep
 from envs.lean.osc import LeanOsc
+from envs.lean.selfcheck import fused_kernel_is_exact
+from envs.steppers import render_robosuite_cameras, robosuite_proprio
 
 ACTION_DIM = 7
 # "numba": one fused compiled call per sub-step (envs.lean.kernels); "numpy": the same math as
-# separate NumPy calls (envs.lean.osc), kept as the readable reference the tests compare with.
-KERNELS = ("numba", "numpy")
+# separate NumPy calls (envs.lean.osc), the readable reference; "auto": numba where a self-check
+# finds it bit-identical to the NumPy path on this machine (envs.lean.selfcheck), else numpy.
+KERNELS = ("auto", "numba", "numpy")
 
 
 def _uses_libero_sparse_reward(robosuite_env: Any) -> bool:
@@ -48,7 +56,7 @@ class LeanStepper:
     `env.step` can be interleaved on one env and give the same simulation.
     """
 
-    def __init__(self, libero_env: Any, kernel: str = "numba"):
+    def __init__(self, libero_env: Any, kernel: str = "auto"):
         if kernel not in KERNELS:
             raise ValueError(f"LeanStepper kernel must be one of {KERNELS}, got {kernel!r}")
         self.kernel = kernel
@@ -57,8 +65,6 @@ class LeanStepper:
         env = self.env
         if len(env.robots) != 1:
             raise NotImplementedError(f"lean stepping supports one robot, got {len(env.robots)}")
-        self.model = env.sim.model._model
-        self.data = env.sim.data._data
         self.num_substeps = int(env.control_timestep / env.model_timestep)  # robosuite's count
         self.sparse_reward = _uses_libero_sparse_reward(env)
         # Same as the reference RobosuiteStepper: the harness owns episode length, and
@@ -69,50 +75,48 @@ class LeanStepper:
         self.after_reset()
 
     def after_reset(self) -> None:
-        """Re-bind to robosuite's objects: `env.reset()` builds a new controller each time."""
+        """Re-bind to robosuite's objects: `env.reset()` builds a new controller each time (and
+        a hard reset a new MjSim). Nothing here caches simulator *state*, so `set_init_state`
+        alone needs no re-binding; `step` also re-binds by itself if this was forgotten."""
+        self.sim = self.env.sim
+        self.model = self.sim.model._model
+        self.data = self.sim.data._data
         robot = self.env.robots[0]
         self.robot = robot
-        self.controller = robot.controller
         self.osc = LeanOsc(self.model, self.data, robot.controller)
         self.gripper = LeanGripper(self.model, robot.gripper)
         self.arm_dim = robot.controller.control_dim
-        self.arm_actuator_ids = list(robot._ref_joint_actuator_indexes)
-        self.torque_low, self.torque_high = robot.torque_limits
         if self.arm_dim + robot.gripper.dof != ACTION_DIM:
             raise NotImplementedError(
                 f"lean stepping expects a {ACTION_DIM}-dim action (OSC_POSE + gripper), "
                 f"this robot takes {self.arm_dim + robot.gripper.dof}"
             )
-        self._bind_kernel_arrays()
+        self.arm_actuator_ids = list(robot._ref_joint_actuator_indexes)
+        self.torque_low, self.torque_high = robot.torque_limits
+        self.fused = FusedSubstep(
+            self.osc, self.gripper, self.arm_actuator_ids, self.torque_low, self.torque_high
+        )
+        if self.kernel == "auto":
+            self.kernel = self._choose_kernel()
 
-    def _bind_kernel_arrays(self) -> None:
-        """Views of mjData and contiguous copies of the constants the fused kernel reads.
-
-        mjData's arrays never move, so the views stay valid for the env's lifetime."""
-        d, osc = self.data, self.osc
-        sid = osc.state.site_id
-        as_index = lambda ids: np.ascontiguousarray(ids, dtype=np.int64)  # noqa: E731
-        self._site_xpos = d.site_xpos[sid]
-        self._site_xmat = d.site_xmat[sid]
-        self._jacp, self._jacr = osc.state.jacp, osc.state.jacr
-        self._full_mass = osc.state.full_mass
-        self._qpos, self._qvel, self._qfrc_bias, self._ctrl = d.qpos, d.qvel, d.qfrc_bias, d.ctrl
-        self._qM = d.qM
-        self._qpos_index = as_index(osc.state.qpos_index)
-        self._qvel_index = as_index(osc.state.qvel_index)
-        self._kp = np.ascontiguousarray(osc.kp, dtype=np.float64)
-        self._kd = np.ascontiguousarray(osc.kd, dtype=np.float64)
-        self._initial_joint = np.ascontiguousarray(osc.initial_joint, dtype=np.float64)
-        self._torque_low = np.ascontiguousarray(self.torque_low, dtype=np.float64)
-        self._torque_high = np.ascontiguousarray(self.torque_high, dtype=np.float64)
-        self._arm_actuators = as_index(self.arm_actuator_ids)
-        self._gripper_actuators = as_index(self.gripper.actuator_ids)
-        self._torques = np.zeros(len(self._qvel_index))
+    def _choose_kernel(self) -> str:
+        osc = self.osc
+        if fused_kernel_is_exact(self.model.nv, self.model.nq, osc.qpos_index, osc.qvel_index):
+            return "numba"
+        warnings.warn(
+            "envs.lean: the fused numba kernel does not reproduce NumPy's BLAS rounding on this "
+            "machine; using the NumPy path (same results as robosuite, ~1.5x slower)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return "numpy"
 
     def step(self, action: np.ndarray) -> tuple[float, bool]:
         env = self.env
         if np.shape(action) != (ACTION_DIM,):
             raise ValueError(f"action must have shape ({ACTION_DIM},), got {np.shape(action)}")
+        if env.sim is not self.sim or env.robots[0].controller is not self.osc.controller:
+            self.after_reset()  # the env was reset without telling us
         env.timestep += 1
         if self.kernel == "numba":
             self._run_substeps_fused(action)
@@ -121,64 +125,54 @@ class LeanStepper:
         env.cur_time += env.control_timestep
         return self._finish_step(action)
 
-    def _set_goal(self, action: np.ndarray) -> None:
-        """First sub-step only (after mj_step1): robosuite's `set_goal`, stored on its controller."""
-        osc, controller = self.osc, self.controller
-        osc.goal_pos, osc.goal_ori = controller.goal_pos, controller.goal_ori
-        osc.state.read()
-        osc.set_goal(action[: self.arm_dim])
-        controller.goal_pos, controller.goal_ori = osc.goal_pos, osc.goal_ori
+    def _set_goal(self, action: np.ndarray) -> bool:
+        """First sub-step only, after mj_step1: robosuite's `set_goal` and the gripper's sign.
+
+        Returns False when robosuite would use its controller's cached (pre-reset) state for
+        this sub-step (see `LeanOsc.read_for_new_action`)."""
+        fresh = self.osc.read_for_new_action()
+        self.osc.set_goal(action[: self.arm_dim])
         self.gripper.set_action(action[self.arm_dim :])
+        return fresh
+
+    def _numpy_controls(self) -> np.ndarray:
+        """One sub-step's controls through the NumPy reference path, from `osc.state`."""
+        torques = np.clip(self.osc.torques(), self.torque_low, self.torque_high)
+        self.gripper.apply(self.data.ctrl)
+        self.data.ctrl[self.arm_actuator_ids] = torques
+        return torques
 
     def _run_substeps_numpy(self, action: np.ndarray) -> None:
         model, data = self.model, self.data
-        osc, gripper = self.osc, self.gripper
-        ctrl, arm_ids = data.ctrl, self.arm_actuator_ids
-        low, high = self.torque_low, self.torque_high
         torques = None
         for substep in range(self.num_substeps):
             mujoco.mj_step1(model, data)
             if substep == 0:
                 self._set_goal(action)
             else:
-                osc.state.read()
-            torques = np.clip(osc.torques(), low, high)
-            gripper.apply(ctrl)
-            ctrl[arm_ids] = torques
+                self.osc.read()
+            torques = self._numpy_controls()
             mujoco.mj_step2(model, data)
         self.robot.torques = torques
+        self.osc.controller.new_update = True  # as robosuite's run_controller leaves it
 
     def _run_substeps_fused(self, action: np.ndarray) -> None:
-        model, data, controller, gripper = self.model, self.data, self.controller, self.gripper
-        site_id = self.osc.state.site_id
-        jacp, jacr, full_mass, qM = self._jacp, self._jacr, self._full_mass, self._qM
-        step1, step2, jac_site, full_m = (
-            mujoco.mj_step1, mujoco.mj_step2, mujoco.mj_jacSite, mujoco.mj_fullM
-        )
-        # The kernel updates current_action in place: give the gripper its own float64 array,
-        # broadcast to one entry per finger actuator (robosuite starts it as a 1-vector,
-        # np.zeros(dof), which its first format_action broadcasts to two).
-        current = np.empty(len(gripper.actuator_ids))
-        current[:] = gripper.gripper.current_action
-        gripper.gripper.current_action = current
-        for substep in range(self.num_substeps):
+        model, data, fused = self.model, self.data, self.fused
+        step1, step2 = mujoco.mj_step1, mujoco.mj_step2
+        step1(model, data)
+        if self._set_goal(action):
+            fused.begin_step()
+            fused()
+        else:  # cached-state sub-step after a reset: rare, take the reference path
+            self._numpy_controls()
+            fused.begin_step()
+        step2(model, data)
+        for _ in range(self.num_substeps - 1):
             step1(model, data)
-            if substep == 0:
-                self._set_goal(action)
-                goal_pos = np.ascontiguousarray(controller.goal_pos, dtype=np.float64)
-                goal_ori = np.ascontiguousarray(controller.goal_ori, dtype=np.float64)
-            jac_site(model, data, jacp, jacr, site_id)
-            full_m(model, full_mass, qM)
-            osc_gripper_substep(
-                self._site_xpos, self._site_xmat, jacp, jacr, self._qpos, self._qvel,
-                full_mass, self._qfrc_bias, self._qpos_index, self._qvel_index,
-                goal_pos, goal_ori, self._kp, self._kd, self._initial_joint,
-                self._torque_low, self._torque_high, self.osc.uncoupling,
-                self._arm_actuators, current, gripper.increment, gripper.bias,
-                gripper.weight, self._gripper_actuators, self._ctrl, self._torques,
-            )  # fmt: skip
+            fused()
             step2(model, data)
-        self.robot.torques = self._torques.copy()
+        self.robot.torques = fused.torques.copy()
+        self.osc.controller.new_update = True  # as robosuite's run_controller leaves it
 
     def _finish_step(self, action: np.ndarray) -> tuple[float, bool]:
         env = self.env
@@ -196,8 +190,6 @@ class LeanStepper:
 
     def observe(self, render: bool) -> dict[str, np.ndarray]:
         """The protocol's observation of the current state (forward pass first)."""
-        from envs.steppers import render_robosuite_cameras, robosuite_proprio
-
         mujoco.mj_forward(self.model, self.data)
         obs = robosuite_proprio(self.env)
         if render:

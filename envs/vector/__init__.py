@@ -19,6 +19,16 @@ __all__ = [
 ]
 
 
-def make_vector_env(cfg: EnvConfig, in_process: bool = False) -> VectorEnvBase:
-    """The worker-process vector env, or its in-process twin (`in_process=True`)."""
+def make_vector_env(
+    cfg: EnvConfig | None = None, in_process: bool = False, **overrides
+) -> VectorEnvBase:
+    """The worker-process vector env, or its in-process twin (`in_process=True`).
+
+    `make_vector_env(suite="libero_10", num_envs=64, group_size=8, num_workers=16)` builds the
+    EnvConfig from keyword arguments (applied on top of `cfg` when both are given).
+    """
+    if cfg is None:
+        cfg = EnvConfig(**overrides)
+    elif overrides:
+        cfg = EnvConfig.from_mapping(cfg.to_dict(), **overrides)
     return SyncVectorEnv(cfg) if in_process else AsyncVectorEnv(cfg)

@@ -12,8 +12,9 @@ are overwritten by the next call (copy what you keep).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,7 @@ class ChunkResult:
     success: np.ndarray  # (N,) bool; the episode has succeeded (at this chunk or before)
     done: np.ndarray  # (N,) bool; finished: success, truncation or lost, until next reset
     lost: np.ndarray  # (N,) bool; the env's worker crashed this episode (restart_on_crash)
-    frames: Optional[dict[str, np.ndarray]] = None  # render_every="substep": (N,H,S,S,3)
+    frames: dict[str, np.ndarray] | None = None  # render_every="substep": (N,H,S,S,3)
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -51,16 +52,17 @@ class VectorEnvBase:
         self.episode_seeds = np.zeros(self.num_envs, dtype=np.int64)
         self._lost = np.zeros(self.num_envs, dtype=bool)
         self._reset_count = 0
+        self.last_reset_s = 0.0  # wall time of the last reset (episode start incl. settle steps)
         self._has_reset = False
         self._closed = False
-        self._buffers: Optional[SharedBuffers] = None
+        self._buffers: SharedBuffers | None = None
 
     # ------------------------------------------------------------------ public interface
     def reset(
         self,
-        init_state_ids: Optional[Sequence[int]] = None,
-        group_size: Optional[int] = None,
-        seed: Optional[int] = None,
+        init_state_ids: Sequence[int] | None = None,
+        group_size: int | None = None,
+        seed: int | None = None,
     ) -> dict[str, Any]:
         """Start a new episode in every env; returns the first observations.
 
@@ -109,9 +111,9 @@ class VectorEnvBase:
     # ------------------------------------------------------------------ shared helpers
     def plan_reset(
         self,
-        init_state_ids: Optional[Sequence[int]],
-        group_size: Optional[int],
-        seed: Optional[int],
+        init_state_ids: Sequence[int] | None,
+        group_size: int | None,
+        seed: int | None,
     ) -> list[tuple[int, int, int]]:
         """(env_id, init_state_id, episode_seed) for every env; validates groups and ids."""
         n = self.num_envs

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Optional
 
 import numpy as np
 
@@ -64,14 +63,14 @@ def _layout(specs: list[ArraySpec]) -> tuple[list[int], int]:
 class SharedBuffers:
     """Named numpy views over one buffer (shared memory, or private memory for the twin)."""
 
-    def __init__(self, cfg: EnvConfig, buffer, shm: Optional[shared_memory.SharedMemory], owner: bool):
+    def __init__(self, cfg: EnvConfig, buffer, shm: shared_memory.SharedMemory | None, owner: bool):
         self._shm = shm
         self._owner = owner
         specs = buffer_specs(cfg)
         offsets, _ = _layout(specs)
         self.arrays: dict[str, np.ndarray] = {
             spec.name: np.ndarray(spec.shape, dtype=spec.dtype, buffer=buffer, offset=offset)
-            for spec, offset in zip(specs, offsets)
+            for spec, offset in zip(specs, offsets, strict=True)
         }
 
     @staticmethod
@@ -79,12 +78,12 @@ class SharedBuffers:
         return _layout(buffer_specs(cfg))[1]
 
     @classmethod
-    def private(cls, cfg: EnvConfig) -> "SharedBuffers":
+    def private(cls, cfg: EnvConfig) -> SharedBuffers:
         """Plain process-private memory, for the in-process twin."""
         return cls(cfg, bytearray(cls.nbytes(cfg)), None, owner=False)
 
     @classmethod
-    def create(cls, cfg: EnvConfig) -> "SharedBuffers":
+    def create(cls, cfg: EnvConfig) -> SharedBuffers:
         shm = shared_memory.SharedMemory(create=True, size=cls.nbytes(cfg))
         try:
             np.frombuffer(shm.buf, dtype=np.uint8)[:] = 0
@@ -95,7 +94,7 @@ class SharedBuffers:
             raise
 
     @classmethod
-    def attach(cls, cfg: EnvConfig, name: str) -> "SharedBuffers":
+    def attach(cls, cfg: EnvConfig, name: str) -> SharedBuffers:
         shm = shared_memory.SharedMemory(name=name)
         if shm.size < cls.nbytes(cfg):
             shm.close()
@@ -103,7 +102,7 @@ class SharedBuffers:
         return cls(cfg, shm.buf, shm, owner=False)
 
     @property
-    def name(self) -> Optional[str]:
+    def name(self) -> str | None:
         return self._shm.name if self._shm is not None else None
 
     def __getitem__(self, key: str) -> np.ndarray:

@@ -14,9 +14,8 @@ sub-step of the chunk (or after every sub-step with render_every="substep").
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
-
-import numpy as np
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from envs.config import EnvConfig
 
@@ -34,7 +33,7 @@ class EnvRunner:
 
     def create(self, on_created: Callable[[int], None] = lambda env_id: None) -> None:
         """Build every env's simulator (the slow part: ~13 s per LIBERO env on CPU)."""
-        for env_id, env in zip(self.env_ids, self.envs):
+        for env_id, env in zip(self.env_ids, self.envs, strict=True):
             env.ensure_created()
             on_created(env_id)
 
@@ -60,7 +59,7 @@ class EnvRunner:
     def step_chunk(self, horizon: int) -> None:
         """Execute actions[:, :horizon] for this runner's envs (see the module docstring)."""
         buf = self.buf
-        for env_id, env in zip(self.env_ids, self.envs):
+        for env_id, env in zip(self.env_ids, self.envs, strict=True):
             buf["rewards"][env_id] = 0
             buf["terminated"][env_id] = False
             buf["truncated"][env_id] = False

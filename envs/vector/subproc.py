@@ -17,9 +17,10 @@ import signal
 import time
 import warnings
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from envs.config import EnvConfig
 from envs.vector.base import VectorEnvBase
@@ -44,13 +45,14 @@ class WorkerHandle:
     process: Any
     conn: Any
     creating: bool = True  # "create" sent, reply not yet collected
+    failed: bool = False  # died or hung: stop it without asking
 
 
 class AsyncVectorEnv(VectorEnvBase):
     def __init__(self, cfg: EnvConfig):
         super().__init__(cfg)
         self._ctx = mp.get_context(cfg.start_method)
-        self._broken: Optional[str] = None
+        self._broken: str | None = None
         self._buffers = SharedBuffers.create(cfg)
         self._workers: list[WorkerHandle] = []
         # Runs on close(), on garbage collection and at interpreter exit: never leak processes
@@ -78,7 +80,8 @@ class AsyncVectorEnv(VectorEnvBase):
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=worker_main,
-            args=(child_conn, index, list(env_ids), self.cfg.to_dict(), self._buffers.name),
+            args=(child_conn, index, list(env_ids), [self.task_ids[i] for i in env_ids],
+                  self.cfg.to_dict(), self._buffers.name),
             name=f"vla-env-worker-{index}",
             daemon=True,
         )
@@ -114,6 +117,7 @@ class AsyncVectorEnv(VectorEnvBase):
         self._raise_errors(errors, "create")
 
     def _kill(self, handle: WorkerHandle) -> None:
+        handle.failed = True
         _stop_process(handle, graceful=False)
 
     # ---------------------------------------------------------------------- messaging
@@ -129,7 +133,7 @@ class AsyncVectorEnv(VectorEnvBase):
         handles: Sequence[WorkerHandle],
         command: str,
         timeout_s: float,
-        on_progress: Optional[Callable[[int], None]] = None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> tuple[dict, dict, dict]:
         """Collect one reply per worker. Returns (ok payloads, error tracebacks, failures),
         each keyed by worker index; failures say why a worker gave no reply (died / hung)."""
@@ -178,6 +182,8 @@ class AsyncVectorEnv(VectorEnvBase):
 
     def _raise_crash(self, failures: dict[int, str], command: str) -> None:
         lines = [f"{self._describe(self._workers[i])} {reason}" for i, reason in sorted(failures.items())]
+        for index in failures:
+            self._workers[index].failed = True
         self._broken = "; ".join(lines)
         hint = "" if self.cfg.restart_on_crash else " (set env.restart_on_crash=true to restart it)"
         raise WorkerCrashedError(f"during {command!r}: " + "; ".join(lines) + hint)
@@ -233,7 +239,7 @@ class AsyncVectorEnv(VectorEnvBase):
             handles = [self._workers[i] for i in by_worker]
             self._wait_created(handles)
             sent = [h for h in handles if self._send(h, ("reset", by_worker[h.index]))]
-            replies, errors, failures = self._gather(sent, "reset", self.cfg.worker_timeout_s)
+            _replies, errors, failures = self._gather(sent, "reset", self.cfg.worker_timeout_s)
             for h in handles:
                 if h not in sent:
                     failures[h.index] = _death_reason(h)
@@ -248,7 +254,7 @@ class AsyncVectorEnv(VectorEnvBase):
         # Workers still rebuilding after a crash hold only lost (done) envs: nothing to step.
         handles = [h for h in self._workers if not h.creating]
         sent = [h for h in handles if self._send(h, ("step", horizon))]
-        replies, errors, failures = self._gather(sent, "step", self.cfg.worker_timeout_s)
+        _replies, errors, failures = self._gather(sent, "step", self.cfg.worker_timeout_s)
         for h in handles:
             if h not in sent:
                 failures[h.index] = _death_reason(h)
@@ -260,7 +266,7 @@ class AsyncVectorEnv(VectorEnvBase):
         self._finalizer()
 
 
-def _poll(handle: WorkerHandle) -> tuple[Optional[tuple], bool]:
+def _poll(handle: WorkerHandle) -> tuple[tuple | None, bool]:
     """(message or None, pipe closed)."""
     try:
         if handle.conn.poll():
@@ -286,6 +292,9 @@ def _death_reason(handle: WorkerHandle) -> str:
 
 def _stop_process(handle: WorkerHandle, graceful: bool) -> None:
     process = handle.process
+    if handle.failed:
+        process.kill()  # SIGKILL also ends a stopped (SIGSTOP) or hung process at once
+        process.join(timeout=5.0)
     if graceful and process.is_alive() and not handle.creating:
         try:
             handle.conn.send(("close", None))

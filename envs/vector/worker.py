@@ -19,7 +19,9 @@ import traceback
 from typing import Any
 
 
-def worker_main(conn: Any, worker_index: int, env_ids: list, cfg_dict: dict, shm_name: str) -> None:
+def worker_main(
+    conn: Any, worker_index: int, env_ids: list, task_ids: list, cfg_dict: dict, shm_name: str
+) -> None:
     # Ctrl-C reaches the whole process group; the parent decides how to shut workers down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     runner = buffers = None
@@ -32,12 +34,11 @@ def worker_main(conn: Any, worker_index: int, env_ids: list, cfg_dict: dict, shm
 
             configure_gl(cfg.render_backend)  # before anything imports mujoco
         from envs.vector.buffers import SharedBuffers
-        from envs.vector.catalog import env_slots, make_env
+        from envs.vector.catalog import make_env
         from envs.vector.runner import EnvRunner
 
         buffers = SharedBuffers.attach(cfg, shm_name)
-        slots = env_slots(cfg)
-        envs = [make_env(cfg, slots[i].task_id) for i in env_ids]
+        envs = [make_env(cfg, task_id) for task_id in task_ids]
         runner = EnvRunner(cfg, env_ids, envs, buffers.arrays)
         _command_loop(conn, runner)
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -142,7 +142,8 @@ def test_split_kv_attention_matches_masked_sdpa(dtype, heads, kv_heads, target_b
     want = exact(q.float(), k.float(), v.float())
     got = attention(q, k, v)
     assert got.shape == (b, t, heads * hd) and got.dtype == dtype
-    assert rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    fp32_tol = 2e-3 if DEVICE == "cuda" else 1e-5  # Triton's fp32 tl.dot uses TF32 on the GPU
+    assert rel(got, want) < (fp32_tol if dtype == torch.float32 else 1e-2)
 
 
 def test_flow_step_matches_reference():
