@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, List, Mapping, Optional
 
+from common.config import check_choice, check_nonnegative_int, check_positive_int, reject_unknown_keys, to_container
 from envs.suites import DEFAULT_MAX_EPISODE_STEPS, SUITES
 
 # Camera names in the config (and in observation keys "<name>_image") -> robosuite cameras.
@@ -56,18 +57,18 @@ class EnvConfig:
     show_progress: bool = True
 
     def __post_init__(self) -> None:
-        _check_choice("env.suite", self.suite, SUITES)
-        _check_choice("env.render_every", self.render_every, RENDER_EVERY)
-        _check_choice("env.render_backend", self.render_backend, RENDER_BACKENDS)
-        _check_choice("env.start_method", self.start_method, START_METHODS)
-        _check_choice("env.env_type", self.env_type, ENV_TYPES)
-        _check_choice("env.step_mode", self.step_mode, STEP_MODES)
+        check_choice("env.suite", self.suite, SUITES)
+        check_choice("env.render_every", self.render_every, RENDER_EVERY)
+        check_choice("env.render_backend", self.render_backend, RENDER_BACKENDS)
+        check_choice("env.start_method", self.start_method, START_METHODS)
+        check_choice("env.env_type", self.env_type, ENV_TYPES)
+        check_choice("env.step_mode", self.step_mode, STEP_MODES)
         for key in ("num_envs", "group_size", "num_workers", "image_size", "chunk_size"):
-            _check_positive_int(f"env.{key}", getattr(self, key))
-        _check_nonnegative_int("env.num_settle_steps", self.num_settle_steps)
-        _check_nonnegative_int("env.seed", self.seed)
+            check_positive_int(f"env.{key}", getattr(self, key))
+        check_nonnegative_int("env.num_settle_steps", self.num_settle_steps)
+        check_nonnegative_int("env.seed", self.seed)
         if self.max_episode_steps is not None:
-            _check_positive_int("env.max_episode_steps", self.max_episode_steps)
+            check_positive_int("env.max_episode_steps", self.max_episode_steps)
         for key in ("worker_timeout_s", "create_timeout_s"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or value <= 0:
@@ -153,39 +154,13 @@ class EnvConfig:
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None = None, **overrides: Any) -> "EnvConfig":
         """Build from a dict or OmegaConf node; unknown keys raise naming the key."""
-        data = dict(_to_container(mapping) if mapping is not None else {})
+        data = dict(to_container(mapping) if mapping is not None else {})
         data.update(overrides)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown env config key(s) {['env.' + k for k in unknown]}; known: {sorted(known)}")
-        return cls(**data)
+        return cls(**reject_unknown_keys(cls, data, "env", "env config"))
 
 
-def _to_container(mapping: Any) -> dict:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(mapping, DictConfig):
-            return OmegaConf.to_container(mapping, resolve=True)  # type: ignore[return-value]
-    except ImportError:
-        pass
-    return dict(mapping)
 
 
-def _check_choice(key: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}")
-
-
-def _check_positive_int(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be a positive integer, got {value!r}")
-
-
-def _check_nonnegative_int(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
 
 
 HYDRA_SCHEMA_NAME = "env_schema"

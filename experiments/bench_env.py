@@ -29,6 +29,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from common.config import reject_unknown_keys
 from envs.config import EnvConfig, register_hydra_schema
 from experiments.results import write_result
 
@@ -59,11 +60,7 @@ class BenchConfig:
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> "BenchConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(mapping) - known)
-        if unknown:
-            raise ValueError(f"unknown bench config key(s) {['bench.' + k for k in unknown]}")
-        return cls(**mapping)
+        return cls(**reject_unknown_keys(cls, mapping, "bench", "bench config"))
 
 
 def log(message: str) -> None:
@@ -84,6 +81,24 @@ def group_init_state_ids(env_cfg: EnvConfig) -> list[int]:
 
 def _phase_sums(timings: list[dict], keys: tuple[str, ...]) -> dict[str, float]:
     return {f"{k}": float(sum(t[k] for t in timings)) for k in keys}
+
+
+def _rates(create_s: float, reset_s: float, walls: list[float], steps: int, timings: list[dict],
+           final_state: np.ndarray) -> dict[str, Any]:
+    """Throughput and per-phase sums of one measured run (ours or the baseline)."""
+    wall = float(sum(walls))
+    return {
+        "create_s": create_s,
+        "reset_s": reset_s,
+        "chunks": len(walls),
+        "env_steps": steps,
+        "wall_s": wall,
+        "env_steps_per_s": steps / wall,
+        "chunks_per_s": len(walls) / wall,
+        "chunk_wall_median_s": float(np.median(walls)),
+        "phases_s": _phase_sums(timings, ("physics_s", "render_s", "transfer_s", "busiest_worker_s")),
+        "final_state": final_state,
+    }
 
 
 def measure_ours(env_cfg: EnvConfig, actions: np.ndarray, warmup: int) -> dict[str, Any]:
@@ -109,19 +124,7 @@ def measure_ours(env_cfg: EnvConfig, actions: np.ndarray, warmup: int) -> dict[s
         final_state = result.obs["state"].copy()
     finally:
         vec.close()
-    wall = float(sum(walls))
-    return {
-        "create_s": create_s,
-        "reset_s": reset_s,
-        "chunks": len(walls),
-        "env_steps": steps,
-        "wall_s": wall,
-        "env_steps_per_s": steps / wall,
-        "chunks_per_s": len(walls) / wall,
-        "chunk_wall_median_s": float(np.median(walls)),
-        "phases_s": _phase_sums(timings, ("physics_s", "render_s", "transfer_s", "busiest_worker_s")),
-        "final_state": final_state,
-    }
+    return _rates(create_s, reset_s, walls, steps, timings, final_state)
 
 
 def measure_baseline(env_cfg: EnvConfig, task_ids: list[int], actions: np.ndarray, warmup: int) -> dict[str, Any]:
@@ -147,20 +150,8 @@ def measure_baseline(env_cfg: EnvConfig, task_ids: list[int], actions: np.ndarra
         final_state = obs["state"].copy()
     finally:
         vec.close()
-    wall = float(sum(walls))
     steps = len(walls) * actions.shape[1] * actions.shape[2]
-    return {
-        "create_s": create_s,
-        "reset_s": reset_s,
-        "chunks": len(walls),
-        "env_steps": steps,
-        "wall_s": wall,
-        "env_steps_per_s": steps / wall,
-        "chunks_per_s": len(walls) / wall,
-        "chunk_wall_median_s": float(np.median(walls)),
-        "phases_s": _phase_sums(timings, ("physics_s", "render_s", "transfer_s", "busiest_worker_s")),
-        "final_state": final_state,
-    }
+    return _rates(create_s, reset_s, walls, steps, timings, final_state)
 
 
 def measure_single_process(env_cfg: EnvConfig, bench: BenchConfig) -> dict[str, float]:

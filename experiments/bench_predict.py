@@ -35,6 +35,9 @@ from policies.fast.runner import STAGES, FastSampler
 from policies.lerobot_bridge import build_lerobot_core, lerobot_config, lerobot_inputs, relative_l2
 from policies.observation import ModelInputs
 from policies.policy import build_policy
+from profiler.ceilings import measure_ceilings as profiler_ceilings
+from profiler.export_png import plot_stage_roofline
+from profiler.roofline import Ceilings, StageMeasurement, stage_roofline
 
 CAMERAS = ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"]
 CONFIGURATIONS = {
@@ -88,19 +91,13 @@ def timed_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters:
 
 
 def measure_ceilings(device: torch.device) -> dict:
-    """Dense bf16 GEMM rate and device copy bandwidth (bytes read + written), measured now."""
-    if device.type != "cuda":
-        a = torch.randn(1024, 1024)
-        ms = timed_ms(lambda: a @ a, device, 2, 5)
-        return {"matmul_tflops": 2 * 1024**3 / ms / 1e9, "copy_tb_s": None, "dtype": "float32"}
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = timed_ms(lambda: a @ b, device, 3, 10)
-    src = torch.randn(2 * 1024**3 // 4, device=device)
-    dst = torch.empty_like(src)
-    copy_ms = timed_ms(lambda: dst.copy_(src), device, 3, 10)
-    return {"matmul_tflops": 2 * n**3 / ms / 1e9, "copy_tb_s": 2 * src.numel() * 4 / copy_ms / 1e9, "dtype": "bfloat16"}
+    """Dense GEMM rate (bf16 on GPU) and device copy bandwidth (bytes read + written), measured now."""
+    cuda = device.type == "cuda"
+    dtype = "bfloat16" if cuda else "float32"
+    measured = profiler_ceilings(str(device), dtype=dtype, matmul_n=8192 if cuda else 1024,
+                                 copy_mb=4096 if cuda else 256, repeats=10)
+    return {"matmul_tflops": measured.peak_flops / 1e12, "copy_tb_s": measured.peak_bytes_per_s / 1e12,
+            "dtype": dtype, "source": measured.source}
 
 
 def peak_mib(fn: Callable[[], object], device: torch.device) -> Optional[float]:
@@ -241,17 +238,35 @@ def stage_breakdown(fast: FastSampler, cfg: PolicyConfig, inputs, noise, stoch, 
     costs = flops.stage_costs(cfg.replace(dtype="bfloat16") if device.type == "cuda" else cfg, batch=batch,
                               prompt_len=bucket.prompt_len, modulation_precomputed=True)
     cost_of = {"vision": costs["vision"], "prefix": costs["prefix"], "denoise": costs["expert_total"]}
-    out = {}
+    measured = []
     for stage in STAGES:
         ms = timed_ms(lambda: fast.run_stage(bucket, stage), device, bench.warmup, bench.iters)
         cost = cost_of[stage]
-        tflops = cost.flops / ms / 1e9
-        row = {"ms": ms, "gflop": cost.flops / 1e9, "gbytes": cost.bytes / 1e9, "tflops": tflops,
-               "intensity": cost.intensity, "mfu": tflops / ceilings["matmul_tflops"]}
-        if ceilings.get("copy_tb_s"):
-            row["bw_util"] = cost.bytes / ms / 1e9 / ceilings["copy_tb_s"]
-        out[stage] = row
-    return out
+        measured.append(StageMeasurement(stage, cost.flops, cost.bytes, ms / 1e3))
+    points = stage_roofline(measured, roofline_ceilings(ceilings))
+    return {p.name: {"ms": p.time_s * 1e3, "gflop": p.flops / 1e9, "gbytes": p.bytes / 1e9,
+                     "tflops": p.achieved_flops / 1e12, "intensity": p.intensity, "mfu": p.mfu,
+                     "roof_fraction": p.roof_fraction, "bound": p.bound} for p in points}
+
+
+def roofline_ceilings(ceilings: dict) -> Ceilings:
+    return Ceilings(ceilings["matmul_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12,
+                    source=f"measured {ceilings['dtype']} GEMM + device copy")
+
+
+def plot_stage_rooflines(record: dict, out_dir: str | Path, batches=(1, 32)) -> list[Path]:
+    """One stage-roofline PNG per configuration and batch size, from a bench_predict record."""
+    ceilings = roofline_ceilings(record["ceilings"])
+    paths = []
+    for name, result in record["configurations"].items():
+        for row in result["rows"]:
+            if row["batch"] not in batches:
+                continue
+            stages = [StageMeasurement(f"{stage} (b={row['batch']})", v["gflop"] * 1e9, v["gbytes"] * 1e9, v["ms"] / 1e3)
+                      for stage, v in row["stages"].items()]
+            path = Path(out_dir) / f"stage_roofline_{name}_b{row['batch']}.png"
+            paths.append(plot_stage_roofline(stage_roofline(stages, ceilings), ceilings, path))
+    return paths
 
 
 def _param_gib(module) -> float:

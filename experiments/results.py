@@ -20,20 +20,23 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
 def git_sha() -> str:
+    """HEAD's sha (+ "-dirty" with uncommitted changes to tracked files). Where the tree has no
+    usable git history (the GPU machine gets a copy of the working tree), $VLA_GIT_SHA, which
+    scripts/device_prelude.sh sets from .carry/GIT_SHA."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
         )
         sha = out.stdout.strip()
-        if not sha:
-            return "unknown"
+        if out.returncode != 0 or not re.fullmatch(r"[0-9a-f]{40}", sha):
+            return os.environ.get("VLA_GIT_SHA") or "unknown"
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
         ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return os.environ.get("VLA_GIT_SHA") or "unknown"
 
 
 def device_name() -> str:

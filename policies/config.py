@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.config import check_choice, check_positive_float, check_positive_int, reject_unknown_keys, to_container
 from policies.fast.config import FastConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -44,7 +45,7 @@ class VisionConfig:
 
     def validate(self, key: str) -> None:
         for name in ("image_size", "patch_size", "width", "depth", "num_heads", "mlp_dim"):
-            _check_positive_int(f"{key}.{name}", getattr(self, name))
+            check_positive_int(f"{key}.{name}", getattr(self, name))
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"{key}.image_size ({self.image_size}) must be a multiple of {key}.patch_size "
@@ -54,7 +55,7 @@ class VisionConfig:
             raise ValueError(
                 f"{key}.width ({self.width}) must be divisible by {key}.num_heads ({self.num_heads})"
             )
-        _check_positive_float(f"{key}.layer_norm_eps", self.layer_norm_eps)
+        check_positive_float(f"{key}.layer_norm_eps", self.layer_norm_eps)
 
 
 @dataclass
@@ -72,7 +73,7 @@ class GemmaConfig:
 
     def validate(self, key: str) -> None:
         for name in ("width", "depth", "mlp_dim", "num_heads", "num_kv_heads", "head_dim"):
-            _check_positive_int(f"{key}.{name}", getattr(self, name))
+            check_positive_int(f"{key}.{name}", getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{key}.num_heads ({self.num_heads}) must be a multiple of {key}.num_kv_heads "
@@ -82,8 +83,8 @@ class GemmaConfig:
             raise ValueError(
                 f"{key}.head_dim must be even (RoPE rotates halves), got {self.head_dim}"
             )
-        _check_positive_float(f"{key}.rms_norm_eps", self.rms_norm_eps)
-        _check_positive_float(f"{key}.rope_theta", self.rope_theta)
+        check_positive_float(f"{key}.rms_norm_eps", self.rms_norm_eps)
+        check_positive_float(f"{key}.rope_theta", self.rope_theta)
 
 
 @dataclass
@@ -97,15 +98,15 @@ class SamplingConfig:
     logprob_chunk: int | None = None  # actions counted in the log-prob (None: chunk_size)
 
     def validate(self, key: str, chunk_size: int) -> None:
-        _check_positive_int(f"{key}.num_steps", self.num_steps)
-        _check_choice(f"{key}.train_mode", self.train_mode, TRAIN_MODES)
-        _check_positive_float(f"{key}.noise_level", self.noise_level)
+        check_positive_int(f"{key}.num_steps", self.num_steps)
+        check_choice(f"{key}.train_mode", self.train_mode, TRAIN_MODES)
+        check_positive_float(f"{key}.noise_level", self.noise_level)
         if self.exclude_last_step and self.num_steps < 2:
             raise ValueError(
                 f"{key}.exclude_last_step needs {key}.num_steps >= 2, got {self.num_steps}"
             )
         if self.logprob_chunk is not None:
-            _check_positive_int(f"{key}.logprob_chunk", self.logprob_chunk)
+            check_positive_int(f"{key}.logprob_chunk", self.logprob_chunk)
             if self.logprob_chunk > chunk_size:
                 raise ValueError(
                     f"{key}.logprob_chunk ({self.logprob_chunk}) must not exceed policy.chunk_size "
@@ -216,7 +217,7 @@ class PolicyConfig:
             "state_dim",
             "max_token_len",
         ):
-            _check_positive_int(f"policy.{name}", getattr(self, name))
+            check_positive_int(f"policy.{name}", getattr(self, name))
         if self.action_dim > self.max_action_dim:
             raise ValueError(
                 f"policy.action_dim ({self.action_dim}) must not exceed policy.max_action_dim ({self.max_action_dim})"
@@ -234,11 +235,11 @@ class PolicyConfig:
             raise ValueError(
                 f"policy.cameras must be non-empty camera slot names without duplicates, got {self.cameras}"
             )
-        _check_positive_float("policy.min_period", self.min_period)
-        _check_positive_float("policy.max_period", self.max_period)
-        _check_choice("policy.dtype", self.dtype, DTYPES)
-        _check_choice("policy.checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
-        _check_positive_float("policy.init_scale", self.init_scale)
+        check_positive_float("policy.min_period", self.min_period)
+        check_positive_float("policy.max_period", self.max_period)
+        check_choice("policy.dtype", self.dtype, DTYPES)
+        check_choice("policy.checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
+        check_positive_float("policy.init_scale", self.init_scale)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"policy.seed must be a non-negative integer, got {self.seed!r}")
         self.sampling.validate("policy.sampling", self.chunk_size)
@@ -268,7 +269,7 @@ class PolicyConfig:
     @staticmethod
     def from_mapping(mapping: Mapping[str, Any] | None = None, **overrides: Any) -> PolicyConfig:
         """Build from a dict / OmegaConf node: `preset` (default "pi05") plus overrides."""
-        data = _merge(_to_container(mapping) if mapping is not None else {}, overrides)
+        data = _merge(to_container(mapping) if mapping is not None else {}, overrides)
         preset = data.pop("preset", None) or data.get("name") or "pi05"
         return PolicyConfig.preset(preset, **data)
 
@@ -343,14 +344,8 @@ def _build(cls: type, data: Mapping[str, Any], key: str) -> Any:
     """Instantiate a (nested) config dataclass, rejecting unknown keys by their full name."""
     if not isinstance(data, Mapping):
         raise TypeError(f"{key} must be a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ValueError(
-            f"unknown config key(s) {[f'{key}.{k}' for k in unknown]}; known: {sorted(fields)}"
-        )
     kwargs = {}
-    for name, value in data.items():
+    for name, value in reject_unknown_keys(cls, data, key).items():
         sub = _NESTED.get((cls.__name__, name))
         kwargs[name] = _build(sub, value, f"{key}.{name}") if sub is not None else value
     try:
@@ -391,29 +386,3 @@ def _merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, A
         else:
             out[k] = v
     return out
-
-
-def _to_container(mapping: Any) -> dict:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(mapping, DictConfig):
-            return OmegaConf.to_container(mapping, resolve=True)  # type: ignore[return-value]
-    except ImportError:
-        pass
-    return dict(mapping)
-
-
-def _check_choice(key: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}")
-
-
-def _check_positive_int(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be a positive integer, got {value!r}")
-
-
-def _check_positive_float(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{key} must be a positive number, got {value!r}")

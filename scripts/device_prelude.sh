@@ -11,6 +11,9 @@ if [ -f .carry/env/libero.tar.gz ]; then
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export LIBERO_CONFIG_PATH=/tmp/libero_config PYTHONUNBUFFERED=1
+# The copy of the tree has no git history: result files take the sha from .carry/GIT_SHA
+# (write it before the call: git rev-parse HEAD > .carry/GIT_SHA; git diff --quiet || echo dirty >> ...).
+export VLA_GIT_SHA="$(tr '\n' '-' < .carry/GIT_SHA 2>/dev/null | sed 's/-$//')"
 # flashinfer JIT-compiles its kernels on first use (~100 s for the bf16/hd256 prefill module on
 # the H200); the compiled cache from an earlier call is carried back in and unpacked here.
 if [ -f .carry/jit/flashinfer_cache.tgz ]; then

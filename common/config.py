@@ -1,0 +1,45 @@
+"""Validation helpers for the typed config dataclasses (errors name the full key and value)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def to_container(mapping: Any) -> dict:
+    """A plain dict from a dict or an OmegaConf node (resolved)."""
+    if type(mapping).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(mapping, resolve=True)  # type: ignore[return-value]
+    return dict(mapping)
+
+
+def reject_unknown_keys(cls: type, data: Any, prefix: str, what: str = "config") -> dict:
+    """`data` as a dict, or ValueError naming every key `cls` does not declare as `prefix.key`."""
+    data = to_container(data)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} key(s) {[f'{prefix}.{k}' for k in unknown]}; known: {sorted(known)}")
+    return data
+
+
+def check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}")
+
+
+def check_positive_int(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+
+
+def check_nonnegative_int(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
+
+
+def check_positive_float(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{key} must be a positive number, got {value!r}")
