@@ -224,7 +224,7 @@ def bench_configuration(name: str, base: PolicyConfig, bench: BenchPredictConfig
                    + (f", lerobot {row['lerobot_ms']:.1f} ms, x{row['speedup']:.1f}" if "lerobot_ms" in row else ""))
     result["attention_choices"] = dict(fast.selector.records)
     result["weights_gib"] = {"ours": _param_gib(policy.model), "lerobot": _param_gib(core) if core is not None else None}
-    del fast, policy, core
+    fast = policy = core = None  # free the GPU memory before the next configuration
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
