@@ -35,21 +35,12 @@ def section(name):
 
 
 def cuda_time(fn, iters=20, warmup=3):
+    """Median CUDA-event time in ms (the benchmarks' own timer)."""
     import torch
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return round(times[len(times) // 2], 4)
+    from experiments.bench_predict import timed_ms
+
+    return round(timed_ms(fn, torch.device("cuda"), warmup, iters), 4)
 
 
 @section("attention")
