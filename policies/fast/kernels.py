@@ -23,6 +23,8 @@ import math
 import torch
 from torch import Tensor
 
+from policies import flow
+
 # ----------------------------------------------------------------------------- references
 
 
@@ -83,8 +85,6 @@ def flow_step_reference(chains: Tensor, v: Tensor, step_noise: Tensor, stochasti
     """One denoise update, in place: chains[:, k+1] from chains[:, k] and the velocity v (B, H, D):
     RLinf's flow-SDE step where stochastic[:, k], else the Euler step x + dt v; logp[:, k] gets the
     Gaussian log-density of a stochastic step (0 on deterministic ones). fp32, as policies.flow."""
-    from policies import flow
-
     x = chains[:, k]
     as_t = lambda value: torch.tensor(value, dtype=x.dtype, device=x.device)  # noqa: E731
     mean, std = flow.sde_step_mean_std(x, v, as_t(t), as_t(delta), as_t(sigma))
