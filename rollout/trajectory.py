@@ -1,0 +1,119 @@
+"""Trajectory storage of one RL step: what the collector writes and the trainer reads.
+
+`RolloutBatch` is preallocated once per (num_envs, max_chunks, shapes) and reused every RL
+step (memory per step is bounded: `nbytes`). Index [n, t] = env n, chunk t of the episode.
+Arrays are numpy (CPU); the trainer turns the rows it trains on into tensors.
+
+  images[cam]    (N, T, S, S, 3) uint8   observation the chunk was predicted from (camera keys
+                                          as the env returns them, e.g. "agentview_image")
+  states         (N, T, state_dim) float32
+  tokens         (N, T, L) int32, token_mask (N, T, L) bool   the prompt the engine used
+  chains         (N, T, K+1, H, D) float32
+  denoise_inds   (N, T, K) int64
+  actions        (N, T, H, action_dim) float32  what was sent to the env (after clipping)
+  logprobs       (N, T, Hc, action_dim) float32  rollout (behaviour) log-probs, per element
+  chunk_logprob  (N, T) float32
+  versions       (N, T) int64    weight version of the prediction
+  rewards        (N, T, H) float32   per sub-step (0 on invalid sub-steps)
+  substep_valid  (N, T, H) bool     sub-steps really executed
+  chunk_valid    (N, T) bool        the chunk was predicted AND executed with the env not done
+                                    before it and not lost: the only chunks a trainer may use
+  num_chunks     (N,) int64         chunks executed per env (= first index with chunk_valid False)
+  success        (N,) bool          episode succeeded
+  lost           (N,) bool          env's worker crashed during the episode: NEVER train on it
+  init_state_ids (N,) int64, task_ids (N,) int64, group_ids (N,) int64 (= n // group_size)
+  prompts        list[str] (N,)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RolloutBatch:
+    images: dict[str, np.ndarray]
+    states: np.ndarray
+    tokens: np.ndarray
+    token_mask: np.ndarray
+    chains: np.ndarray
+    denoise_inds: np.ndarray
+    actions: np.ndarray
+    logprobs: np.ndarray
+    chunk_logprob: np.ndarray
+    versions: np.ndarray
+    rewards: np.ndarray
+    substep_valid: np.ndarray
+    chunk_valid: np.ndarray
+    num_chunks: np.ndarray
+    success: np.ndarray
+    lost: np.ndarray
+    init_state_ids: np.ndarray
+    task_ids: np.ndarray
+    group_ids: np.ndarray
+    prompts: list[str] = field(default_factory=list)
+
+    @property
+    def num_envs(self) -> int:
+        return int(self.states.shape[0])
+
+    @property
+    def max_chunks(self) -> int:
+        return int(self.states.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [v for v in vars(self).values() if isinstance(v, np.ndarray)]
+        arrays += list(self.images.values())
+        return int(sum(a.nbytes for a in arrays))
+
+    @classmethod
+    def allocate(
+        cls,
+        num_envs: int,
+        max_chunks: int,
+        cameras: dict[str, tuple[int, int, int]],
+        state_dim: int,
+        token_len: int,
+        num_steps: int,
+        chunk: int,
+        max_action_dim: int,
+        action_dim: int,
+        logprob_chunk: int,
+        group_size: int = 1,
+    ) -> RolloutBatch:
+        """Zeroed buffers; `cameras` maps observation key -> (S, S, 3)."""
+        n, t = num_envs, max_chunks
+        z = np.zeros
+        return cls(
+            images={key: z((n, t, *shape), np.uint8) for key, shape in cameras.items()},
+            states=z((n, t, state_dim), np.float32),
+            tokens=z((n, t, token_len), np.int32),
+            token_mask=z((n, t, token_len), bool),
+            chains=z((n, t, num_steps + 1, chunk, max_action_dim), np.float32),
+            denoise_inds=z((n, t, num_steps), np.int64),
+            actions=z((n, t, chunk, action_dim), np.float32),
+            logprobs=z((n, t, logprob_chunk, action_dim), np.float32),
+            chunk_logprob=z((n, t), np.float32),
+            versions=z((n, t), np.int64),
+            rewards=z((n, t, chunk), np.float32),
+            substep_valid=z((n, t, chunk), bool),
+            chunk_valid=z((n, t), bool),
+            num_chunks=z((n,), np.int64),
+            success=z((n,), bool),
+            lost=z((n,), bool),
+            init_state_ids=z((n,), np.int64),
+            task_ids=z((n,), np.int64),
+            group_ids=np.arange(n, dtype=np.int64) // group_size,
+            prompts=[""] * n,
+        )
+
+    def clear(self) -> None:
+        """Zero every per-step array in place (keeps the allocation)."""
+        for name, value in vars(self).items():
+            if isinstance(value, np.ndarray) and name != "group_ids":
+                value.fill(0)
+        for value in self.images.values():
+            value.fill(0)
