@@ -6,7 +6,8 @@ consecutive vector steps. Each sub-step sends one action to every worker, the wo
 LIBERO's `OffScreenRenderEnv.step` (robosuite renders every camera and computes every
 observable, ~40 arrays), pickles the whole observation dict back, and the parent extracts the
 rotated images and the 8-dim state from it (`_wrap_obs`) at every sub-step. Episodes start
-with `reset()`, `set_init_state()` and no-op steps, each also a full round trip.
+with `reset()`, `set_init_state()` and no-op steps, each also a full round trip. As in RLinf,
+the parent holds the tasks' init states (workers never load them, nor import torch).
 
 Differences from RLinf, all in the baseline's favour or neutral: no torch conversion of the
 observations, no video/metrics bookkeeping, no task reconfiguration; the no-op settle action is
@@ -14,6 +15,15 @@ openpi's (gripper -1, RLinf uses 0) so both harnesses follow the same trajectory
 Timing: each worker reports the seconds spent in env.step and, within it, in camera rendering
 (the camera sensors are wrapped with a timer), so the bench can split physics / render /
 transfer for the baseline too.
+
+Failures behave as in our vector env (envs/vector/subproc.py): the parent waits on every
+worker's pipe and process sentinel, so a dead worker raises `WorkerCrashedError` at once and a
+hung one after `env.worker_timeout_s` (`env.create_timeout_s` while building), naming the env,
+its task and pid; an exception in a worker raises `EnvWorkerError` with its traceback. After a
+crash the baseline is unusable (no restarts: RLinf has none either).
+
+`env_type=countdown` (envs/testing.py) runs the same process/pipe mechanics without MuJoCo, for
+tests.
 """
 
 from __future__ import annotations
@@ -23,14 +33,16 @@ import multiprocessing as mp
 import signal
 import time
 import traceback
+from multiprocessing import connection as mp_connection
 from typing import Any
 
 import numpy as np
 
 from envs.config import EnvConfig, robosuite_camera
-from envs.libero_env import NOOP_ACTION, quat_to_axis_angle, rotate_180
+from envs.libero_env import NOOP_ACTION, quat_to_axis_angle, rotate_180, state_vector
+from envs.vector.subproc import EnvWorkerError, WorkerCrashedError, process_death_reason
 
-READY_TIMEOUT_S = 900.0
+CLOSE_GRACE_S = 10.0
 
 
 def _timed_camera_sensors(robosuite_env: Any, totals: dict) -> None:
@@ -52,42 +64,103 @@ def _timed_camera_sensors(robosuite_env: Any, totals: dict) -> None:
         observable._sensor = timed
 
 
-def _baseline_worker(conn: Any, cfg_dict: dict, task_id: int) -> None:
+class _LiberoEnvProcess:
+    """What one RLinf env process holds: LIBERO's OffScreenRenderEnv, stepped with full obs."""
+
+    def __init__(self, cfg: EnvConfig, spec: tuple):
+        from envs.rendering import configure_gl
+
+        configure_gl(cfg.render_backend)
+        from envs.suites import make_robosuite_env
+
+        task, self.init_states = spec
+        self.env = make_robosuite_env(task, image_size=cfg.image_size, cameras=cfg.robosuite_cameras,
+                                      ignore_done=True)
+        self.totals = {"render_s": 0.0}
+        if cfg.cameras:
+            _timed_camera_sensors(self.env.env, self.totals)
+
+    def reset(self) -> None:
+        self.env.reset()
+
+    def set_init_state(self, init_state_id: int) -> dict:
+        return self.env.set_init_state(self.init_states[init_state_id])
+
+    def step(self, action: np.ndarray) -> tuple:
+        self.totals["render_s"] = 0.0
+        start = time.perf_counter()
+        obs, reward, done, info = self.env.step(action)
+        info = dict(info, step_s=time.perf_counter() - start, render_s=self.totals["render_s"])
+        return obs, reward, done, info
+
+    def end_state(self) -> np.ndarray:
+        """The 8-dim state at the end of the last step, computed as our harness observes it
+        (robosuite's step observation lags it: envs/steppers.py). Not used while timing."""
+        from envs.steppers import robosuite_proprio
+
+        self.env.env.sim.forward()
+        return state_vector(robosuite_proprio(self.env.env))
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class _CountdownEnvProcess:
+    """The countdown test env behind the same calls (observations already in policy format)."""
+
+    def __init__(self, cfg: EnvConfig, task_id: int):
+        from envs.testing import CountdownEnv
+
+        self.env = CountdownEnv(task_id, image_size=cfg.image_size, cameras=cfg.cameras)
+
+    def reset(self) -> None:
+        self.env.ensure_created()
+
+    def set_init_state(self, init_state_id: int) -> dict:
+        self.env.begin_episode(init_state_id, 0)
+        return self.env.observation()
+
+    def step(self, action: np.ndarray) -> tuple:
+        start = time.perf_counter()
+        reward, success = self.env.control_step(action)
+        obs = self.env.observation()
+        return obs, reward, success, {"step_s": time.perf_counter() - start, "render_s": 0.0}
+
+    def end_state(self) -> np.ndarray:
+        return self.env.observation(render=False)["state"]
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _baseline_worker(conn: Any, cfg_dict: dict, task_id: int, spec: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     env = None
     try:
         cfg = EnvConfig(**cfg_dict)
-        from envs.rendering import configure_gl
-
-        configure_gl(cfg.render_backend)
-        from envs.suites import get_task, load_init_states, make_robosuite_env
-
-        task = get_task(cfg.suite, task_id)
-        env = make_robosuite_env(
-            task, image_size=cfg.image_size, cameras=cfg.robosuite_cameras, ignore_done=True
-        )
-        totals = {"render_s": 0.0}
-        if cfg.cameras:
-            _timed_camera_sensors(env.env, totals)
-        conn.send(("ready", None))
+        env = _CountdownEnvProcess(cfg, task_id) if cfg.env_type == "countdown" else _LiberoEnvProcess(cfg, spec)
+        conn.send(("ok", None))
         while True:
             command, data = conn.recv()
-            if command == "step":
-                totals["render_s"] = 0.0
-                start = time.perf_counter()
-                obs, reward, done, info = env.step(data)
-                info = dict(info, step_s=time.perf_counter() - start, render_s=totals["render_s"])
-                conn.send((obs, reward, done, info))
-            elif command == "reset":
-                conn.send(env.reset())
-            elif command == "set_init_state":
-                conn.send(env.set_init_state(load_init_states(task)[data]))
-            elif command == "close":
-                conn.send(None)
+            if command == "close":
+                conn.send(("ok", None))
                 return
+            try:
+                if command == "step":
+                    reply = env.step(data)
+                elif command == "reset":
+                    reply = env.reset()
+                elif command == "set_init_state":
+                    reply = env.set_init_state(int(data))
+                elif command == "end_state":
+                    reply = env.end_state()
+                else:
+                    raise ValueError(f"unknown baseline command {command!r}")
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
             else:
-                raise ValueError(f"unknown command {command!r}")
-    except (EOFError, BrokenPipeError):
+                conn.send(("ok", reply))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
         pass
     except BaseException:
         try:
@@ -104,56 +177,106 @@ class RlinfStyleVectorEnv:
     """One process per env, pipes, full observations pickled, cameras at every sub-step."""
 
     def __init__(self, cfg: EnvConfig, task_ids: list[int]):
+        from envs.vector.catalog import worker_specs
+
         if len(task_ids) != cfg.num_envs:
             raise ValueError(f"baseline needs one task id per env ({cfg.num_envs}), got {len(task_ids)}")
         self.cfg = cfg
         self.task_ids = list(task_ids)
+        specs = worker_specs(cfg, self.task_ids)
+        self.labels = [f"{cfg.env_type}/{t}" if spec is None else spec[0].label
+                       for t, spec in zip(self.task_ids, specs, strict=True)]
         ctx = mp.get_context("spawn")  # as RLinf's ReconfigureSubprocEnvWorker
         self._conns, self._procs = [], []
+        self._broken: str | None = None
+        self._failed: set[int] = set()  # died or hung: killed without asking on close
+        self.last_timing: dict[str, float] = {}
         try:
-            for task_id in task_ids:
+            for task_id, spec in zip(task_ids, specs, strict=True):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_baseline_worker, args=(child, cfg.to_dict(), task_id), daemon=True)
+                proc = ctx.Process(target=_baseline_worker, args=(child, cfg.to_dict(), task_id, spec), daemon=True)
                 proc.start()
                 child.close()
                 self._conns.append(parent)
                 self._procs.append(proc)
-            self._wait_ready()
+            self._collect("create", self.cfg.create_timeout_s, progress=cfg.show_progress)
         except BaseException:
             self.close()
             raise
-        self.last_timing: dict[str, float] = {}
 
-    def _wait_ready(self) -> None:
+    # ------------------------------------------------------------------ messaging
+    def _collect(self, command: str, timeout_s: float, progress: bool = False) -> list:
+        """One reply per env, in env order; raises naming the env on a crash, hang or error."""
         bar = None
-        if self.cfg.show_progress:
+        if progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(self._conns), desc="creating baseline envs (1 process each)", unit="env")
         try:
-            for index, conn in enumerate(self._conns):
-                if not conn.poll(READY_TIMEOUT_S):
-                    raise TimeoutError(f"baseline env {index} not ready after {READY_TIMEOUT_S} s")
-                self._check(index, conn.recv())
-                if bar is not None:
-                    bar.update(1)
+            replies, errors, failures = self._gather(timeout_s, command, bar)
         finally:
             if bar is not None:
                 bar.close()
+        if failures:
+            self._failed.update(failures)
+            self._broken = "; ".join(f"{self._describe(i)} {why}" for i, why in sorted(failures.items()))
+            raise WorkerCrashedError(f"baseline, during {command!r}: {self._broken}")
+        if errors:
+            index, text = sorted(errors.items())[0]
+            raise EnvWorkerError(f"baseline {self._describe(index)} raised during {command!r}:\n{text}")
+        return [replies[i] for i in range(len(self._conns))]
 
-    @staticmethod
-    def _check(index: int, reply: Any) -> Any:
-        if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "error":
-            raise RuntimeError(f"baseline env {index} failed:\n{reply[1]}")
-        return reply
+    def _gather(self, timeout_s: float, command: str, bar: Any) -> tuple[dict, dict, dict]:
+        pending = set(range(len(self._conns)))
+        replies: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                failures.update({i: f"sent no reply to {command!r} within {timeout_s:g} s (hung)" for i in pending})
+                break
+            waitables = [self._conns[i] for i in pending] + [self._procs[i].sentinel for i in pending]
+            mp_connection.wait(waitables, timeout=min(remaining, 1.0))
+            for i in sorted(pending):
+                try:
+                    message = self._conns[i].recv() if self._conns[i].poll() else None
+                except (EOFError, OSError):
+                    message = None
+                if message is None:
+                    if not self._procs[i].is_alive():
+                        failures[i] = process_death_reason(self._procs[i])
+                        pending.discard(i)
+                    continue
+                pending.discard(i)
+                kind, payload = message
+                if kind == "ok":
+                    replies[i] = payload
+                else:
+                    errors[i] = payload
+                if bar is not None:
+                    bar.update(1)
+        return replies, errors, failures
+
+    def _describe(self, index: int) -> str:
+        return f"env {index} ({self.labels[index]}, pid {self._procs[index].pid})"
 
     def _call_all(self, command: str, data: list) -> list:
+        if self._broken is not None:
+            raise RuntimeError(f"the baseline is unusable after a worker crash: {self._broken}")
         for conn, item in zip(self._conns, data, strict=True):
-            conn.send((command, item))
-        return [self._check(i, conn.recv()) for i, conn in enumerate(self._conns)]
+            try:
+                conn.send((command, item))
+            except OSError:
+                pass  # a dead worker is reported by _collect, through its sentinel
+        return self._collect(command, self.cfg.worker_timeout_s)
 
+    # ------------------------------------------------------------------ the RLinf-style env
     def _wrap_obs(self, raw_obs: list[dict]) -> dict[str, Any]:
         """RLinf's per-step extraction: rotated images and the 8-dim state, stacked."""
+        if self.cfg.env_type == "countdown":  # already the policy's keys
+            return {key: np.stack([o[key] for o in raw_obs]) for key in raw_obs[0]}
         obs = {
             f"{camera}_image": np.stack([rotate_180(o[f"{robosuite_camera(camera)}_image"]) for o in raw_obs])
             for camera in self.cfg.cameras
@@ -195,21 +318,31 @@ class RlinfStyleVectorEnv:
         self.last_timing = timing
         return obs, rewards, terminations
 
+    def end_states(self) -> np.ndarray:
+        """(N, 8) state at the end of each env's last step (see `_LiberoEnvProcess.end_state`)."""
+        return np.stack(self._call_all("end_state", [None] * len(self._conns)))
+
     @property
     def pids(self) -> list[int | None]:
         return [p.pid for p in self._procs]
 
     def close(self) -> None:
+        """Stop every worker (a hung or stopped one is killed). Idempotent."""
+        for index, proc in enumerate(self._procs):
+            if index in self._failed and proc.is_alive():
+                proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) or hung process at once
         for conn in self._conns:
             try:
                 conn.send(("close", None))
             except OSError:
                 pass
+        deadline = time.monotonic() + CLOSE_GRACE_S
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(deadline - time.monotonic(), 0.0))
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
+

@@ -65,6 +65,15 @@ def rotate_180(image: np.ndarray) -> np.ndarray:
     return image[::-1, ::-1]
 
 
+def _readonly(states: np.ndarray) -> np.ndarray:
+    states = np.asarray(states, dtype=np.float64)
+    if states.ndim != 2 or len(states) == 0:
+        raise ValueError(f"init states must have shape (N, D) with N >= 1, got {states.shape}")
+    states = states.copy() if states.flags.writeable else states
+    states.setflags(write=False)
+    return states
+
+
 def reset_robosuite(libero_env: Any, max_attempts: int = 100) -> None:
     """LIBERO's `ControlEnv.reset` without its trap: it retries object placement on
     RandomizationError but, through `finally: continue`, also retries forever on *any*
@@ -109,8 +118,12 @@ class LiberoEnv(gym.Env):
         step_mode: str = "robosuite",
         render_backend: str = "auto",
         seed: int = 0,
+        init_states: np.ndarray | None = None,
     ):
         self.task = task
+        # Given by the parent of a worker process (loaded there once): reading them here would
+        # import torch (LIBERO saved them with torch.save), ~1-2 s and ~225 MB per worker.
+        self._init_states = None if init_states is None else _readonly(init_states)
         self.image_size = int(image_size)
         self.cameras = tuple(cameras)
         self.max_episode_steps = int(max_episode_steps or DEFAULT_MAX_EPISODE_STEPS[task.suite])
@@ -132,9 +145,12 @@ class LiberoEnv(gym.Env):
         self.action_space = gym.spaces.Box(-1.0, 1.0, (ACTION_DIM,), dtype=np.float32)
 
     @classmethod
-    def from_config(cls, cfg: EnvConfig, task_id: int) -> LiberoEnv:
+    def from_config(cls, cfg: EnvConfig, task_id: int, task: TaskSpec | None = None,
+                    init_states: np.ndarray | None = None) -> LiberoEnv:
+        """The env of `cfg.suite` task `task_id`. `task` and `init_states`, when the caller has
+        them (a worker's parent), spare this process LIBERO's task tables and torch."""
         return cls(
-            get_task(cfg.suite, task_id),
+            task if task is not None else get_task(cfg.suite, task_id),
             image_size=cfg.image_size,
             cameras=cfg.cameras,
             max_episode_steps=cfg.episode_steps,
@@ -142,6 +158,7 @@ class LiberoEnv(gym.Env):
             step_mode=cfg.step_mode,
             render_backend=cfg.render_backend,
             seed=cfg.seed,
+            init_states=init_states,
         )
 
     # ----------------------------------------------------------------- low-level episode API
@@ -150,8 +167,15 @@ class LiberoEnv(gym.Env):
         return self.task.language
 
     @property
+    def init_states(self) -> np.ndarray:
+        """The task's recorded init states (num_states, state_dim), read-only."""
+        if self._init_states is None:
+            self._init_states = load_init_states(self.task)
+        return self._init_states
+
+    @property
     def num_init_states(self) -> int:
-        return len(load_init_states(self.task))
+        return len(self.init_states)
 
     @property
     def created(self) -> bool:
@@ -188,7 +212,7 @@ class LiberoEnv(gym.Env):
     def begin_episode(self, init_state_id: int, seed: int) -> None:
         """reset + set_init_state(init_states[init_state_id]) + settle steps; no rendering."""
         self.ensure_created()
-        states = load_init_states(self.task)
+        states = self.init_states
         if not 0 <= init_state_id < len(states):
             raise ValueError(
                 f"{self.task.label}: init_state_id {init_state_id} out of range "

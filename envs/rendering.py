@@ -57,4 +57,23 @@ def configure_gl(preference: str = "auto") -> str:
     os.environ["MUJOCO_GL"] = backend
     if backend in ("egl", "osmesa"):
         os.environ["PYOPENGL_PLATFORM"] = backend
+    if backend == "osmesa":
+        preload_triton()
     return backend
+
+
+def preload_triton() -> None:
+    """Import triton before OSMesa is loaded, in the main process.
+
+    PyOpenGL loads the GL library with RTLD_GLOBAL, so OSMesa's LLVM symbols become global, and a
+    later `import triton` (which torch._dynamo, hence the first torch optimizer, triggers) then
+    segfaults in triton's extension (measured: render with OSMesa, then `import triton` -> SIGSEGV;
+    triton first -> fine). The main process may train after rendering in-process envs (GRPO with
+    an in-process collector); env worker processes never import triton, so they skip the cost."""
+    import importlib.util
+    import multiprocessing
+
+    if "triton" in sys.modules or multiprocessing.parent_process() is not None:
+        return
+    if importlib.util.find_spec("triton") is not None:
+        import triton  # noqa: F401

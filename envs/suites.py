@@ -50,7 +50,7 @@ def check_suite(suite: str) -> str:
     return suite
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def suite_tasks(suite: str) -> tuple[TaskSpec, ...]:
     """All tasks of a suite, in LIBERO's own order (task_order_index=0)."""
     check_suite(suite)

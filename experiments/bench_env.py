@@ -5,16 +5,25 @@
         env.image_size=224 env.chunk_size=10             # GPU machine (EGL is picked automatically)
 
 Ours: `AsyncVectorEnv` (several envs per worker, shared memory, cameras rendered once per
-chunk). Baseline: `envs.baseline.RlinfStyleVectorEnv` (one process per env, pipes, full
-observation pickled and cameras rendered at every sub-step). Both reset to the same init
-states and execute the same random action chunks; the bench reports env steps/s and chunks/s
-of both, per-phase time (physics, render, transfer; physics and render are summed over envs,
-transfer is wall time not covered by the busiest worker), the CPU count, and the largest
-state difference between the two at the end (a check that both did the same work).
+chunk). Baseline: `envs.baseline.RlinfStyleVectorEnv` (one process per env, as RLinf runs
+LIBERO: 64 envs are 64 processes whatever the core count; pipes, full observation pickled and
+cameras rendered at every sub-step). Both reset to the same init states and execute the same
+random action chunks; the bench reports env steps/s and chunks/s of both, per-phase time
+(physics, render, transfer; physics and render are summed over envs, transfer is wall time not
+covered by the busiest worker), the CPU count, and checks that both did the same work
+(experiments/bench_env_checks.py): it exits non-zero when a final-state check fails.
+
+Two speed-ups: `speedup` (ours in the env's step mode, lean by default, vs the baseline) and
+`speedup_harness_only` (ours with robosuite's own env.step vs the baseline: what the harness
+alone gives; lean stepping could be adopted by RLinf too).
 
 `bench.step_modes` measures ours once per stepper ("robosuite", "lean"); with
-`bench.step_mode_comparison=true` it adds, per mode, one env in this process and all workers
-without images and with cameras at chunk end.
+`bench.step_mode_comparison=true` it adds, per mode, one env in this process (first, before any
+worker process exists) and all workers without images. The one-process rates are medians of
+`bench.repeats` interleaved passes after one untimed warm-up pass of every mode.
+
+The JSON goes to runs/bench_env/ (experiments/results.py); `bench.commit=true` (or
+VLA_COMMIT_RESULTS=1) writes it to benchmarks/results/ for committing.
 """
 
 from __future__ import annotations
@@ -22,8 +31,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, List, Mapping
+from typing import Any
 
 import hydra
 import numpy as np
@@ -31,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from common.config import reject_unknown_keys
 from envs.config import EnvConfig, register_hydra_schema
+from experiments.bench_env_checks import describe_checks, final_state_checks, lean_vs_robosuite_check
 from experiments.results import write_result
 
 register_hydra_schema()
@@ -40,15 +51,18 @@ register_hydra_schema()
 class BenchConfig:
     num_chunks: int = 6  # timed chunks
     warmup_chunks: int = 1
-    step_modes: List[str] = field(default_factory=lambda: ["lean", "robosuite"])
+    step_modes: list[str] = field(default_factory=lambda: ["lean", "robosuite"])
     baseline: bool = True
     step_mode_comparison: bool = True  # per-process and all-worker section per step mode
     step_mode_steps: int = 200  # control steps per per-process measurement
+    repeats: int = 3  # timed passes per per-process mode (median reported)
     action_scale: float = 0.5  # actions ~ U(-scale, scale)
     seed: int = 0
+    out_dir: str | None = None  # None: experiments.results decides (runs/bench_env/)
+    commit: bool = False  # write the JSON to benchmarks/results/ (a result to commit)
 
     def __post_init__(self) -> None:
-        for key in ("num_chunks", "step_mode_steps"):
+        for key in ("num_chunks", "step_mode_steps", "repeats"):
             if getattr(self, key) < 1:
                 raise ValueError(f"bench.{key} must be >= 1, got {getattr(self, key)}")
         if self.warmup_chunks < 0:
@@ -59,7 +73,7 @@ class BenchConfig:
             raise ValueError(f"bench.action_scale must be in (0, 1], got {self.action_scale}")
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any]) -> "BenchConfig":
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> BenchConfig:
         return cls(**reject_unknown_keys(cls, mapping, "bench", "bench config"))
 
 
@@ -148,56 +162,42 @@ def measure_baseline(env_cfg: EnvConfig, task_ids: list[int], actions: np.ndarra
             walls.append(time.perf_counter() - t0)
             timings.append(vec.last_timing)
         final_state = obs["state"].copy()
+        end_state = vec.end_states()  # after the timing: robosuite's step observation lags it
     finally:
         vec.close()
     steps = len(walls) * actions.shape[1] * actions.shape[2]
-    return _rates(create_s, reset_s, walls, steps, timings, final_state)
+    return {**_rates(create_s, reset_s, walls, steps, timings, final_state), "final_end_state": end_state}
 
 
-def measure_single_process(env_cfg: EnvConfig, bench: BenchConfig) -> dict[str, float]:
-    """One env in this process: control steps/s without images, and with both cameras
-    rendered once per chunk of env.chunk_size steps."""
-    from envs.libero_env import LiberoEnv
-    from envs.vector.catalog import env_slots
+def per_process_section(env_cfg: EnvConfig, bench: BenchConfig) -> dict[str, Any]:
+    """Per step mode, one env in this process (see experiments/bench_env_single.py)."""
+    from experiments.bench_env_single import measure_single_process
 
-    env = LiberoEnv.from_config(env_cfg, env_slots(env_cfg)[0].task_id)
-    try:
-        env.begin_episode(0, bench.seed)
-        rng = np.random.default_rng(bench.seed)
-        actions = rng.uniform(-bench.action_scale, bench.action_scale, (bench.step_mode_steps, 7))
-        for action in actions[:5]:  # warm-up: the lean kernel's first call compiles (numba)
-            env.control_step(action)
-        env.begin_episode(0, bench.seed)
-        t0 = time.perf_counter()
-        for action in actions:
-            env.control_step(action)
-        no_images = len(actions) / (time.perf_counter() - t0)
-        env.begin_episode(0, bench.seed)
-        t0 = time.perf_counter()
-        for k, action in enumerate(actions):
-            env.control_step(action)
-            if (k + 1) % env_cfg.chunk_size == 0:
-                env.observation(render=True)
-        chunk_end = len(actions) / (time.perf_counter() - t0)
-    finally:
-        env.close()
-    return {"no_images_steps_per_s": no_images, "cameras_at_chunk_end_steps_per_s": chunk_end}
+    section = {}
+    for mode in bench.step_modes:
+        log(f"one env in this process, step_mode={mode}: {bench.repeats} rounds of {bench.step_mode_steps} steps "
+            "per mode after a warm-up pass")
+        try:
+            section[mode] = measure_single_process(dataclasses.replace(env_cfg, step_mode=mode), bench.repeats,
+                                                   bench.step_mode_steps, bench.action_scale, bench.seed)
+        except Exception as exc:  # e.g. a step mode that cannot run here: report, keep going
+            log(f"one process with step_mode={mode} failed: {exc!r}")
+            section[mode] = {"error": repr(exc)}
+    return section
 
 
 def step_mode_comparison(env_cfg: EnvConfig, bench: BenchConfig, actions: np.ndarray,
-                         ours: dict[str, dict]) -> dict[str, Any]:
+                         ours: dict[str, dict], per_process: dict[str, dict]) -> dict[str, Any]:
     """Per step mode: one process, and all workers, without images / cameras at chunk end."""
     section: dict[str, Any] = {}
     for mode, measured in ours.items():
-        if "error" in measured:
-            section[mode] = {"error": measured["error"]}
+        if "error" in measured or "error" in per_process.get(mode, {"error": "not measured"}):
+            section[mode] = {"error": measured.get("error") or per_process.get(mode, {}).get("error")}
             continue
-        cfg = dataclasses.replace(env_cfg, step_mode=mode)
-        log(f"step-mode comparison: {mode}, one env in this process")
-        per_process = measure_single_process(cfg, bench)
-        no_cam = measure_ours(dataclasses.replace(cfg, cameras=[]), actions, bench.warmup_chunks)
+        log(f"step-mode comparison: {mode}, all workers without images")
+        no_cam = measure_ours(dataclasses.replace(env_cfg, step_mode=mode, cameras=[]), actions, bench.warmup_chunks)
         section[mode] = {
-            "per_process": per_process,
+            "per_process": per_process[mode],
             "all_workers": {
                 "no_images_env_steps_per_s": no_cam["env_steps_per_s"],
                 "cameras_at_chunk_end_env_steps_per_s": measured["env_steps_per_s"],
@@ -211,6 +211,8 @@ def run(env_cfg: EnvConfig, bench: BenchConfig) -> dict[str, Any]:
 
     task_ids = [slot.task_id for slot in env_slots(env_cfg)]
     actions = make_actions(env_cfg, bench)
+    # one process first: no worker process of an earlier phase is running or exiting
+    per_process = per_process_section(env_cfg, bench) if bench.step_mode_comparison else {}
     ours: dict[str, dict] = {}
     for mode in bench.step_modes:
         try:
@@ -223,47 +225,76 @@ def run(env_cfg: EnvConfig, bench: BenchConfig) -> dict[str, Any]:
         "env_config": env_cfg.to_dict(),
         "bench_config": dataclasses.asdict(bench),
         "task_ids": task_ids,
+        "timed_chunks": bench.num_chunks,
         "ours": ours,
         "baseline": baseline,
     }
     if bench.step_mode_comparison:
-        payload["step_mode_comparison"] = step_mode_comparison(env_cfg, bench, actions, ours)
+        payload["step_mode_comparison"] = step_mode_comparison(env_cfg, bench, actions, ours, per_process)
+    payload["checks"] = checks(env_cfg, bench, payload)
     return payload
+
+
+def checks(env_cfg: EnvConfig, bench: BenchConfig, payload: dict[str, Any]) -> dict[str, Any]:
+    """Did ours and the baseline (and ours in both step modes) do the same work?"""
+    out: dict[str, Any] = {}
+    ours_all, baseline = payload["ours"], payload["baseline"]
+    headline = ours_all.get(headline_mode(env_cfg, ours_all), {})
+    if baseline is not None and "final_state" in headline:
+        out.update(final_state_checks(headline["final_state"], baseline["final_state"],
+                                      baseline.get("final_end_state"), bench.action_scale))
+    if all("final_state" in ours_all.get(m, {}) for m in ("lean", "robosuite")):
+        out["lean_vs_robosuite"] = lean_vs_robosuite_check(ours_all["lean"]["final_state"],
+                                                           ours_all["robosuite"]["final_state"])
+    return out
+
+
+def headline_mode(env_cfg: EnvConfig, ours_all: dict[str, Any]) -> str:
+    return env_cfg.step_mode if env_cfg.step_mode in ours_all else next(iter(ours_all))
 
 
 def summarize(env_cfg: EnvConfig, payload: dict[str, Any]) -> dict[str, Any]:
     ours_all = payload["ours"]
-    headline_mode = env_cfg.step_mode if env_cfg.step_mode in ours_all else next(iter(ours_all))
-    ours, baseline = ours_all[headline_mode], payload["baseline"]
+    mode = headline_mode(env_cfg, ours_all)
+    ours, baseline = ours_all[mode], payload["baseline"]
     summary: dict[str, Any] = {
         "suite": env_cfg.suite,
+        "task_ids": sorted(set(payload.get("task_ids", []))),
         "num_envs": env_cfg.num_envs,
         "num_workers": env_cfg.num_workers,
         "image_size": env_cfg.image_size,
         "cameras": len(env_cfg.cameras),
         "chunk": env_cfg.chunk_size,
+        "timed_chunks": payload.get("timed_chunks"),
         "cpu_count": os.cpu_count(),
-        "step_mode": headline_mode,
+        "step_mode": mode,
         "ours_env_steps_per_s": ours.get("env_steps_per_s"),
         "ours_chunks_per_s": ours.get("chunks_per_s"),
     }
-    for mode, measured in ours_all.items():
-        if mode != headline_mode:
-            summary[f"ours_{mode}_env_steps_per_s"] = measured.get("env_steps_per_s")
-    for mode, section in payload.get("step_mode_comparison", {}).items():
+    for other, measured in ours_all.items():
+        if other != mode:
+            summary[f"ours_{other}_env_steps_per_s"] = measured.get("env_steps_per_s")
+    for other, section in payload.get("step_mode_comparison", {}).items():
         if "error" in section:
             continue
         for scope, values in section.items():
             for key, value in values.items():
-                summary[f"{mode}_{scope}_{key}"] = value
+                if isinstance(value, (int, float)):
+                    summary[f"{other}_{scope}_{key}"] = value
     summary.update(issue_keys(payload, env_cfg))
     if baseline is not None:
         summary["baseline_env_steps_per_s"] = baseline["env_steps_per_s"]
         summary["baseline_chunks_per_s"] = baseline["chunks_per_s"]
+        summary["baseline_processes"] = env_cfg.num_envs
         if ours.get("env_steps_per_s"):
             summary["speedup"] = ours["env_steps_per_s"] / baseline["env_steps_per_s"]
             diff = np.abs(np.asarray(ours["final_state"]) - np.asarray(baseline["final_state"]))
             summary["max_final_state_diff"] = float(diff.max())
+        harness = ours_all.get("robosuite", {}).get("env_steps_per_s")
+        if harness:
+            summary["speedup_harness_only"] = harness / baseline["env_steps_per_s"]
+    for name, check in payload.get("checks", {}).items():
+        summary[f"check_{name}_ok"] = check["ok"]
     return summary
 
 
@@ -300,14 +331,16 @@ def print_table(payload: dict[str, Any]) -> None:
 
 def print_step_mode_table(section: dict[str, Any]) -> None:
     print(f"{'step mode':12s} {'1 process, no images':>21s} {'1 process, cams at end':>23s} "
-          f"{'all workers, no images':>23s} {'all workers, cams at end':>25s}   (env steps/s)")
+          f"{'(physics only)':>15s} {'all workers, no images':>23s} {'all workers, cams at end':>25s}"
+          "   (env steps/s; 1 process: median of passes)")
     for mode, r in section.items():
         if "error" in r:
             print(f"{mode:12s} unavailable: {r['error']}")
             continue
         p, w = r["per_process"], r["all_workers"]
         print(f"{mode:12s} {p['no_images_steps_per_s']:21.1f} {p['cameras_at_chunk_end_steps_per_s']:23.1f} "
-              f"{w['no_images_env_steps_per_s']:23.1f} {w['cameras_at_chunk_end_env_steps_per_s']:25.1f}")
+              f"{p['cameras_at_chunk_end_physics_steps_per_s']:15.1f} {w['no_images_env_steps_per_s']:23.1f} "
+              f"{w['cameras_at_chunk_end_env_steps_per_s']:25.1f}")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_env")
@@ -321,8 +354,13 @@ def main(cfg: DictConfig) -> None:
     print_table(payload)
     if "step_mode_comparison" in payload:
         print_step_mode_table(payload["step_mode_comparison"])
+    for line in describe_checks(payload["checks"]):
+        print(line)
     summary = summarize(env_cfg, payload)
-    write_result("bench_env", payload, summary)
+    write_result("bench_env", payload, summary, bench.out_dir, commit=bench.commit)
+    failed = [name for name, check in payload["checks"].items() if not check["ok"]]
+    if failed:
+        raise SystemExit(f"bench_env: final-state check(s) failed: {failed} (see the [FAIL] lines above)")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Micro-benchmark: what one profiler span costs, enabled vs disabled, side by side in one run.
 
-    python -m experiments.bench_profiler [--spans 200000] [--repeats 7]
+    python -m experiments.bench_profiler [--spans 200000] [--repeats 7] [--commit]
 
 Each variant runs `--spans` spans in a loop; the cost per span is (loop time - empty loop
 time) / spans, median (and best) over `--repeats` interleaved rounds (interleaving spreads the
 noise of a shared machine over all variants alike; the best round is the least disturbed one).
-The JSON records the load average, since a busy machine inflates every number. Enabled variants write to a real trace file
-(flush_every=1024), so the amortized file write is included.
+The JSON records the load average, since a busy machine inflates every number. Enabled
+variants write to a real trace file (flush_every=1024), so the amortized file write is included.
+The JSON goes to runs/bench_profiler/, or to benchmarks/results/ with --commit.
 Variants: disabled (NULL_TIMELINE.span, module-level span() with no timeline), enabled
 (Timeline.span without / with attributes, module-level span(), a decorated function call
 minus a plain call).
@@ -81,9 +82,12 @@ def measure(variants: dict, spans: int, repeats: int) -> dict[str, list[float]]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m experiments.bench_profiler", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench_profiler",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--spans", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--commit", action="store_true",
+                        help="write the JSON to benchmarks/results/ (results to commit) instead of runs/")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tl = Timeline(tmp, worker="bench", flush_every=1024)
@@ -114,7 +118,7 @@ def main(argv=None) -> None:
     write_result("bench_profiler",
                  {"config": vars(args), "median_loop_ns_per_iter": median, "raw_ns_per_iter": raw,
                   "load_average": os.getloadavg()},
-                 summary)
+                 summary, commit=args.commit)
 
 
 def _per_span(loop_ns: dict[str, float]) -> dict[str, float]:

@@ -10,7 +10,11 @@ runs in the env workers (`rollout/env_step`, recorded on the stage's own lane) w
 predicts stage s+1 (`rollout/transfer` = observation -> policy batch, `rollout/predict`). There
 is no trainer yet (the GRPO issue), so steps have no advantages / actor_train phases.
 Writes RUN_DIR/trace, then the report, Perfetto trace, PNGs and an offline wandb run under
-RUN_DIR/profile (rebuild them with `python -m profiler.report RUN_DIR`).
+RUN_DIR/profile (rebuild them with `python -m profiler.report RUN_DIR`). RUN_DIR is new for each
+run (`rollout.run_dir`, timestamped by default); one whose trace already holds spans is refused,
+since an earlier run's spans would merge into this run's steps. The numbers the README quotes
+(mean step, PhyAI-style rows, control roofline) also go to a result JSON through
+experiments/results.py: runs/profile_rollout/, or benchmarks/results/ with `rollout.commit=true`.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from envs.config import EnvConfig, register_hydra_schema
+from experiments.results import write_result
 from policies import PolicyConfig, build_policy
 from profiler import ProfilerConfig, make_timeline, write_meta
 from profiler.report import build_exports
+from profiler.trace import strict_json, trace_dir
 
 register_hydra_schema()
 
@@ -39,13 +45,49 @@ class RolloutProfileConfig:
     chunks: int = 6  # chunks per rollout
     stages: int = 2  # pipeline stages (env groups alternating with predict)
     weight_noise: float = 1e-3  # size of the simulated weight update
-    run_dir: str = "runs/profile_rollout"
+    run_dir: str = "runs/profile_rollout/run"  # must not hold a trace yet (conf: timestamped)
     device: str = "auto"
+    commit: bool = False  # result JSON to benchmarks/results/ (the README's numbers) instead of runs/
 
     def __post_init__(self):
         for key in ("steps", "chunks", "stages"):
             if getattr(self, key) < 1:
                 raise ValueError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")
+
+
+POLICY_KEYS = ("agentview_image", "wrist_image", "state", "prompt")
+
+
+def fresh_run_dir(path: str | Path) -> Path:
+    """The run directory, created; refused if its trace already holds spans of another run."""
+    run_dir = Path(path).resolve()
+    old = sorted(trace_dir(run_dir).glob("spans_*.jsonl"))
+    if old:
+        raise FileExistsError(
+            f"{trace_dir(run_dir)} already holds {len(old)} span file(s) of an earlier run; their steps would "
+            "merge with this run's. Choose a new rollout.run_dir (the default is timestamped)."
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def result_summary(report, skip_first: int) -> dict:
+    """The numbers the README quotes: mean step (after `skip_first` warm-up steps), PhyAI-style
+    rows, control roofline."""
+    mean = report.mean(skip_first)
+    summary = {"steps": len(report.steps), "mean_from_step": skip_first, "step_s": mean.total_s,
+               "predict_max_s": mean.predict_max_s, "predict_share_step": mean.predict_share_step,
+               "predict_share_rollout": mean.predict_share_rollout, "other_s": mean.other_s}
+    for name in ("weight_sync", "rollout", "rollout/reset", "rollout/env_step", "rollout/predict"):
+        summary[f"{name.replace('/', '_')}_s"] = mean.phases.get(name)
+    for row in report.phyai_rows(mean):
+        if row.label.startswith("Projected step time"):
+            summary["projected_step_s_" + ("amdahl" if "Amdahl" in row.label else "critical_path")] = row.seconds
+    if report.control is not None:
+        control = report.control.summary()
+        summary.update({f"control_{k}": control[k] for k in ("median_x", "median_y", "median_l_env_s",
+                                                              "median_l_inference_s", "overlap_efficiency", "bound")})
+    return summary
 
 
 def stage_configs(env_cfg: EnvConfig, stages: int) -> list[EnvConfig]:
@@ -81,7 +123,7 @@ def rollout(timeline, env_lanes, policy, vecs, cfg: RolloutProfileConfig, step: 
                     obs[s] = result.obs
                     successes.append(result.success)
                 with timeline.span("rollout/transfer", stage=s, chunk=chunk, step=step):
-                    batch = policy.make_batch({k: obs[s][k] for k in ("agentview_image", "wrist_image", "state", "prompt")})
+                    batch = policy.make_batch({k: obs[s][k] for k in POLICY_KEYS})
                 with timeline.span("rollout/predict", stage=s, chunk=chunk, step=step, batch=vec.num_envs):
                     out = policy.sample(batch, mode="train")
                 actions = np.clip(out.actions[:, :chunk_len].float().cpu().numpy(), -1.0, 1.0)
@@ -108,8 +150,7 @@ def main(cfg: DictConfig) -> None:
     pcfg = PolicyConfig.from_mapping(cfg.policy)
     if device == "cuda":
         pcfg = pcfg.replace(fast={"enabled": True})
-    run_dir = Path(rcfg.run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = fresh_run_dir(rcfg.run_dir)
     prof = dataclasses.replace(ProfilerConfig.from_dict(cfg.profiler, logger=cfg.logger), out_dir=str(run_dir),
                                gpu_timing="sync" if device == "cuda" else "none")
     policy = build_policy(pcfg, device=device)
@@ -137,9 +178,13 @@ def main(cfg: DictConfig) -> None:
         for lane in env_lanes:
             lane.close()
         timeline.close()
-    _, written = build_exports(run_dir, prof, skip_first=1 if rcfg.steps > 1 else 0)
+    skip_first = 1 if rcfg.steps > 1 else 0
+    report, written = build_exports(run_dir, prof, skip_first=skip_first)
     for name, path in written.items():
         print(f"{name}: {path}")
+    payload = {"run_dir": str(run_dir), "config": OmegaConf.to_container(cfg, resolve=True),
+               "report": strict_json(report.to_dict(skip_first))}
+    write_result("profile_rollout", payload, result_summary(report, skip_first), commit=rcfg.commit)
 
 
 if __name__ == "__main__":

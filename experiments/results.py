@@ -1,7 +1,16 @@
-"""Benchmark result files: one JSON per run under benchmarks/results/, plus a RESULT line.
+"""Benchmark result files: one JSON per run, plus a `RESULT {json}` last line.
 
 Every benchmark records the same provenance (git sha, device, CPU count, config) so numbers
 from different machines and commits can be compared without guessing.
+
+Where the JSON goes (`results_dir`, first match):
+1. `out_dir` given by the caller (e.g. bench_predict's `bench.out_dir=...`);
+2. `commit=True`, or the environment variable `VLA_COMMIT_RESULTS=1`: `benchmarks/results/`,
+   the folder of results someone chose to commit (the README quotes only files from there);
+3. `$VLA_RESULTS_DIR`;
+4. the run directory: `runs/<name>/` under the repository root (git-ignored).
+So a plain run never writes into the source tree; to keep a run for the README:
+    VLA_COMMIT_RESULTS=1 python -m experiments.bench_env ...
 """
 
 from __future__ import annotations
@@ -12,11 +21,14 @@ import os
 import platform
 import re
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"  # results chosen for committing
+RUNS_DIR = REPO_ROOT / "runs"  # git-ignored run directories
+COMMIT_ENV = "VLA_COMMIT_RESULTS"
 
 
 def git_sha() -> str:
@@ -72,21 +84,34 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "unknown"
 
 
+def results_dir(name: str, out_dir: str | os.PathLike | None = None, commit: bool = False) -> Path:
+    """The folder `write_result` writes to (see the module docstring for the order)."""
+    if out_dir:
+        return Path(out_dir)
+    if commit or os.environ.get(COMMIT_ENV, "").strip().lower() in ("1", "true", "yes"):
+        return RESULTS_DIR
+    if os.environ.get("VLA_RESULTS_DIR"):
+        return Path(os.environ["VLA_RESULTS_DIR"])
+    return RUNS_DIR / name
+
+
 def write_result(
     name: str,
     payload: Mapping[str, Any],
     summary: Mapping[str, Any],
     out_dir: str | os.PathLike | None = None,
+    commit: bool = False,
 ) -> Path:
     """Write `{provenance, summary, **payload}` as JSON and print `RESULT {summary}` last.
 
     `name` starts the file name (e.g. "bench_env"); the device and a timestamp follow so runs
-    never overwrite each other. The folder: `out_dir`, else $VLA_RESULTS_DIR, else
-    benchmarks/results/.
+    never overwrite each other. The folder: `results_dir(name, out_dir, commit)`, i.e. the run
+    directory `runs/<name>/` unless the caller or $VLA_COMMIT_RESULTS asks for
+    benchmarks/results/ (module docstring).
     """
     meta = provenance()
     record = {"name": name, **meta, "summary": dict(summary), **dict(payload)}
-    out = Path(out_dir or os.environ.get("VLA_RESULTS_DIR") or RESULTS_DIR)
+    out = results_dir(name, out_dir, commit)
     out.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out / f"{name}_{_slug(meta['device'])}_{stamp}.json"

@@ -262,9 +262,11 @@ class PolicyConfig:
 
     @staticmethod
     def preset(name: str, **overrides: Any) -> PolicyConfig:
+        """The preset's config with `overrides` applied key by key: a partial sub-config such as
+        `expert={"mlp_dim": 2048}` changes only the keys it names."""
         if name not in PRESETS:
             raise ValueError(f"policy.preset must be one of {sorted(PRESETS)}, got {name!r}")
-        return _build(PolicyConfig, _merge(PRESETS[name], overrides), "policy")
+        return _build(PolicyConfig, _merge(preset_tree(name), overrides), "policy")
 
     @staticmethod
     def from_mapping(mapping: Mapping[str, Any] | None = None, **overrides: Any) -> PolicyConfig:
@@ -338,6 +340,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "inputs": _SMALL_INPUTS,
     },
 }
+
+
+def preset_tree(name: str) -> dict[str, Any]:
+    """Every key of preset `name` (PolicyConfig's field defaults + the preset's entries) as nested
+    dicts. Overrides merge onto this full tree, so a partial override of a sub-config the preset
+    leaves at its default (pi05's 1024-wide expert, not GemmaConfig's 2048) keeps the rest."""
+    defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                for f in dataclasses.fields(PolicyConfig)}
+    return _merge(defaults, PRESETS[name])
 
 
 def _build(cls: type, data: Mapping[str, Any], key: str) -> Any:

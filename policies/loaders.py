@@ -147,7 +147,10 @@ class LoadReport:
                 f" {names[:5]}{' ...' if len(names) > 5 else ''}" if names else ""
             )
 
-        return f"loaded {len(self.loaded)}, missing {head(self.missing)}, unexpected {head(self.unexpected)}, ignored {head(self.ignored)}"
+        return (
+            f"loaded {len(self.loaded)}, missing {head(self.missing)}, "
+            f"unexpected {head(self.unexpected)}, ignored {head(self.ignored)}"
+        )
 
 
 def detect_format(keys: list[str]) -> str:

@@ -109,9 +109,15 @@ class StepBreakdown:
 
 
 def find_step_windows(spans: Sequence[Any], step_name: str = STEP_NAME) -> list[tuple[int | str, int, int]]:
-    """[(step index, start_ns, end_ns)] sorted by start; one synthetic step if none recorded."""
+    """[(step index, start_ns, end_ns)] sorted by start; one synthetic step if none recorded.
+
+    Raises if one lane recorded the same step twice: that happens when a run directory is reused
+    and its trace still holds an earlier run's spans. Merged, step k's window would stretch from
+    the earlier run's step k to this one's, with the time between (process start-up, env
+    creation) counted as untimed "other" in step k."""
     bounds: dict[Any, list[int]] = {}
     count_per_rank: dict[int, int] = {}
+    recorded: dict[tuple, list[Any]] = {}
     for s in spans:
         if s.name != step_name:
             continue
@@ -119,8 +125,17 @@ def find_step_windows(spans: Sequence[Any], step_name: str = STEP_NAME) -> list[
         if index is None:
             index = count_per_rank.get(s.rank, 0)
             count_per_rank[s.rank] = index + 1
+        recorded.setdefault((s.rank, getattr(s, "worker", None), int(index)), []).append(getattr(s, "pid", None))
         b = bounds.setdefault(int(index), [s.start_ns, s.end_ns])
         b[0], b[1] = min(b[0], s.start_ns), max(b[1], s.end_ns)
+    repeated = {key: pids for key, pids in recorded.items() if len(pids) > 1}
+    if repeated:
+        (rank, worker, index), pids = min(repeated.items(), key=lambda kv: kv[0][2])
+        raise ValueError(
+            f"step {index} was recorded {len(pids)} times on lane (rank {rank}, {worker!r}) (pids {pids}): "
+            "the trace holds spans of more than one run (a reused run directory?); "
+            "profile each run into its own run directory"
+        )
     if not bounds:
         if not spans:
             return []

@@ -27,7 +27,7 @@ CONTROL_LABELS = {
     "median_l_control_s": "L_control", "median_x": "X = L_env / L_inference",
     "median_y": "Y = L_env / L_control (achieved)", "median_y_seq": "Y_seq = X / (1 + X)",
     "median_y_roof": "Y_roof = min(X, 1)", "inference_bound_fraction": "chunks inference-bound (X < 1)",
-    "bound": "the loop is", "overlap_efficiency": "overlap (0 = sequential, 1 = roof)",
+    "bound": "the loop is", "overlap_efficiency": "overlap (0 = sequential, 1 = roof, < 0 slower than sequential)",
     "budget_s": "budget per chunk", "margin_p5_s": "margin p5", "margin_p50_s": "margin p50",
     "margin_p95_s": "margin p95", "over_budget_fraction": "chunks over budget",
 }
@@ -52,7 +52,8 @@ def step_table(report, skip_first: int = 0):
     if len(rows) > 1:
         rows.append(report.mean(skip_first))
     for s in rows:
-        label = str(s.step) if s.step != "mean" else f"mean (from step {report.steps[min(skip_first, len(report.steps) - 1)].step})"
+        first = report.steps[min(skip_first, len(report.steps) - 1)].step
+        label = str(s.step) if s.step != "mean" else f"mean (from step {first})"
         table.add_row(
             label, fmt_s(s.total_s), *[fmt_s(s.phases.get(n)) for n in names + subs],
             fmt_s(s.other_s), _pct(s.predict_share_step), _pct(s.predict_share_rollout),

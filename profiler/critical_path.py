@@ -95,7 +95,8 @@ def build_graph(
         last_on_lane[node.span.lane] = node.index
     for node, sources in _cross_edges(nodes, predict_name):
         for source in sources:
-            ok = source is not None and source.index < node.index and source.span.end_ns <= node.span.start_ns + tolerance_ns
+            ok = (source is not None and source.index < node.index
+                  and source.span.end_ns <= node.span.start_ns + tolerance_ns)
             if not ok:
                 dropped += 1
             elif source.index not in node.preds:

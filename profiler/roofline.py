@@ -18,7 +18,7 @@ min(peak FLOP/s, I * peak bytes/s); the stage is compute-bound when I >= peak FL
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,31 +106,40 @@ def _overlap_efficiency(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def control_from_spans(
     spans: Sequence[Any], predict_name: str = "rollout/predict", env_name: str = "rollout/env_step",
-    budget_s: float | None = None,
+    budget_s: float | None = None, step_of: Callable[[Any], Any] | None = None,
 ) -> ControlRoofline:
-    """One sample per control period of a (rank, stage): from the start of env step c to the
-    start of env step c+1. In that period the env executes chunk c (L_env: its longest env-step
-    span; env workers of one key run in parallel) and the policy predicts chunk c+1
+    """One sample per control period of a (rank, step, stage): from the start of env step c to
+    the start of env step c+1. In that period the env executes chunk c (L_env: its longest
+    env-step span; env workers of one key run in parallel) and the policy predicts chunk c+1
     (L_inference), so L_control = L_env + L_inference when nothing overlaps. The last chunk of
-    each stage closes no period and is left out."""
+    each stage closes no period and is left out.
+
+    Chunk indices restart every RL step, so periods are keyed by step too: a span's `step`
+    attribute, else `step_of(span)` (the report passes the step window holding it). Without the
+    step, chunk c of every step would fall into one key: predict times summed over steps, env
+    starts taken from the first step, and Y (hence the overlap) above the roof."""
     predict: dict[tuple, float] = {}
     env_start: dict[tuple, int] = {}
     env_time: dict[tuple, float] = {}
     for s in spans:
         if "stage" not in s.attrs or "chunk" not in s.attrs:
             continue
-        key = (s.rank, s.attrs["stage"], int(s.attrs["chunk"]))
+        step = s.attrs.get("step")
+        if step is None and step_of is not None:
+            step = step_of(s)
+        key = (s.rank, -1 if step is None else int(step), s.attrs["stage"], int(s.attrs["chunk"]))
         if s.name == predict_name:
             predict[key] = predict.get(key, 0.0) + s.duration_s
         elif s.name == env_name:
             env_start[key] = min(env_start.get(key, s.start_ns), s.start_ns)
             env_time[key] = max(env_time.get(key, 0.0), s.duration_s)
     rows = []
-    for (rank, stage, chunk), start in sorted(env_start.items()):
-        nxt = env_start.get((rank, stage, chunk + 1))
-        if nxt is None or (rank, stage, chunk + 1) not in predict:
+    in_order = sorted(env_start.items(), key=lambda item: (item[0][0], item[0][1], str(item[0][2]), item[0][3]))
+    for (rank, step, stage, chunk), start in in_order:
+        after = (rank, step, stage, chunk + 1)
+        if after not in env_start or after not in predict:
             continue
-        rows.append((predict[(rank, stage, chunk + 1)], env_time[(rank, stage, chunk)], (nxt - start) * 1e-9))
+        rows.append((predict[after], env_time[(rank, step, stage, chunk)], (env_start[after] - start) * 1e-9))
     arr = np.array(rows, dtype=float).reshape(-1, 3)
     return ControlRoofline(arr[:, 0], arr[:, 1], arr[:, 2], budget_s=budget_s)
 

@@ -70,7 +70,9 @@ class StepReport:
         grouped = spans_by_step(trace.spans, windows)
         steps = [compute_step(k, (a, b), grouped[k], opts) for k, a, b in windows]
         budget = control_budget_s or config.control_budget_s or trace.meta.get("control_budget_s")
-        control = control_from_spans(trace.spans, opts.predict_name, "rollout/env_step", budget)
+        step_of = {id(s): k for k, members in grouped.items() for s in members}
+        control = control_from_spans(trace.spans, opts.predict_name, "rollout/env_step", budget,
+                                     step_of=lambda span: step_of.get(id(span)))
         ceilings = ceilings or _ceilings_from_meta(trace.meta)
         stage_points = []
         measured = stages_from_spans(trace.spans)

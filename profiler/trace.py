@@ -162,7 +162,7 @@ def _read_span_file(path: Path, processes: list[dict]) -> Iterable[SpanRecord]:
             record = json.loads(line)
         except json.JSONDecodeError:
             if number == len(lines):  # the writer died mid-line: keep everything before it
-                warnings.warn(f"{path}: skipping truncated last line {number}")
+                warnings.warn(f"{path}: skipping truncated last line {number}", stacklevel=2)
                 continue
             raise ValueError(f"{path}:{number}: not valid JSON: {line[:80]!r}") from None
         if record.get("kind") == "header":

@@ -1,6 +1,8 @@
-# Sourced at the start of every GPU-machine call (the machine starts bare, with no network).
-# Carried, git-ignored inputs: .gl (EGL/GL loader debs), .carry/whl (wheels the image lacks),
-# .carry/env/libero.tar.gz (scripts/pack_libero_carry.py). Sets PYTHONPATH and LIBERO config.
+# Sourced at the start of every GPU-machine call (the machine starts bare, with no network):
+#   source scripts/device_prelude.sh        # the call carries [".carry", ".gl"]
+# Carried, git-ignored inputs, all written by one command here (scripts/pack_offline.py):
+# .gl (EGL/GL loader debs), .carry/whl (wheels the image lacks), .carry/env/libero.tar.gz (the
+# LIBERO tasks' code and assets), .carry/GIT_SHA. Sets PYTHONPATH and the LIBERO config.
 for f in .gl/*.deb; do dpkg -x "$f" / ; done; ldconfig
 if [ -d .carry/whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -12,7 +14,7 @@ fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export LIBERO_CONFIG_PATH=/tmp/libero_config PYTHONUNBUFFERED=1
 # The copy of the tree has no git history: result files take the sha from .carry/GIT_SHA
-# (write it before the call: git rev-parse HEAD > .carry/GIT_SHA; git diff --quiet || echo dirty >> ...).
+# (scripts/pack_offline.py writes it: the commit, and "dirty" when the tree differs from it).
 export VLA_GIT_SHA="$(tr '\n' '-' < .carry/GIT_SHA 2>/dev/null | sed 's/-$//')"
 # flashinfer JIT-compiles its kernels on first use (~100 s for the bf16/hd256 prefill module on
 # the H200); the compiled cache from an earlier call is carried back in and unpacked here.

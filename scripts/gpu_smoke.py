@@ -69,7 +69,8 @@ def attention():
         ke, ve = k.expand(B, 8, kv, 256), v.expand(B, 8, kv, 256)
         ref = F.scaled_dot_product_attention(q.float(), ke.float(), ve.float(), attn_mask=mask[:, None, None, :])
         res = {}
-        res["sdpa_mask_ms"] = cuda_time(lambda: F.scaled_dot_product_attention(q, ke, ve, attn_mask=mask[:, None, None, :]))
+        masked = mask[:, None, None, :]
+        res["sdpa_mask_ms"] = cuda_time(lambda: F.scaled_dot_product_attention(q, ke, ve, attn_mask=masked))
         res["sdpa_nomask_gqa_ms"] = cuda_time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         if varlen_attn is not None:
             try:
@@ -138,9 +139,9 @@ def lerobot_check():
     import torch
 
     t0 = time.perf_counter()
+    from lerobot.configs.types import FeatureType, PolicyFeature
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy
-    from lerobot.configs.types import FeatureType, PolicyFeature
 
     out = {"import_s": round(time.perf_counter() - t0, 2)}
     cfg = PI05Config(dtype="bfloat16", device="cuda")

@@ -10,7 +10,8 @@ bddl and init files. Unpack it into a directory on PYTHONPATH:
     # on the other machine:
     mkdir -p /tmp/site && tar -xzf .carry/env/libero.tar.gz -C /tmp/site && export PYTHONPATH=/tmp/site
 
-Binary wheels (mujoco for the target Python) are carried separately.
+Binary wheels (mujoco for the target Python) are carried separately: scripts/pack_offline.py
+packs everything (wheels, this tarball, GL loader packages) in one command.
 """
 
 from __future__ import annotations
@@ -60,19 +61,14 @@ def add_tree(tar: tarfile.TarFile, root: Path, arc_root: str, exclude: tuple[Pat
         tar.add(path, arcname=f"{arc_root}/{path.relative_to(root)}", recursive=False)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", nargs="+", default=["libero_10:0"], help="suite:task_id ...")
-    parser.add_argument("--out", default=".carry/env/libero.tar.gz")
-    args = parser.parse_args()
-    tasks = [(s, int(i)) for s, i in (t.split(":") for t in args.tasks)]
-
+def pack_tasks(tasks: list[tuple[str, int]], out: Path, include_deps: bool = True) -> int:
+    """Write the tarball for `tasks` to `out`; returns the number of asset files. `include_deps`:
+    also the pure-Python packages LIBERO needs (scripts/pack_offline.py carries them as wheels)."""
     robosuite_dir = package_dir("robosuite")
     libero_dir = package_dir("libero")
     assets_real = (libero_dir / "libero" / "assets").resolve()
     files = referenced_files(tasks)
 
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(out, "w:gz") as tar:
         add_tree(tar, robosuite_dir, "robosuite", exclude=(robosuite_dir / "models" / "assets",))
@@ -92,7 +88,7 @@ def main() -> None:
                 tar.add(path, arcname=f"libero/libero/assets/{path.relative_to(assets_real)}")
             else:
                 raise SystemExit(f"referenced file outside robosuite/libero assets: {path}")
-        for name in PURE_PYTHON_DEPS:
+        for name in PURE_PYTHON_DEPS if include_deps else ():
             spec = importlib.util.find_spec(name)
             if spec is None:
                 continue
@@ -101,7 +97,28 @@ def main() -> None:
                 add_tree(tar, src, name)
             else:
                 tar.add(src, arcname=src.name)
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {len(files)} asset files)")
+    return len(files)
+
+
+def parse_tasks(specs: list[str]) -> list[tuple[str, int]]:
+    """["libero_10:2", ...] -> [("libero_10", 2), ...]"""
+    tasks = []
+    for spec in specs:
+        suite, _, task_id = spec.partition(":")
+        if not suite or not task_id.isdigit():
+            raise SystemExit(f"--tasks entries look like libero_10:2 (suite:task_id), got {spec!r}")
+        tasks.append((suite, int(task_id)))
+    return tasks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", nargs="+", default=["libero_10:0"], help="suite:task_id ...")
+    parser.add_argument("--out", default=".carry/env/libero.tar.gz")
+    args = parser.parse_args()
+    out = Path(args.out)
+    count = pack_tasks(parse_tasks(args.tasks), out)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {count} asset files)")
 
 
 if __name__ == "__main__":

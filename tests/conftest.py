@@ -29,6 +29,15 @@ def _libero_available() -> bool:
     return os.path.isdir(os.path.join(libero_dir, "libero", "assets", "scenes"))
 
 
+# OSMesa rendering followed by `import triton` segfaults (envs.rendering.preload_triton says why):
+# load triton first in the test process, where it is installed. Without CUDA the kernel tests run
+# Triton's interpreter, which must be chosen before triton's first import.
+if importlib.util.find_spec("triton") is not None:
+    if not _cuda_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton  # noqa: F401
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_libero = pytest.mark.skip(reason="needs the LIBERO stack (bash scripts/setup.sh)")

@@ -304,7 +304,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--native-steps", type=int, default=100)
     parser.add_argument("--render-backend", default="auto")
     parser.add_argument("--profile", action="store_true", help="print cProfile tables instead")
-    parser.add_argument("--write", action="store_true", help="also write benchmarks/results JSON")
+    parser.add_argument("--write", action="store_true",
+                        help="also write the result JSON (runs/bench_lean_step/, or benchmarks/results/ "
+                             "with VLA_COMMIT_RESULTS=1)")
     args = parser.parse_args(argv)
     cfg = BenchConfig(
         suite=args.suite, task_id=args.task_id, num_workers=args.workers, steps=args.steps,

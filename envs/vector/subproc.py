@@ -7,13 +7,22 @@ its process sentinel, so a worker that dies is noticed at once and one that hang
 `worker_timeout_s`. Without `restart_on_crash` that raises `WorkerCrashedError` naming the
 worker, its envs and their tasks; with it the worker is restarted (its envs are rebuilt in the
 background) and its envs are reported as lost episodes (done, `lost` mask, zeroed
-observations) until the next reset, which waits for the rebuild.
+observations) until the next reset, which waits for the rebuild. A worker that fails while
+building its envs is never restarted (that is not transient): the error names the worker, the env
+and task it was building, and carries the worker's traceback (for a hard crash, the stack
+faulthandler wrote).
+
+Workers get each env's LIBERO task and init states from the parent (`catalog.worker_specs`), so
+they never import torch.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import shutil
 import signal
+import tempfile
 import time
 import warnings
 import weakref
@@ -25,6 +34,7 @@ from typing import Any
 from envs.config import EnvConfig
 from envs.vector.base import VectorEnvBase
 from envs.vector.buffers import SharedBuffers
+from envs.vector.catalog import worker_specs
 from envs.vector.worker import worker_main
 
 CLOSE_GRACE_S = 10.0
@@ -53,11 +63,13 @@ class AsyncVectorEnv(VectorEnvBase):
         super().__init__(cfg)
         self._ctx = mp.get_context(cfg.start_method)
         self._broken: str | None = None
+        self._specs = worker_specs(cfg, self.task_ids)
         self._buffers = SharedBuffers.create(cfg)
         self._workers: list[WorkerHandle] = []
-        # Runs on close(), on garbage collection and at interpreter exit: never leak processes
-        # or /dev/shm segments, even when the caller forgets close().
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._buffers)
+        self._fault_dir = tempfile.mkdtemp(prefix=f"vla-env-{os.getpid()}-")
+        # Runs on close(), on garbage collection and at interpreter exit: never leak processes,
+        # /dev/shm segments or fault files, even when the caller forgets close().
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._buffers, self._fault_dir)
         try:
             for index, env_ids in enumerate(cfg.worker_env_ids()):
                 self._workers.append(self._start_worker(index, env_ids))
@@ -81,7 +93,8 @@ class AsyncVectorEnv(VectorEnvBase):
         process = self._ctx.Process(
             target=worker_main,
             args=(child_conn, index, list(env_ids), [self.task_ids[i] for i in env_ids],
-                  self.cfg.to_dict(), self._buffers.name),
+                  self.cfg.to_dict(), self._buffers.name, [self._specs[i] for i in env_ids],
+                  self._fault_path(index)),
             name=f"vla-env-worker-{index}",
             daemon=True,
         )
@@ -101,20 +114,61 @@ class AsyncVectorEnv(VectorEnvBase):
 
             total = sum(len(h.env_ids) for h in handles)
             bar = tqdm(total=total, desc=f"creating envs ({len(handles)} workers)", unit="env")
+        created: dict[int, list[int]] = {h.index: [] for h in handles}
+
+        def progress(index: int, env_id: int) -> None:
+            created[index].append(env_id)
+            if bar is not None:
+                bar.update(1)
+
         try:
-            replies, errors, failures = self._gather(
-                handles, "create", self.cfg.create_timeout_s,
-                on_progress=(lambda env_id: bar.update(1)) if bar else None,
-            )
+            replies, errors, failures = self._gather(handles, "create", self.cfg.create_timeout_s, progress)
         finally:
             if bar is not None:
                 bar.close()
         for h in handles:
             if h.index in replies:
                 h.creating = False
-        if failures:  # a crash while building envs is not transient: never retried
-            self._raise_crash(failures, "create")
-        self._raise_errors(errors, "create")
+        if failures or errors:  # a failure while building envs is not transient: never retried
+            self._raise_creation_failure(errors, failures, created)
+
+    def _raise_creation_failure(self, errors: dict[int, str], failures: dict[int, str],
+                                created: dict[int, list[int]]) -> None:
+        """One paragraph per failed worker: what it was building, and its traceback."""
+        paragraphs = []
+        for index, reason in sorted(failures.items()):
+            self._workers[index].failed = True
+            paragraphs.append(self._creation_report(index, reason, created[index], self._read_faults(index, reason)))
+        for index, text in sorted(errors.items()):
+            paragraphs.append(self._creation_report(index, "raised", created[index], text))
+        message = "could not create the envs:\n" + "\n".join(paragraphs)
+        if failures:
+            self._broken = message
+            raise WorkerCrashedError(message)
+        raise EnvWorkerError(message)
+
+    def _creation_report(self, index: int, what: str, created: list[int], trace: str) -> str:
+        handle = self._workers[index]
+        pending = [i for i in handle.env_ids if i not in created]
+        where = (f" while creating env {pending[0]} ({self.slots[pending[0]].label})" if pending
+                 else " after creating all of its envs")
+        before = f"envs created before: {created}" if created else "no env created yet"
+        return f"{self._describe(handle)} {what}{where} ({before}); worker traceback:\n{trace.rstrip()}"
+
+    def _fault_path(self, index: int) -> str:
+        return os.path.join(self._fault_dir, f"worker{index}.faults")
+
+    def _read_faults(self, index: int, reason: str) -> str:
+        """The stack faulthandler wrote for a worker that crashed, or why there is none."""
+        try:
+            with open(self._fault_path(index)) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        if text:
+            return text
+        oom = " (SIGKILL is also what the kernel's out-of-memory killer sends)" if "SIGKILL" in reason else ""
+        return f"none: the process ended without a Python fault handler report{oom}"
 
     def _kill(self, handle: WorkerHandle) -> None:
         handle.failed = True
@@ -133,10 +187,11 @@ class AsyncVectorEnv(VectorEnvBase):
         handles: Sequence[WorkerHandle],
         command: str,
         timeout_s: float,
-        on_progress: Callable[[int], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> tuple[dict, dict, dict]:
         """Collect one reply per worker. Returns (ok payloads, error tracebacks, failures),
-        each keyed by worker index; failures say why a worker gave no reply (died / hung)."""
+        each keyed by worker index; failures say why a worker gave no reply (died / hung).
+        `on_progress(worker index, payload)` receives "progress" messages."""
         pending = {h.index: h for h in handles}
         replies: dict[int, Any] = {}
         errors: dict[int, str] = {}
@@ -160,7 +215,7 @@ class AsyncVectorEnv(VectorEnvBase):
                 kind, payload = message
                 if kind == "progress":
                     if on_progress is not None:
-                        on_progress(payload)
+                        on_progress(index, payload)
                     continue
                 del pending[index]
                 if kind == "ok":
@@ -277,8 +332,13 @@ def _poll(handle: WorkerHandle) -> tuple[tuple | None, bool]:
 
 
 def _death_reason(handle: WorkerHandle) -> str:
-    handle.process.join(timeout=1.0)
-    code = handle.process.exitcode
+    return process_death_reason(handle.process)
+
+
+def process_death_reason(process: Any) -> str:
+    """Why a worker process that stopped answering is gone: exit code or signal."""
+    process.join(timeout=1.0)
+    code = process.exitcode
     if code is None:
         return "closed its pipe but is still running"
     if code < 0:
@@ -319,11 +379,13 @@ def _stop_process(handle: WorkerHandle, graceful: bool) -> None:
         pass
 
 
-def _shutdown(workers: list[WorkerHandle], buffers: SharedBuffers) -> None:
-    """Stop every worker, then free the shared memory. Safe to call more than once."""
+def _shutdown(workers: list[WorkerHandle], buffers: SharedBuffers, fault_dir: str) -> None:
+    """Stop every worker, then free the shared memory and the fault files. Safe to call more
+    than once."""
     try:
         for handle in workers:
             _stop_process(handle, graceful=True)
         workers.clear()
     finally:
         buffers.close()
+        shutil.rmtree(fault_dir, ignore_errors=True)

@@ -6,6 +6,10 @@ every command with ("ok", payload) or ("error", traceback). Observations and res
 through shared memory, never through the pipe. Envs and the mapping are released in
 `finally`, whatever ends the loop.
 
+A crash that kills the process (a segfault in MuJoCo or the GL driver) leaves no exception to
+forward: `faulthandler` writes the Python stack of such a crash to `fault_path`, which the
+parent reads into its error message.
+
 Commands (parent -> worker):  ("create", None)  ("reset", plan)  ("step", horizon)  ("close", None)
 Replies (worker -> parent):   ("progress", env_id) during create, then ("ok", payload) or
                               ("error", "<traceback>")
@@ -13,6 +17,7 @@ Replies (worker -> parent):   ("progress", env_id) during create, then ("ok", pa
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import traceback
@@ -20,12 +25,18 @@ from typing import Any
 
 
 def worker_main(
-    conn: Any, worker_index: int, env_ids: list, task_ids: list, cfg_dict: dict, shm_name: str
+    conn: Any, worker_index: int, env_ids: list, task_ids: list, cfg_dict: dict, shm_name: str,
+    specs: list | None = None, fault_path: str | None = None,
 ) -> None:
+    """specs: per env, `catalog.worker_specs` (what the parent read for it); fault_path: where
+    faulthandler writes the stack of a fatal crash."""
     # Ctrl-C reaches the whole process group; the parent decides how to shut workers down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    runner = buffers = None
+    runner = buffers = fault_file = None
     try:
+        if fault_path is not None:
+            fault_file = open(fault_path, "w")  # stays open: faulthandler writes to it on a crash
+            faulthandler.enable(file=fault_file)
         from envs.config import EnvConfig
 
         cfg = EnvConfig(**cfg_dict)
@@ -38,7 +49,8 @@ def worker_main(
         from envs.vector.runner import EnvRunner
 
         buffers = SharedBuffers.attach(cfg, shm_name)
-        envs = [make_env(cfg, task_id) for task_id in task_ids]
+        specs = specs if specs is not None else [None] * len(task_ids)
+        envs = [make_env(cfg, task_id, spec) for task_id, spec in zip(task_ids, specs, strict=True)]
         runner = EnvRunner(cfg, env_ids, envs, buffers.arrays)
         _command_loop(conn, runner)
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -54,6 +66,9 @@ def worker_main(
             if buffers is not None:
                 buffers.close()
             conn.close()
+            if fault_file is not None:
+                faulthandler.disable()
+                fault_file.close()
 
 
 def _command_loop(conn: Any, runner: Any) -> None:

@@ -121,7 +121,8 @@ class AttentionSelector:
     def candidates(self, batch, queries, rows, heads, kv_heads, head_dim, dtype, device) -> dict:
         found = {"sdpa": lambda: SdpaAttention(batch, rows, device)}
         if device.type == "cuda" and flashinfer_available():
-            found["flashinfer"] = lambda: FlashInferAttention(batch, queries, rows, heads, kv_heads, head_dim, dtype, device)
+            found["flashinfer"] = lambda: FlashInferAttention(batch, queries, rows, heads, kv_heads, head_dim,
+                                                              dtype, device)
         if device.type == "cuda" and triton_available():
             from policies.fast.triton_attention import TritonSplitKVAttention
 
@@ -142,7 +143,16 @@ class AttentionSelector:
         k = torch.randn(batch, rows, kv_heads, head_dim, device=device, dtype=dtype)
         v = torch.randn_like(k)
         lengths = torch.randint(max(1, rows // 2), rows + 1, (batch,), dtype=torch.int32)
-        exact = SdpaAttention(batch, rows, device)
+        built, times, errors = self.measure(found, q, k, v, lengths, key_len, _median_cuda_ms)
+        best = self.choose(key, times, errors)
+        return self._record(key, built[best], times, errors, "measured")
+
+    def measure(self, found: dict, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, key_len: Tensor,
+                timer) -> tuple[dict, dict, dict]:
+        """Check every candidate against fp32 attention on (q, k, v) with key lengths `lengths`,
+        time the accurate ones with `timer` (planned for the real `key_len`). Returns (built
+        backends, times in ms, relative errors or the exception each failing candidate raised)."""
+        exact = SdpaAttention(q.shape[0], k.shape[1], q.device)
         exact.plan(lengths)
         want = exact(q.float(), k.float(), v.float())
         built, times, errors = {}, {}, {}
@@ -154,12 +164,25 @@ class AttentionSelector:
                 errors[name] = float((got - want).norm() / want.norm())
                 if errors[name] < self.tolerance:
                     backend.plan(key_len)
-                    times[name] = _median_cuda_ms(lambda: backend(q, k, v))
+                    times[name] = timer(lambda backend=backend: backend(q, k, v))
                     built[name] = backend
             except Exception as exc:  # noqa: BLE001 - a failing candidate is recorded and skipped
                 errors[name] = f"{type(exc).__name__}: {exc}"[:300]
-        best = min(built, key=times.__getitem__)
-        return self._record(key, built[best], times, errors, "measured")
+        return built, times, errors
+
+    def choose(self, key: str, times: dict, errors: dict) -> str:
+        """The fastest accurate backend; if none passed, an error listing every backend's outcome."""
+        if times:
+            return min(times, key=times.__getitem__)
+        self.records[key] = {"chosen": None, "times_ms": times, "rel_err": errors, "why": "no backend accurate"}
+        lines = [f"  {name}: " + (f"relative L2 error {err:.3g} (tolerance {self.tolerance:g})"
+                                  if isinstance(err, float) else f"failed: {err}")
+                 for name, err in errors.items()]
+        raise RuntimeError(
+            f"attention {key}: no backend reproduced fp32 attention within relative L2 "
+            f"{self.tolerance:g}:\n" + "\n".join(lines)
+            + "\n(force one with policy.fast.attention=sdpa|flashinfer|triton to run anyway)"
+        )
 
     def _record(self, key, backend, times, errors, why):
         self.records[key] = {"chosen": backend.name, "times_ms": times, "rel_err": errors, "why": why}

@@ -97,7 +97,7 @@ def flow_step_reference(chains: Tensor, v: Tensor, step_noise: Tensor, stochasti
 # ----------------------------------------------------------------------------- triton
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_kernels():
     """Compile-on-import of the Triton kernels, deferred so CPU-only runs never import triton."""
     import triton
@@ -237,7 +237,9 @@ def add_rms_norm_triton(
     return _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm=False)
 
 
-def add_layer_norm_triton(h: Tensor, y: Tensor | None, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_layer_norm_triton(
+    h: Tensor, y: Tensor | None, weight: Tensor, bias: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
     """In place on h (when y is given): h += y; returns (h, LayerNorm(h))."""
     return _add_norm_triton(h, y, None, weight, bias, eps, layer_norm=True)
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels():
     import triton
     import triton.language as tl
@@ -117,7 +117,8 @@ class TritonSplitKVAttention:
         packed_rows = queries * (heads // kv_heads)
         self.row_tiles = math.ceil(packed_rows / self.BLOCK_M)
         if target_blocks is None:
-            target_blocks = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+            cuda = device.type == "cuda"
+            target_blocks = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
         base_blocks = batch * kv_heads * self.row_tiles
         max_splits = math.ceil(rows / self.BLOCK_N)
         self.num_splits = max(1, min(max_splits, math.ceil(target_blocks / base_blocks)))
@@ -126,7 +127,8 @@ class TritonSplitKVAttention:
         if self.num_splits > 1:
             self.part_o = torch.empty(batch * kv_heads * self.num_splits * packed_rows, head_dim,
                                       dtype=torch.float32, device=device)
-            self.part_lse = torch.empty(batch * kv_heads * self.num_splits * packed_rows, dtype=torch.float32, device=device)
+            lse_rows = batch * kv_heads * self.num_splits * packed_rows
+            self.part_lse = torch.empty(lse_rows, dtype=torch.float32, device=device)
 
     def plan(self, key_len: Tensor) -> None:
         self.key_len.copy_(key_len, non_blocking=True)

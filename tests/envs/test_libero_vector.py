@@ -4,11 +4,19 @@ and clean shutdown. Envs are shared by the module: building one costs ~13 s on C
 
 from __future__ import annotations
 
+import glob
+import os
+import signal
+import tempfile
+import threading
+import time
+
 import numpy as np
+import psutil
 import pytest
 
 from envs.config import EnvConfig
-from envs.vector import AsyncVectorEnv, SyncVectorEnv
+from envs.vector import AsyncVectorEnv, SyncVectorEnv, WorkerCrashedError
 from tests.envs.helpers import (
     alive,
     assert_obs_equal,
@@ -82,6 +90,50 @@ def test_float32_actions_are_accepted(twins):
     proc.reset([0])
     out = proc.step_chunk(np.zeros((2, 1, 7), dtype=np.float32))
     assert out.valid.all()
+
+
+def test_workers_get_init_states_from_the_parent_and_never_load_torch(twins):
+    sync, proc = twins
+    assert proc._specs[0][1] is sync._runner.envs[0].init_states  # the parent's cached copy
+    for pid in proc.worker_pids:
+        libraries = {os.path.basename(m.path) for m in psutil.Process(pid).memory_maps()}
+        assert not any(name.startswith("libtorch") for name in libraries), sorted(libraries)
+
+
+def test_crash_while_creating_names_the_env_and_shows_the_stack():
+    """A worker killed by SIGSEGV while building its env: the error names the worker, the env
+    and task it was building, carries faulthandler's stack, and suggests no restart."""
+    pattern = os.path.join(tempfile.gettempdir(), f"vla-env-{os.getpid()}-*", "worker0.faults")
+    before = set(glob.glob(pattern))
+    others = {child.pid for child in spawned_children()}  # e.g. the module's shared env workers
+    killed = []
+
+    def kill_when_creating():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not set(glob.glob(pattern)) - before:
+            time.sleep(0.05)  # the fault file appears when the worker starts its command loop
+        time.sleep(2.0)  # the worker is importing or inside "create" (a LIBERO scene takes ~13 s here)
+        for child in spawned_children():
+            if child.pid not in others:
+                child.send_signal(signal.SIGSEGV)
+                killed.append(child.pid)
+
+    killer = threading.Thread(target=kill_when_creating)
+    killer.start()
+    try:
+        with pytest.raises(WorkerCrashedError) as info:
+            AsyncVectorEnv(EnvConfig(**{**CFG, "num_envs": 1, "group_size": 1}))
+    finally:
+        killer.join()
+    message = str(info.value)
+    assert len(killed) == 1
+    assert (f"env worker 0 (pid {killed[0]}, envs [0], tasks ['libero_10/0 (" in message
+            and "died (killed by SIGSEGV) while creating env 0 (libero_10/0 (" in message), message
+    assert "no env created yet" in message, message
+    # faulthandler's stack of the crashed worker (where exactly depends on how far it got)
+    assert "Segmentation fault" in message and "worker_main" in message, message
+    assert "restart_on_crash" not in message, message
+    assert {child.pid for child in spawned_children()} == others and not set(glob.glob(pattern)) - before
 
 
 def test_close_leaves_no_processes_or_shared_memory(twins):

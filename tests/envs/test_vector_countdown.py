@@ -205,7 +205,8 @@ def test_killed_worker_is_detected_and_named():
         os.kill(victim, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(WorkerCrashedError, match=r"env worker 1 \(pid \d+, envs \[2, 3\], "
-                                                     r"tasks \['countdown/2', 'countdown/3'\]\) died \(killed by SIGKILL\)"):
+                                                     r"tasks \['countdown/2', 'countdown/3'\]\) "
+                                                     r"died \(killed by SIGKILL\)"):
             vec.step_chunk(unit_actions(4, 2, value=0.1))
         assert time.monotonic() - start < 5.0  # noticed through the process sentinel, not a timeout
         with pytest.raises(RuntimeError, match="unusable after a worker crash"):

@@ -119,3 +119,62 @@ def test_validation_errors_name_the_key(overrides, message):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="policy.preset must be one of"):
         PolicyConfig.preset("pi0")
+
+
+# One valid partial override per sub-config: (sub-config, {key: value given the preset's value}).
+PARTIAL_OVERRIDES = {
+    "vision": lambda cfg: {"layer_norm_eps": cfg.vision.layer_norm_eps * 10},
+    "prefix": lambda cfg: {"mlp_dim": cfg.prefix.mlp_dim * 2},
+    "expert": lambda cfg: {"width": cfg.expert.width + 2},
+    "sampling": lambda cfg: {"noise_level": cfg.sampling.noise_level / 2},
+    "inputs": lambda cfg: {"state_key": "proprio"},
+    "fast": lambda cfg: {"cuda_graphs": not cfg.fast.cuda_graphs},
+}
+
+
+def _changed_keys(a: PolicyConfig, b: PolicyConfig) -> set[str]:
+    """Dotted keys whose values differ between two configs."""
+    def flat(tree, prefix=""):
+        out = {}
+        for k, v in tree.items():
+            if isinstance(v, dict) and k != "camera_map":
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    fa, fb = flat(a.to_dict()), flat(b.to_dict())
+    return {k for k in fa if fa[k] != fb[k]}
+
+
+@pytest.mark.parametrize("name", ["pi05", "pi05_small", "tiny"])
+@pytest.mark.parametrize("sub", sorted(PARTIAL_OVERRIDES))
+def test_partial_override_changes_only_the_named_key(name, sub):
+    base = PolicyConfig.preset(name)
+    override = PARTIAL_OVERRIDES[sub](base)
+    (key, value), = override.items()
+    for cfg in (PolicyConfig.preset(name, **{sub: override}),
+                PolicyConfig.from_mapping({"preset": name, sub: override}),
+                base.replace(**{sub: override})):
+        assert getattr(getattr(cfg, sub), key) == value
+        assert _changed_keys(base, cfg) == {f"{sub}.{key}"}
+
+
+def test_pi05_expert_depth_override_keeps_gemma_300m():
+    # the issue's example: the expert's depth must follow the prefix's, so both are named
+    cfg = PolicyConfig.preset("pi05", prefix={"depth": 2}, expert={"depth": 2})
+    assert (cfg.expert.width, cfg.expert.mlp_dim, cfg.expert.depth) == (1024, 4096, 2)
+    assert (cfg.prefix.width, cfg.prefix.mlp_dim, cfg.prefix.depth) == (2048, 16384, 2)
+    with pytest.raises(ValueError, match=r"policy\.expert\.depth must equal policy\.prefix\.depth \(18\)"):
+        PolicyConfig.preset("pi05", expert={"depth": 2})
+
+
+def test_hydra_overrides_are_partial():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("bench_predict", overrides=["+policy.prefix.depth=2", "+policy.expert.depth=2",
+                                                  "policy.sampling.noise_level=0.25"])
+    policy = PolicyConfig.from_mapping(cfg.policy)
+    assert (policy.expert.width, policy.expert.mlp_dim, policy.expert.depth) == (1024, 4096, 2)
+    assert (policy.sampling.noise_level, policy.sampling.num_steps) == (0.25, 10)

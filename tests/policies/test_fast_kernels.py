@@ -134,7 +134,9 @@ def test_split_kv_attention_matches_masked_sdpa(dtype, heads, kv_heads, target_b
     k = torch.randn(b, rows, kv_heads, hd, generator=g).to(DEVICE, dtype)
     v = torch.randn(b, rows, kv_heads, hd, generator=g).to(DEVICE, dtype)
     key_len = torch.tensor([1, 70, rows], dtype=torch.int32)  # one key, a split boundary, full
-    attention = TritonSplitKVAttention(b, t, rows, heads, kv_heads, hd, torch.device(DEVICE), target_blocks=target_blocks)
+    attention = TritonSplitKVAttention(
+        b, t, rows, heads, kv_heads, hd, torch.device(DEVICE), target_blocks=target_blocks
+    )
     assert (attention.num_splits > 1) == (target_blocks > 1 and kv_heads == 1 or target_blocks > 3)
     attention.plan(key_len.to(DEVICE))
     exact = SdpaAttention(b, rows, torch.device(DEVICE))

@@ -67,7 +67,8 @@ def test_prompt_bucket_and_reuse(policy):
         inputs, noise, step_noise = random_inputs(cfg, 4, 16, seed)
         inds = denoise_inds_for("ode", 4, cfg.sampling.num_steps)
         ref = policy.sample(inputs, mode="ode", noise=noise, denoise_inds=inds)
-        chains, _ = fast.sample_chains(inputs, noise, step_noise, torch.zeros(4, cfg.sampling.num_steps, dtype=torch.bool))
+        ode = torch.zeros(4, cfg.sampling.num_steps, dtype=torch.bool)
+        chains, _ = fast.sample_chains(inputs, noise, step_noise, ode)
         assert torch.allclose(chains, ref.chains, atol=2e-5, rtol=1e-5)
     assert list(fast.buckets) == [(4, 16)]
 

@@ -6,7 +6,7 @@ import pytest
 
 from profiler.config import ProfilerConfig
 from profiler.step_report import StepReport
-from tests.profiler.helpers import pipelined_step, sp
+from tests.profiler.helpers import MS, pipelined_step, sp
 
 # PhyAI's published profile (DESIGN.md 5), in seconds: 4 ranks; rank 0 is the slowest.
 PHYAI = {"step": 955.8, "weight_sync": 2.836, "rollout": 521.5, "actor_train": 431.4, "predict": 152.4}
@@ -114,3 +114,23 @@ def test_ranks_take_the_max_for_parallel_phases():
     step = StepReport.from_trace(spans).steps[0]
     assert step.predict_per_rank == pytest.approx({0: 0.016, 1: 0.018})
     assert step.predict_max_rank == 1 and step.predict_max_s == pytest.approx(0.018)
+
+
+def test_a_reused_run_directory_is_refused():
+    """An earlier run's step 0 left in the trace would stretch this run's step 0 window back to
+    it, counting the time between the runs as untimed "other"."""
+    earlier = [sp(s.name, s.worker, s.start_ns / MS, s.end_ns / MS, pid=111, **s.attrs)
+               for s in pipelined_step(0, t0=0)]
+    later = [sp(s.name, s.worker, s.start_ns / MS, s.end_ns / MS, pid=222, **s.attrs)
+             for s in pipelined_step(0, t0=40_000) + pipelined_step(1, t0=40_050)]
+    with pytest.raises(ValueError, match=r"step 0 was recorded 2 times on lane \(rank 0, 'driver'\) "
+                                         r"\(pids \[111, 222\]\): the trace holds spans of more than one run"):
+        StepReport.from_trace(earlier + later)
+    report = StepReport.from_trace(later)  # the run alone: nothing untimed in step 0
+    assert report.steps[0].other_s == pytest.approx(0.0, abs=1e-9)
+    assert report.steps[0].total_s == pytest.approx(0.040)
+
+
+def test_ranks_recording_the_same_step_are_one_step():
+    report = StepReport.from_trace(pipelined_step(0, rank=0) + pipelined_step(0, rank=1))
+    assert [s.step for s in report.steps] == [0]

@@ -31,7 +31,8 @@ def test_bad_values_name_the_key(kwargs, message):
 
 
 def test_wandb_mode_validated():
-    with pytest.raises(ValueError, match=r"logger.mode must be one of \['offline', 'online', 'disabled'\], got 'cloud'"):
+    with pytest.raises(ValueError,
+                       match=r"logger.mode must be one of \['offline', 'online', 'disabled'\], got 'cloud'"):
         WandbConfig(mode="cloud")
 
 

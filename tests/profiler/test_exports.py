@@ -27,7 +27,8 @@ def test_perfetto_trace_has_every_span_on_named_lanes(run_dir):
     complete = [e for e in events if e["ph"] == "X"]
     assert len(complete) == len(load_trace(run_dir).spans)
     predict = [e for e in complete if e["name"] == "rollout/predict"]
-    assert len(predict) == 8 and predict[0]["ts"] == pytest.approx(1000.0) and predict[0]["dur"] == pytest.approx(4000.0)
+    assert len(predict) == 8
+    assert predict[0]["ts"] == pytest.approx(1000.0) and predict[0]["dur"] == pytest.approx(4000.0)
     assert predict[0]["args"]["stage"] == 0
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] in ("thread_name", "process_name")}
     assert {"rank 0", "driver (pid 100)", "engine (pid 100)", "env0 (pid 100)", "env1 (pid 100)"} <= names

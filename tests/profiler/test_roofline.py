@@ -11,7 +11,7 @@ from profiler.roofline import (
     y_roof,
     y_sequential,
 )
-from tests.profiler.helpers import pipeline_spans, sp
+from tests.profiler.helpers import MS, pipeline_spans, pipelined_step, sp
 
 
 def test_control_roofline_by_hand():
@@ -46,13 +46,50 @@ def test_control_samples_from_the_pipeline():
 
 def test_control_period_pairs_env_of_chunk_c_with_predict_of_chunk_c_plus_1():
     # sequential loop: p0 0-3, e0 3-13, p1 13-20, e1 20-30, p2 30-31, e2 31-41
-    spans = [sp("rollout/predict", "d", 0, 3, stage=0, chunk=0), sp("rollout/env_step", "e", 3, 13, stage=0, chunk=0),
-             sp("rollout/predict", "d", 13, 20, stage=0, chunk=1), sp("rollout/env_step", "e", 20, 30, stage=0, chunk=1),
-             sp("rollout/predict", "d", 30, 31, stage=0, chunk=2), sp("rollout/env_step", "e", 31, 41, stage=0, chunk=2)]
+    spans = [sp("rollout/predict", "d", 0, 3, stage=0, chunk=0),
+             sp("rollout/env_step", "e", 3, 13, stage=0, chunk=0),
+             sp("rollout/predict", "d", 13, 20, stage=0, chunk=1),
+             sp("rollout/env_step", "e", 20, 30, stage=0, chunk=1),
+             sp("rollout/predict", "d", 30, 31, stage=0, chunk=2),
+             sp("rollout/env_step", "e", 31, 41, stage=0, chunk=2)]
     c = control_from_spans(spans)
     np.testing.assert_allclose(c.l_control_s, [0.017, 0.011])  # 3 -> 20, 20 -> 31
     np.testing.assert_allclose(c.l_inference_s, [0.007, 0.001])  # the predicts inside those periods
     np.testing.assert_allclose(c.y, y_sequential(c.x))  # a sequential loop sits on Y_seq
+
+
+def test_chunks_of_different_steps_are_separate_periods():
+    """Chunk indices restart every RL step: step 1's chunk c must not merge with step 0's. Keyed
+    by chunk alone, the predicts of both steps were summed and the env starts taken from step 0,
+    which put Y above the roof (overlap > 1)."""
+    one_step = control_from_spans(pipeline_spans(step=0))
+    two_steps = control_from_spans(pipeline_spans(step=0) + pipeline_spans(offset_ms=100, step=1))
+    assert len(two_steps.x) == 2 * len(one_step.x) == 4
+    for key in ("l_inference_s", "l_env_s", "l_control_s"):
+        np.testing.assert_allclose(getattr(two_steps, key), np.tile(getattr(one_step, key), 2))
+    assert np.all(two_steps.y <= y_roof(two_steps.x))
+    assert two_steps.summary()["overlap_efficiency"] <= 1.0
+
+
+def test_step_of_keys_spans_without_a_step_attribute():
+    spans = pipeline_spans() + pipeline_spans(offset_ms=100)  # no step attributes
+    by_time = control_from_spans(spans, step_of=lambda s: 0 if s.start_ns < 50 * MS else 1)
+    np.testing.assert_allclose(by_time.l_inference_s, [0.004] * 4)
+    np.testing.assert_allclose(by_time.l_control_s, [0.014] * 4)
+
+
+def test_report_keys_control_periods_by_step_window():
+    from profiler.step_report import StepReport
+
+    spans = pipelined_step(step=0, t0=0) + pipelined_step(step=1, t0=50)
+    # only the step spans carry the index: the others are assigned by the step window
+    spans = [s if s.name == "step" else
+             sp(s.name, s.worker, s.start_ns / MS, s.end_ns / MS, **{k: v for k, v in s.attrs.items() if k != "step"})
+             for s in spans]
+    summary = StepReport.from_trace(spans).control.summary()
+    assert summary["chunks"] == 4
+    assert summary["median_l_inference_s"] == pytest.approx(0.004)
+    assert summary["overlap_efficiency"] <= 1.0
 
 
 def test_stage_roofline_by_hand():
@@ -75,4 +112,5 @@ def test_stages_from_spans_sums_per_name():
              sp("rollout/env_step", "v", 0, 9)]
     stages = {s.name: s for s in stages_from_spans(spans)}
     assert set(stages) == {"rollout/predict/vision", "rollout/predict/expert"}
-    assert (stages["rollout/predict/vision"].flops, stages["rollout/predict/vision"].time_s) == (8e9, pytest.approx(0.004))
+    vision = stages["rollout/predict/vision"]
+    assert (vision.flops, vision.time_s) == (8e9, pytest.approx(0.004))
