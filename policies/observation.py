@@ -94,7 +94,8 @@ def model_inputs(
     for cam in cfg.cameras:
         if cam not in obs.images:
             raise ValueError(
-                f"observation.images is missing camera {cam!r}; expected cameras {cfg.cameras}, got {sorted(obs.images)}"
+                f"observation.images is missing camera {cam!r}; expected cameras {cfg.cameras}, "
+                f"got {sorted(obs.images)}"
             )
         images.append(_image_to_model(obs.images[cam], cam, b, cfg.vision.image_size).to(device))
         masks.append(_image_mask(obs.image_masks.get(cam), cam, b).to(device))
@@ -119,11 +120,13 @@ def _check_prompt(obs: Observation, cfg: PolicyConfig) -> tuple[Tensor, Tensor]:
         )
     if tokens.shape[1] > cfg.max_token_len:
         raise ValueError(
-            f"observation.tokenized_prompt has {tokens.shape[1]} tokens, more than policy.max_token_len ({cfg.max_token_len})"
+            f"observation.tokenized_prompt has {tokens.shape[1]} tokens, "
+            f"more than policy.max_token_len ({cfg.max_token_len})"
         )
     if tuple(mask.shape) != tuple(tokens.shape):
         raise ValueError(
-            f"observation.tokenized_prompt_mask must have the prompt's shape {tuple(tokens.shape)}, got {tuple(mask.shape)}"
+            f"observation.tokenized_prompt_mask must have the prompt's shape {tuple(tokens.shape)}, "
+            f"got {tuple(mask.shape)}"
         )
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size):
         raise ValueError(

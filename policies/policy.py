@@ -46,8 +46,10 @@ class Policy(nn.Module):
 
     # ----- inputs -----
     def make_batch(self, raw_obs: dict) -> Observation:
-        """Raw env observation dict -> Observation (on this policy's device)."""
-        return self.transform(raw_obs).to(self.device)
+        """Raw env observation dict -> Observation, preprocessed batched on this policy's device.
+        Bad input (missing keys, wrong shapes, non-uint8 images, non-finite states) is refused
+        before any work (policies/transforms.py `check_raw`)."""
+        return self.transform(raw_obs, self.device)
 
     def inputs(self, batch: Observation | ModelInputs) -> ModelInputs:
         return (
@@ -67,6 +69,7 @@ class Policy(nn.Module):
             raise ValueError(
                 f"noise must be (B, chunk_size, max_action_dim) = {shape}, got {tuple(noise.shape)}"
             )
+        _check_finite("noise", noise)
         return noise.to(self.device, torch.float32)
 
     def _step_noise(self, step_noise: Tensor | None, batch: int) -> Tensor | None:
@@ -77,6 +80,7 @@ class Policy(nn.Module):
             raise ValueError(
                 f"step_noise must be (B, K, chunk_size, max_action_dim) = {shape}, got {tuple(step_noise.shape)}"
             )
+        _check_finite("step_noise", step_noise)
         return step_noise.to(self.device, torch.float32)
 
     # ----- sampling -----
@@ -194,10 +198,16 @@ class Policy(nn.Module):
         chains: Tensor,
         denoise_inds: Tensor,
         mode: str = "train",
+        consistent: bool | None = None,
+        fast_buckets: Tensor | None = None,
     ) -> LogProbOutput:
         """Recompute log-probs of stored transitions with gradients. The prefix is recomputed
         (under no_grad when policy.train_expert_only); only the needed expert steps run: one per
-        sample for "sde" (per-sample indices allowed), K for "sde_all"."""
+        sample for "sde" (per-sample indices allowed), K for "sde_all".
+        `consistent` (default policy.fast.consistent_recompute): recompute through the fast path's
+        kernels at the rollout's bucket shapes, reproducing a fast-path rollout's log-probs bit for
+        bit (policies/fast/recompute.py); `fast_buckets` (B, 2) = the rollout's
+        `fast_sampler().last_buckets` rows, unless one-entry bucket lists pin them."""
         cfg, scfg = self.cfg, self.cfg.sampling
         mode = sampling.canonical_mode(mode, scfg.train_mode)
         if mode == "ode":
@@ -223,6 +233,10 @@ class Policy(nn.Module):
             raise ValueError(
                 f"denoise_inds must be in [0, {k}) for mode {mode!r}, got {denoise_inds.min()}..{denoise_inds.max()}"
             )
+        if cfg.fast.consistent_recompute if consistent is None else consistent:
+            from policies.fast.recompute import consistent_log_prob
+
+            return consistent_log_prob(self, inputs, chains, denoise_inds, mode, fast_buckets)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not cfg.train_expert_only):
             cache = self.prefix_cache(inputs)
         columns = [0] if mode == "sde" else list(range(k))
@@ -254,6 +268,14 @@ class Policy(nn.Module):
             {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()},
             str(path),
         )
+
+
+def _check_finite(name: str, values: Tensor) -> None:
+    """Refuse NaN/inf noise (it would give NaN actions), naming the first bad element."""
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        index = tuple(int(i) for i in torch.nonzero(~finite)[0])
+        raise ValueError(f"{name} has a non-finite value {float(values[index])} at index {index} (sample {index[0]})")
 
 
 def build_policy(cfg: PolicyConfig, device: torch.device | str = "cpu") -> Policy:

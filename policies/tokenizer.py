@@ -46,7 +46,11 @@ class ByteTokenizer:
     pad_id = PAD_ID
 
     def encode(self, text: str) -> list[int]:
-        return [BOS_ID] + [self.BYTE_OFFSET + b for b in text.encode("utf-8")]
+        return [BOS_ID] + self.encode_fragment(text)
+
+    def encode_fragment(self, text: str) -> list[int]:
+        """Ids of `text` alone (no <bos>): byte ids concatenate exactly, so prompts compose."""
+        return [self.BYTE_OFFSET + b for b in text.encode("utf-8")]
 
     def decode(self, ids: Sequence[int]) -> str:
         data = bytes(i - self.BYTE_OFFSET for i in ids if self.BYTE_OFFSET <= i < self.vocab_size)
@@ -71,6 +75,11 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [self.bos_id] + list(self._sp.encode(text))
+
+    def encode_fragment(self, text: str) -> list[int]:
+        """Ids of `text` encoded alone. SentencePiece pieces depend on their neighbours, so
+        `PromptBuilder` checks per task whether fragments compose before relying on them."""
+        return list(self._sp.encode(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])

@@ -1,8 +1,10 @@
-"""Trajectory storage of one RL step: what the collector writes and the trainer reads.
+"""Trajectory storage of one rollout epoch: what the collector writes and the trainer reads.
 
-`RolloutBatch` is preallocated once per (num_envs, max_chunks, shapes) and reused every RL
-step (memory per step is bounded: `nbytes`). Index [n, t] = env n, chunk t of the episode.
-Arrays are numpy (CPU); the trainer turns the rows it trains on into tensors.
+`RolloutBatch` is preallocated once per (num_envs, max_chunks, shapes) and reused (memory is
+bounded: `nbytes`; the collector logs it). Index [n, t] = env n, chunk t of the episode.
+Arrays are numpy (CPU); the trainer turns the rows it trains on into tensors. H is the
+policy's chunk (chains), Ha the sub-steps the env executes per chunk (env.chunk_size; the
+collector requires the log-prob chunk Hc == Ha, so the ratio covers exactly what ran).
 
   images[cam]    (N, T, S, S, 3) uint8   observation the chunk was predicted from (camera keys
                                           as the env returns them, e.g. "agentview_image")
@@ -10,17 +12,21 @@ Arrays are numpy (CPU); the trainer turns the rows it trains on into tensors.
   tokens         (N, T, L) int32, token_mask (N, T, L) bool   the prompt the engine used
   chains         (N, T, K+1, H, D) float32
   denoise_inds   (N, T, K) int64
-  actions        (N, T, H, action_dim) float32  what was sent to the env (after clipping)
+  actions        (N, T, Ha, action_dim) float32  what was sent to the env (after clipping)
   logprobs       (N, T, Hc, action_dim) float32  rollout (behaviour) log-probs, per element
   chunk_logprob  (N, T) float32
   versions       (N, T) int64    weight version of the prediction
-  rewards        (N, T, H) float32   per sub-step (0 on invalid sub-steps)
-  substep_valid  (N, T, H) bool     sub-steps really executed
+  rewards        (N, T, Ha) float32  per sub-step (0 on invalid sub-steps)
+  substep_valid  (N, T, Ha) bool     sub-steps really executed
+  dones          (N, T, Ha) bool     the sub-step ended the episode (success or truncation)
   chunk_valid    (N, T) bool        the chunk was predicted AND executed with the env not done
                                     before it and not lost: the only chunks a trainer may use
   num_chunks     (N,) int64         chunks executed per env (= first index with chunk_valid False)
   success        (N,) bool          episode succeeded
+  done           (N,) bool          episode ended within the epoch (success or truncation);
+                                    False when the collector's max_chunks cut it short
   lost           (N,) bool          env's worker crashed during the episode: NEVER train on it
+                                    (its chunk_valid row is all False, num_chunks 0)
   init_state_ids (N,) int64, task_ids (N,) int64, group_ids (N,) int64 (= n // group_size)
   prompts        list[str] (N,)
 """
@@ -30,6 +36,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+def _empty(dtype) -> np.ndarray:
+    return np.zeros((0, 0, 0), dtype)
 
 
 @dataclass
@@ -54,6 +64,9 @@ class RolloutBatch:
     task_ids: np.ndarray
     group_ids: np.ndarray
     prompts: list[str] = field(default_factory=list)
+    # Added with the collector; defaults keep direct construction by older code working.
+    dones: np.ndarray = field(default_factory=lambda: _empty(bool))
+    done: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
 
     @property
     def num_envs(self) -> int:
@@ -64,10 +77,23 @@ class RolloutBatch:
         return int(self.states.shape[1])
 
     @property
+    def group_size(self) -> int:
+        return int(np.sum(self.group_ids == self.group_ids[0])) if self.num_envs else 0
+
+    @property
     def nbytes(self) -> int:
         arrays = [v for v in vars(self).values() if isinstance(v, np.ndarray)]
         arrays += list(self.images.values())
         return int(sum(a.nbytes for a in arrays))
+
+    @property
+    def num_valid_chunks(self) -> int:
+        return int(self.chunk_valid.sum())
+
+    @property
+    def num_env_steps(self) -> int:
+        """Sub-steps executed in envs that were not lost (what the epoch produced)."""
+        return int(self.substep_valid[~self.lost].sum())
 
     @classmethod
     def allocate(
@@ -83,9 +109,12 @@ class RolloutBatch:
         action_dim: int,
         logprob_chunk: int,
         group_size: int = 1,
+        action_chunk: int | None = None,
     ) -> RolloutBatch:
-        """Zeroed buffers; `cameras` maps observation key -> (S, S, 3)."""
+        """Zeroed buffers; `cameras` maps observation key -> (S, S, 3). `chunk` is the policy's
+        H (chains); `action_chunk` the sub-steps executed per chunk (default `chunk`)."""
         n, t = num_envs, max_chunks
+        ha = chunk if action_chunk is None else action_chunk
         z = np.zeros
         return cls(
             images={key: z((n, t, *shape), np.uint8) for key, shape in cameras.items()},
@@ -94,12 +123,12 @@ class RolloutBatch:
             token_mask=z((n, t, token_len), bool),
             chains=z((n, t, num_steps + 1, chunk, max_action_dim), np.float32),
             denoise_inds=z((n, t, num_steps), np.int64),
-            actions=z((n, t, chunk, action_dim), np.float32),
+            actions=z((n, t, ha, action_dim), np.float32),
             logprobs=z((n, t, logprob_chunk, action_dim), np.float32),
             chunk_logprob=z((n, t), np.float32),
             versions=z((n, t), np.int64),
-            rewards=z((n, t, chunk), np.float32),
-            substep_valid=z((n, t, chunk), bool),
+            rewards=z((n, t, ha), np.float32),
+            substep_valid=z((n, t, ha), bool),
             chunk_valid=z((n, t), bool),
             num_chunks=z((n,), np.int64),
             success=z((n,), bool),
@@ -108,6 +137,8 @@ class RolloutBatch:
             task_ids=z((n,), np.int64),
             group_ids=np.arange(n, dtype=np.int64) // group_size,
             prompts=[""] * n,
+            dones=z((n, t, ha), bool),
+            done=z((n,), bool),
         )
 
     def clear(self) -> None:
@@ -117,3 +148,16 @@ class RolloutBatch:
                 value.fill(0)
         for value in self.images.values():
             value.fill(0)
+        self.prompts = [""] * self.num_envs
+
+    def summary(self) -> dict[str, float | int]:
+        """Counts a log line wants: envs, valid chunks and env steps, successes, losses, bytes."""
+        trainable = ~self.lost
+        return {
+            "envs": self.num_envs,
+            "valid_chunks": self.num_valid_chunks,
+            "env_steps": self.num_env_steps,
+            "success_rate": float(self.success[trainable].mean()) if trainable.any() else 0.0,
+            "lost_envs": int(self.lost.sum()),
+            "nbytes": self.nbytes,
+        }

@@ -68,6 +68,9 @@ if ! "$VENV/bin/python" -m pip show libero >/dev/null 2>&1; then
     log "installing libero 0.1.1 (--no-deps)"
     "${PIP[@]}" install -q --no-deps "libero==0.1.1"
 fi
+# rlinf (pure Python) for the RLinf backend (rollout/rlinf): its declared dependencies pin a
+# training stack we do not use; what its imports need comes with our own dependencies.
+"${PIP[@]}" install -q --no-deps "rlinf==0.3.0"
 
 log "linking LIBERO assets and writing the LIBERO config"
 "$VENV/bin/python" -m envs.libero_setup

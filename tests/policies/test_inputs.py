@@ -87,6 +87,22 @@ def test_state_normalisation_goes_into_the_prompt():
             r"'agentview_image' must be \(N=2, H, W, 3\)",
         ),
         (lambda r: r.pop("state"), r"missing the state key 'state'"),
+        (
+            lambda r: r.update(agentview_image=r["agentview_image"].astype(np.float32)),
+            r"'agentview_image' must be uint8 images \(N=2, H, W, 3\) in \[0, 255\], got dtype float32",
+        ),
+        (
+            lambda r: r.update(wrist_image=r["wrist_image"].astype(np.int16)),
+            r"'wrist_image' must be uint8 images.*got dtype int16",
+        ),
+        (lambda r: r["state"].__setitem__((1, 3), np.nan), r"'state' has a non-finite value nan at env 1, dim 3"),
+        (lambda r: r["state"].__setitem__((0, 7), -np.inf), r"'state' has a non-finite value -inf at env 0, dim 7"),
+        (lambda r: r.update(state=np.zeros((2, 8), bool)), r"'state' must be a float array"),
+        (lambda r: r.update(prompt=["a", 3]), r"'prompt' must be strings, got int at env 1"),
+        (
+            lambda r: r.update(agentview_image=np.zeros((2, 0, 56, 3), np.uint8)),
+            r"'agentview_image' must be \(N=2, H, W, 3\) images, got \(2, 0, 56, 3\)",
+        ),
     ],
 )
 def test_bad_raw_observations(tiny_policy, mutate, message):
@@ -163,3 +179,90 @@ def test_observation_from_dict_and_uint8_images(tiny_policy):
     torch.testing.assert_close(inputs.images, ref.images, atol=1 / 255 + 1e-6, rtol=0)
     with pytest.raises(ValueError, match="unknown observation key 'pixels'"):
         Observation.from_dict({**d, "pixels": 1})
+
+
+@pytest.mark.parametrize("name", ["noise", "step_noise"])
+def test_non_finite_noise_refused(tiny_policy, name):
+    from tests.policies.conftest import noise_for
+
+    noise, step_noise = noise_for(tiny_policy, 2)
+    bad = {"noise": noise, "step_noise": step_noise}
+    if name == "noise":
+        bad[name][1, 3, 2] = float("inf")
+        index = r"\(1, 3, 2\)"
+    else:
+        bad[name][1, 0, 3, 2] = float("nan")
+        index = r"\(1, 0, 3, 2\)"
+    with pytest.raises(ValueError, match=rf"{name} has a non-finite value (nan|inf) at index {index} \(sample 1\)"):
+        tiny_policy.sample(tiny_policy.make_batch(raw_obs(2)), mode="sde", **bad)
+
+
+def random_raw(n: int, seed: int, sizes: dict[str, tuple[int, int]]) -> dict:
+    rng = np.random.default_rng(seed)
+    tasks = ["put the bowl on the plate", "open_the top drawer\n", " turn on the stove "]
+    return {
+        **{key: rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8) for key, (h, w) in sizes.items()},
+        "state": rng.uniform(-1.6, 1.6, (n, 8)).astype(np.float32),  # bins -1 and 255 included
+        "prompt": [tasks[i] for i in rng.integers(0, len(tasks), n)],
+    }
+
+
+@pytest.mark.parametrize("seed, sizes, stats", [
+    (0, {"agentview_image": (56, 56), "wrist_image": (56, 56)}, False),  # no resize
+    (1, {"agentview_image": (64, 64), "wrist_image": (64, 64)}, True),  # one batched resize
+    (2, {"agentview_image": (48, 80), "wrist_image": (90, 70)}, True),  # non-square, two sizes
+])
+def test_batched_preprocessing_equals_reference(seed, sizes, stats):
+    """The device-batched path (one interpolate per image size, bucketize, composed prompt ids)
+    is bit-identical to the per-sample CPU reference on fresh random inputs."""
+    inputs = {"state_q01": [-1.2] * 8, "state_q99": [1.0] * 8} if stats else {}
+    policy = build_policy(PolicyConfig.preset("tiny", inputs=inputs))
+    raw = random_raw(9, seed, sizes)
+    fast, ref = policy.transform(raw), policy.transform.reference(raw)
+    for slot in ref.images:
+        assert torch.equal(fast.images[slot], ref.images[slot]), slot
+        assert torch.equal(fast.image_masks[slot], ref.image_masks[slot]), slot
+    assert torch.equal(fast.tokenized_prompt, ref.tokenized_prompt)
+    assert torch.equal(fast.tokenized_prompt_mask, ref.tokenized_prompt_mask)
+    assert torch.equal(fast.state, ref.state)
+    bins = {int(b) for b in policy.tokenizer.decode(ref.tokenized_prompt[0].tolist()).split("State: ")[1]
+            .split(";")[0].split()}
+    assert bins <= set(range(-1, 256))
+
+
+def test_state_bins_at_the_edges(tiny_policy):
+    """Bins of the openpi/LeRobot rule: -1 below -1, 255 at the top, exact bin edges go up."""
+    raw = raw_obs(1)
+    raw["state"] = np.array([[-1.5, -1.0, -0.9921875, 0.0, 0.5, 0.9999, 1.0, 3.0]], np.float32)
+    text = tiny_policy.tokenizer.decode(tiny_policy.make_batch(raw).tokenized_prompt[0].tolist())
+    assert "State: -1 0 1 128 192 255 255 255;" in text
+
+
+def train_sentencepiece(path, gemma_like: bool) -> str:
+    import io
+
+    import sentencepiece as spm
+
+    text = ["Task: put the bowl on the plate, State: 12 45 200 7 -1 255 3 0;\nAction: ",
+            "open the top drawer and put the bowl inside", "turn on the stove"] * 50
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text), model_writer=model, vocab_size=400, byte_fallback=True,
+        split_digits=True, hard_vocab_limit=False, minloglevel=2,
+        add_dummy_prefix=not gemma_like, remove_extra_whitespaces=not gemma_like)
+    path.write_bytes(model.getvalue())
+    return str(path)
+
+
+@pytest.mark.parametrize("gemma_like", [True, False])
+def test_sentencepiece_prompts_compose_or_fall_back(tmp_path, gemma_like):
+    """A Gemma-like SentencePiece model (no dummy prefix, split digits) composes and uses the
+    batched path; one that does not compose is detected once per task and tokenised per sample.
+    Either way the ids equal direct encoding."""
+    path = train_sentencepiece(tmp_path / "sp.model", gemma_like)
+    policy = build_policy(PolicyConfig.preset("tiny", tokenizer_path=path))
+    raw = random_raw(6, seed=3, sizes={"agentview_image": (56, 56), "wrist_image": (56, 56)})
+    fast, ref = policy.transform(raw), policy.transform.reference(raw)
+    assert policy.transform.prompts.composes(raw["prompt"][0], 8) == gemma_like
+    assert torch.equal(fast.tokenized_prompt, ref.tokenized_prompt)
+    assert torch.equal(fast.tokenized_prompt_mask, ref.tokenized_prompt_mask)

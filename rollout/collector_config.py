@@ -1,0 +1,113 @@
+"""Typed configuration of the rollout collector (Hydra key `collector`), validated on creation.
+
+Errors name the full key and the bad value ("rollout.collector.stages must be a positive
+integer, got 0"). Checks that need the env config (stages dividing the envs, groups not
+straddling stages) run in `check_against_env`, called by the collector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from common.config import check_nonnegative_int, check_positive_float, check_positive_int, reject_unknown_keys
+from envs.config import EnvConfig
+
+PREFIX = "rollout.collector"
+
+
+@dataclass
+class CollectorConfig:
+    """How rollout epochs are run.
+
+    stages: S pipeline stages. The envs are split into S vector envs; stage i's envs step (in
+        their worker processes) while the engine predicts stage i+1. 1 = no pipelining.
+    workers_per_stage: worker processes of each stage's vector env. None: env.num_workers for
+        every stage (capped at the stage's env count), so S stages run S * num_workers
+        processes on the machine's cores: while one stage waits for its prediction, the
+        other stages' workers use the cores it leaves idle. Set env.num_workers // stages for
+        disjoint cores (then each stage's cores idle during its own predict).
+    max_chunks: chunks per epoch; None: ceil(env.episode_steps / env.chunk_size), so every
+        episode ends (success or truncation) within the epoch.
+    group_size: envs sharing an init state (GRPO group); None: env.group_size.
+    in_process: each stage's vector env in this process (SyncVectorEnv; tests, debugging).
+    action_clip: actions are clipped to [-action_clip, action_clip] before the env (and
+        recorded clipped).
+    predict_done_envs: also predict rows whose episode ended (wasted compute; keeps the batch
+        size constant per stage, as RLinf does).
+    record_images: store the observation images in the RolloutBatch (the trainer's log-prob
+        recompute needs them; off only for evaluation).
+    seed: draws the init states when collect() gets none (with the epoch counter).
+    """
+
+    stages: int = 2
+    workers_per_stage: int | None = None
+    max_chunks: int | None = None
+    group_size: int | None = None
+    in_process: bool = False
+    action_clip: float = 1.0
+    predict_done_envs: bool = False
+    record_images: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive_int(f"{PREFIX}.stages", self.stages)
+        for key in ("workers_per_stage", "max_chunks", "group_size"):
+            value = getattr(self, key)
+            if value is not None:
+                check_positive_int(f"{PREFIX}.{key}", value)
+        check_positive_float(f"{PREFIX}.action_clip", self.action_clip)
+        check_nonnegative_int(f"{PREFIX}.seed", self.seed)
+        for key in ("in_process", "predict_done_envs", "record_images"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{PREFIX}.{key} must be true or false, got {getattr(self, key)!r}")
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any] | None = None, key: str = PREFIX, **overrides: Any
+                     ) -> CollectorConfig:
+        """Build from a dict or OmegaConf node (e.g. cfg.rollout.collector); unknown keys and bad
+        values raise naming `key.<field>`."""
+        data = dict(reject_unknown_keys(cls, mapping or {}, key, "collector config"))
+        data.update(overrides)
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            if key == PREFIX:
+                raise
+            raise ValueError(str(exc).replace(PREFIX, key)) from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ derived from the env
+    def effective_group_size(self, env_cfg: EnvConfig) -> int:
+        return env_cfg.group_size if self.group_size is None else self.group_size
+
+    def effective_max_chunks(self, env_cfg: EnvConfig) -> int:
+        if self.max_chunks is not None:
+            return self.max_chunks
+        return math.ceil(env_cfg.episode_steps / env_cfg.chunk_size)
+
+    def envs_per_stage(self, env_cfg: EnvConfig) -> int:
+        return env_cfg.num_envs // self.stages
+
+    def stage_workers(self, env_cfg: EnvConfig) -> int:
+        wanted = env_cfg.num_workers if self.workers_per_stage is None else self.workers_per_stage
+        return min(wanted, self.envs_per_stage(env_cfg))
+
+    def check_against_env(self, env_cfg: EnvConfig) -> None:
+        """Stages must split the envs evenly, and no GRPO group may straddle two stages."""
+        n, s = env_cfg.num_envs, self.stages
+        if n % s:
+            raise ValueError(f"{PREFIX}.stages ({s}) must divide env.num_envs ({n})")
+        g = self.effective_group_size(env_cfg)
+        if n % g:
+            raise ValueError(f"{PREFIX}.group_size ({g}) must divide env.num_envs ({n})")
+        if (n // s) % g:
+            raise ValueError(
+                f"each of the {s} stages ({PREFIX}.stages) holds {n // s} envs, not a multiple of the "
+                f"group size {g}: a GRPO group would straddle two stages"
+            )

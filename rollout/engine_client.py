@@ -1,0 +1,136 @@
+"""How the engine front-end reaches its ranks: the client interface and its in-process twin.
+
+`EngineClient` is what `PolicyEngine` (rollout/engine.py) talks to; a client owns `num_ranks`
+`EngineCore`s (rollout/engine_core.py), wherever they live:
+- `InprocClient` (here): every core in the caller's process, run one after another;
+- `LocalClient` (engine_local.py): one spawned process per rank, shared-memory transport;
+- `RayClient` (engine_ray.py): one Ray actor per rank.
+Every method is called with the engine's lock held (one command at a time). Errors of a rank
+are raised as `RankError` naming the rank; a rank that died or stopped answering raises
+`RankFailedError` (the engine then refuses to work until `restart()`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from policies import PolicyConfig
+from rollout.engine_core import EngineCore, PredictRequest, RankReply
+from rollout.weights import TensorSource, WeightPlan
+
+
+class RankError(RuntimeError):
+    """A rank raised an exception (its traceback is in the message)."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank
+
+
+class RankFailedError(RankError):
+    """A rank process died or did not answer within rollout.engine.rank_timeout_s."""
+
+
+class EngineClient(ABC):
+    num_ranks: int
+    devices: list[str]
+
+    @abstractmethod
+    def predict(self, requests: Sequence[PredictRequest | None]) -> list[RankReply]:
+        """One request per rank (None: the rank has no rows) -> replies of the ranks with rows, in rank order."""
+
+    @abstractmethod
+    def apply_tensors(self, plan: WeightPlan, source: TensorSource, bucket_bytes: int) -> None:
+        """Write in-process tensors into every rank (staged in buckets across process boundaries)."""
+
+    @abstractmethod
+    def apply_ipc(self, plan: WeightPlan, handles: Any) -> None:
+        """Every rank opens (once, cached) the producer's IPC handles and copies from them."""
+
+    @abstractmethod
+    def join_group(self, init_method: str, world_size: int, first_rank: int, backend: str, timeout_s: float) -> None:
+        """The ranks' receivers join a torch.distributed group (weights_dist.py)."""
+
+    @abstractmethod
+    def apply_dist(self, src: int, version: int, partial: bool, options: dict) -> None:
+        """Every receiver takes one broadcast update from the group's `src`."""
+
+    @abstractmethod
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Run an `EngineCore` method on every rank; results in rank order."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop every rank and release every resource (idempotent)."""
+
+
+def make_timeline(rank: int, profiler_env: dict[str, str] | None, worker: str):
+    """A rank's timeline: its own trace file when the parent's profiler is on, else the null one."""
+    from profiler import timeline_from_environ
+
+    return timeline_from_environ(rank, worker, environ=profiler_env or {})
+
+
+class InprocClient(EngineClient):
+    """Every rank's core in this process (tests, debugging, the default on one device)."""
+
+    def __init__(self, policy_cfg: PolicyConfig, devices: list[str], profiler_env: dict[str, str] | None):
+        from profiler import NULL_TIMELINE, get_timeline
+
+        self.num_ranks, self.devices = len(devices), list(devices)
+        self.cores: list[EngineCore] = []
+        self._receiver = None
+        for rank, device in enumerate(devices):
+            own = make_timeline(rank, profiler_env, "engine_inproc")
+            timeline = own if own is not NULL_TIMELINE else get_timeline()
+            self.cores.append(EngineCore(policy_cfg, rank, device, timeline, owns_timeline=own is not NULL_TIMELINE))
+
+    def predict(self, requests: Sequence[PredictRequest | None]) -> list[RankReply]:
+        replies = []
+        for core, request in zip(self.cores, requests):
+            if request is None:
+                continue
+            try:
+                replies.append(core.predict(request))
+            except Exception as exc:
+                raise RankError(core.rank, f"rank {core.rank} failed in predict: {exc!r}") from exc
+        return replies
+
+    def apply_tensors(self, plan: WeightPlan, source: TensorSource, bucket_bytes: int) -> None:
+        for core in self.cores:  # in-process: straight from the source tensors, no staging
+            core.apply(plan, source.tensors)
+
+    def apply_ipc(self, plan: WeightPlan, handles: Any) -> None:
+        from rollout.weights_ipc import open_handles
+
+        tensors = open_handles(handles)
+        for core in self.cores:
+            core.apply(plan, tensors, cache_key=handles.uid)
+
+    def join_group(self, init_method: str, world_size: int, first_rank: int, backend: str, timeout_s: float) -> None:
+        from rollout.weights_dist import WeightReceiver
+
+        if self._receiver is not None:
+            self._receiver.close()
+        self._receiver = WeightReceiver.join(init_method, world_size, first_rank, backend, timeout_s,
+                                             self.cores[0].device)
+
+    def apply_dist(self, src: int, version: int, partial: bool, options: dict) -> None:
+        if self._receiver is None:
+            raise RuntimeError("no weight group joined: call engine.join_weight_group(...) first")
+        self._receiver.receive([c.policy.model for c in self.cores], src, version, partial, options)
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(core, method)(*args) for core in self.cores]
+
+    def close(self) -> None:
+        cores, self.cores = self.cores, []
+        try:
+            if self._receiver is not None:
+                self._receiver.close()
+                self._receiver = None
+        finally:
+            for core in cores:
+                core.close()

@@ -1,0 +1,145 @@
+"""One rank's work, in whichever process holds the rank's model (vLLM v1 `EngineCore` style).
+
+`EngineCore` builds the policy on its device (`policies.build_policy`), and for each request:
+raw observation rows -> `policy.make_batch` (batched on the device: uint8 images copied and
+resized there, prompts composed from cached ids) -> `policy.sample` with the noise, step noise
+and denoise indices the front-end drew -> CPU tensors in `PolicyOutput`'s fields, plus a
+`RankTiming`. It also applies weight plans in place and refreshes the fast path. Every client
+(in-process, local processes, Ray actors) drives the same class, so the backends compute the
+same thing. Ranks record the span "rollout/predict" (rank=r) for the profiler's per-rank report.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from policies import PolicyConfig, build_policy
+from rollout.types import PolicyOutput, RankTiming
+from rollout.weights import CopyProgram, WeightPlan, synchronize
+
+OUTPUT_FIELDS = PolicyOutput.TENSOR_FIELDS
+
+
+@dataclass
+class PredictRequest:
+    """One rank's rows of a predict call (everything random was drawn by the front-end)."""
+
+    obs: Mapping[str, Any]  # raw env observation rows: "<cam>_image" uint8, "state", "prompt"
+    mode: str  # canonical: "ode" | "sde" | "sde_all"
+    noise: Tensor  # (b, H, D) float32
+    step_noise: Tensor | None  # (b, K, H, D) float32 for stochastic modes
+    denoise_inds: Tensor  # (b, K) int64
+
+    @property
+    def rows(self) -> int:
+        return int(self.noise.shape[0])
+
+
+@dataclass
+class RankReply:
+    rank: int
+    tensors: dict[str, Tensor]  # OUTPUT_FIELDS, CPU
+    timing: RankTiming
+
+
+def output_shapes(cfg: PolicyConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Per-row shape and dtype of every output field (what shared-memory replies hold)."""
+    h, d, k, a = cfg.chunk_size, cfg.max_action_dim, cfg.sampling.num_steps, cfg.action_dim
+    return {
+        "actions": ((h, a), torch.float32),
+        "model_actions": ((h, d), torch.float32),
+        "chains": ((k + 1, h, d), torch.float32),
+        "denoise_inds": ((k,), torch.int64),
+        "logprobs": ((cfg.logprob_chunk, a), torch.float32),
+        "chunk_logprob": ((), torch.float32),
+        "tokens": ((cfg.max_token_len,), torch.int64),
+        "token_mask": ((cfg.max_token_len,), torch.bool),
+    }
+
+
+class EngineCore:
+    def __init__(self, policy_cfg: PolicyConfig, rank: int, device: str, timeline: Any = None,
+                 owns_timeline: bool = False):
+        from profiler import NULL_TIMELINE
+
+        self.rank, self.device = rank, torch.device(device)
+        self.cfg = policy_cfg
+        self.timeline = timeline if timeline is not None else NULL_TIMELINE
+        self._owns_timeline = owns_timeline
+        self.policy = build_policy(policy_cfg, self.device)
+        self.policy.eval()
+        self._params = dict(self.policy.model.named_parameters())
+        self._programs: dict[Any, CopyProgram] = {}
+
+    # ------------------------------------------------------------------ predict
+    @torch.no_grad()
+    def predict(self, request: PredictRequest) -> RankReply:
+        with self.timeline.span("rollout/predict", rank=self.rank, rows=request.rows):
+            start = time.perf_counter()
+            inputs = self.policy.inputs(self.policy.make_batch(dict(request.obs)))
+            self._sync()
+            prepared = time.perf_counter()
+            out = self.policy.sample(
+                inputs,
+                mode=request.mode,
+                noise=request.noise,
+                step_noise=request.step_noise,
+                denoise_inds=request.denoise_inds.to(self.device),
+            )
+            self._sync()
+            sampled = time.perf_counter()
+            tensors = {
+                "actions": self.policy.transform.unnormalize_actions(out.model_actions),
+                "model_actions": out.model_actions,
+                "chains": out.chains,
+                "denoise_inds": out.denoise_inds,
+                "logprobs": out.logprobs,
+                "chunk_logprob": out.chunk_logprob,
+                "tokens": inputs.tokens,
+                "token_mask": inputs.token_mask,
+            }
+            tensors = {k: v.detach().to("cpu") for k, v in tensors.items()}
+            timing = RankTiming(self.rank, request.rows, prepared - start, sampled - prepared,
+                                time.perf_counter() - start)
+        return RankReply(self.rank, tensors, timing)
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def apply(self, plan: WeightPlan, tensors: Sequence[Tensor], cache_key: Any = None) -> None:
+        """Copy `tensors` into the model as `plan` says (in place), then wait for the device.
+        With `cache_key` (e.g. opened IPC handles), the copy program is built once and reused."""
+        with self.timeline.span("weight_sync/apply", rank=self.rank, tensors=len(plan.writes)):
+            program = self._programs.get(cache_key) if cache_key is not None else None
+            if program is None:
+                program = CopyProgram(self._params, plan, tensors)
+                if cache_key is not None:
+                    self._programs = {cache_key: program}  # keep one: handles of older updates are stale
+            program.run()
+            self._sync()
+
+    def refresh_weights(self) -> None:
+        """The fast path's weight-derived tables and shadows (no graph re-capture)."""
+        self.policy.refresh_weights()
+        self._sync()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Our-layout parameters on the CPU (tests, checkpoints)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self._params.items()}
+
+    def info(self) -> dict[str, Any]:
+        return {"rank": self.rank, "device": str(self.device), "pid": os.getpid()}
+
+    def _sync(self) -> None:
+        synchronize(self.device)
+
+    def close(self) -> None:
+        self._programs.clear()
+        if self._owns_timeline:
+            self.timeline.close()

@@ -1,0 +1,1 @@
+"""Tests of rollout/: engine, weight sync, collector, RLinf adapter."""
