@@ -9,8 +9,9 @@ node with `EnvConfig.from_mapping(cfg.env)`, which rejects unknown keys by name.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, List, Mapping, Optional
+from typing import Any
 
 from common.config import check_choice, check_nonnegative_int, check_positive_int, reject_unknown_keys, to_container
 from envs.suites import DEFAULT_MAX_EPISODE_STEPS, SUITES
@@ -20,7 +21,10 @@ CAMERA_ALIASES = {"agentview": "agentview", "wrist": "robot0_eye_in_hand"}
 RENDER_EVERY = ("chunk_end", "substep")
 RENDER_BACKENDS = ("auto", "egl", "osmesa", "glfw")
 START_METHODS = ("spawn", "forkserver")  # never "fork": forking after GL deadlocks
-ENV_TYPES = ("libero", "countdown")  # countdown: envs/testing.py, a tiny deterministic env
+# countdown: envs/testing.py; reach: envs/reach.py; worldmodel: envs/worldmodel_env.py (a learned simulator)
+ENV_TYPES = ("libero", "countdown", "reach", "worldmodel")
+REACH_MAX_EPISODE_STEPS = 40  # horizon of env_type "reach" when max_episode_steps is None
+WORLDMODEL_MAX_EPISODE_STEPS = 40  # horizon of env_type "worldmodel" when max_episode_steps is None
 STEP_MODES = ("robosuite", "lean")
 
 
@@ -36,15 +40,15 @@ class EnvConfig:
     suite: str = "libero_10"
     # Task per group (len = num_envs // group_size), per env (len = num_envs) or one for all
     # (len 1). None: group g runs task g % num_tasks, so a suite's tasks share one vector env.
-    task_ids: Optional[List[int]] = None
+    task_ids: list[int] | None = None
     num_envs: int = 4
     group_size: int = 1  # G consecutive envs share one init state at reset (GRPO groups)
     num_workers: int = 2
     image_size: int = 128
-    cameras: List[str] = field(default_factory=lambda: ["agentview", "wrist"])
+    cameras: list[str] = field(default_factory=lambda: ["agentview", "wrist"])
     render_every: str = "chunk_end"  # or "substep": also return every sub-step's frames
     chunk_size: int = 10  # largest H accepted by step_chunk (sizes the shared result buffers)
-    max_episode_steps: Optional[int] = None  # None -> the suite's openpi default
+    max_episode_steps: int | None = None  # None -> the suite's openpi default
     num_settle_steps: int = 10  # no-op steps (zeros, gripper -1) after set_init_state
     render_backend: str = "auto"  # auto: egl where a GPU is usable, osmesa otherwise
     step_mode: str = "lean"  # envs.lean.LeanStepper (bit-identical to robosuite's step), or "robosuite"
@@ -55,6 +59,8 @@ class EnvConfig:
     start_method: str = "spawn"
     env_type: str = "libero"
     show_progress: bool = True
+    # env_type "worldmodel" only: model / serve / init-frame settings (worldmodels/env_config.py)
+    worldmodel: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_choice("env.suite", self.suite, SUITES)
@@ -99,6 +105,19 @@ class EnvConfig:
             for task_id in self.task_ids:
                 if task_id < 0:
                     raise ValueError(f"env.task_ids entries must be >= 0, got {task_id}")
+        self._check_worldmodel()
+
+    def _check_worldmodel(self) -> None:
+        """`worldmodel` belongs to env_type worldmodel; its keys are validated by the world model's
+        own schema now, so a bad key stops at start (the import stays lazy: LIBERO runs never pay it)."""
+        if self.env_type != "worldmodel":
+            if self.worldmodel is not None:
+                raise ValueError(f"env.worldmodel is set but env.env_type is {self.env_type!r}; "
+                                 "it applies to env_type 'worldmodel' only")
+            return
+        from worldmodels.env_config import WorldModelEnvConfig
+
+        WorldModelEnvConfig.from_mapping(self.to_dict())
 
     @property
     def num_groups(self) -> int:
@@ -109,6 +128,10 @@ class EnvConfig:
         """The horizon in use: max_episode_steps, or the suite's default."""
         if self.max_episode_steps is not None:
             return self.max_episode_steps
+        if self.env_type == "reach":  # the suite names LIBERO suites only
+            return REACH_MAX_EPISODE_STEPS
+        if self.env_type == "worldmodel":
+            return WORLDMODEL_MAX_EPISODE_STEPS
         return DEFAULT_MAX_EPISODE_STEPS[self.suite]
 
     @property
@@ -133,7 +156,8 @@ class EnvConfig:
         for env_index, task_id in enumerate(ids):
             if task_id >= num_tasks:
                 raise ValueError(
-                    f"env.task_ids: env {env_index} has task {task_id}, but {self.suite} has "
+                    f"env.task_ids: env {env_index} has task {task_id}, but "
+                    f"{self.suite if self.env_type == 'libero' else self.env_type} has "
                     f"{num_tasks} tasks (0..{num_tasks - 1})"
                 )
         return ids
@@ -152,7 +176,7 @@ class EnvConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any] | None = None, **overrides: Any) -> "EnvConfig":
+    def from_mapping(cls, mapping: Mapping[str, Any] | None = None, **overrides: Any) -> EnvConfig:
         """Build from a dict or OmegaConf node; unknown keys raise naming the key."""
         data = dict(to_container(mapping) if mapping is not None else {})
         data.update(overrides)

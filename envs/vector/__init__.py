@@ -31,4 +31,8 @@ def make_vector_env(
         cfg = EnvConfig(**overrides)
     elif overrides:
         cfg = EnvConfig.from_mapping(cfg.to_dict(), **overrides)
+    if cfg.env_type == "worldmodel":  # served by a model in this process: no workers, one class
+        from envs.worldmodel_env import WorldModelVectorEnv
+
+        return WorldModelVectorEnv(cfg.to_dict())
     return SyncVectorEnv(cfg) if in_process else AsyncVectorEnv(cfg)

@@ -1,0 +1,184 @@
+"""The GRPO actor update: recompute log-probs of stored flow-SDE transitions, clipped surrogate.
+
+    actor = Actor(policy, grpo_cfg)
+    metrics = actor.train(samples)          # one RL step's update (all update epochs)
+
+Per step:
+1. `old` = the trainer's own chunk log-probs of every row with the current weights (no grad,
+   micro-batched): the ratio's denominator, so the ratio is exactly 1 at the first update.
+   The rollout/trainer gap |old - rollout| (nats per chunk) and the fraction of rows whose
+   exp(old - rollout) would already fall outside the clip band are logged.
+2. The rollout's log-probs enter only through the truncated IS weight min(exp(old - rollout), cap).
+3. update_epochs passes over the rows, shuffled by the actor's own generator; each pass split
+   into global batches (one AdamW step each, gradient norm clipped) of micro-batches (one
+   forward/backward each; gradients accumulate; row weights normalised per global batch).
+Only `policy.trainable_parameters()` are optimised (the expert with policy.train_expert_only);
+on CUDA the forward runs under bf16 autocast (grpo.autocast).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch import Tensor
+
+from grpo import losses
+from grpo.config import GRPOConfig
+from grpo.observations import observation_from_rows
+from grpo.samples import Samples
+from policies import flow
+
+
+class Actor:
+    def __init__(self, policy, cfg: GRPOConfig, show_progress: bool = True):
+        self.policy, self.cfg = policy, cfg
+        self.device = policy.device
+        self.params = list(policy.trainable_parameters())
+        trainable = {id(p) for p in self.params}
+        for p in policy.parameters():  # frozen parts get no .grad buffers
+            p.requires_grad_(id(p) in trainable)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                                           weight_decay=cfg.weight_decay)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.reference = self._reference_policy() if cfg.kl_coef > 0 else None
+        self.show_progress = show_progress
+        self.updates = 0  # optimiser steps taken so far (checkpointed)
+
+    def _reference_policy(self):
+        ref = copy.deepcopy(self.policy)
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    # ----- forward pieces -----
+    def autocast(self) -> contextlib.AbstractContextManager:
+        mode = self.cfg.autocast
+        if mode == "auto":
+            mode = "bf16" if self.device.type == "cuda" else "none"
+        if mode == "none":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def chunk_logprob(self, policy, rows: Samples) -> Tensor:
+        """(R,) float32 chunk log-probs of the rows' stored transitions under `policy`."""
+        obs = observation_from_rows(policy.cfg, rows.images, rows.states, rows.tokens, rows.token_mask, self.device)
+        with self.autocast():
+            out = policy.log_prob(obs, rows.chains.to(self.device), rows.denoise_inds.to(self.device))
+        return out.chunk_logprob.float()
+
+    @torch.no_grad()
+    def recompute(self, samples: Samples, policy=None) -> Tensor:
+        """Chunk log-probs of every row without gradients, micro-batched (CPU tensor)."""
+        policy = policy or self.policy
+        index = torch.arange(len(samples))
+        parts = [self.chunk_logprob(policy, samples.select(idx)).cpu() for idx in self._micro(index)]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def step_entropy(self, rows: Samples) -> Tensor:
+        """Entropy of each row's stochastic SDE step (a function of the step index only)."""
+        scfg = self.policy.cfg.sampling
+        if scfg.train_mode != "sde":
+            raise ValueError("grpo.entropy_coef > 0 needs policy.sampling.train_mode 'sde' (one stochastic step)")
+        grid = flow.time_grid(scfg.num_steps)
+        std = flow.sde_sigmas(grid, scfg.noise_level) * torch.sqrt(flow.step_deltas(grid))
+        numel = self.policy.cfg.logprob_chunk * self.policy.cfg.action_dim
+        return losses.gaussian_entropy(std[rows.denoise_inds[:, 0]], numel).to(self.device)
+
+    def _micro(self, index: Tensor) -> list[Tensor]:
+        return list(torch.split(index, self.cfg.micro_batch))
+
+    # ----- the update -----
+    def train(self, samples: Samples) -> dict[str, float]:
+        cfg = self.cfg
+        if len(samples) == 0:
+            return {"train/rows": 0, "train/optimizer_steps": 0}
+        self.policy.train()
+        old = self.recompute(samples)
+        metrics = gap_metrics(old, samples.rollout_logprob, cfg.clip_low, cfg.clip_high)
+        is_weight = losses.truncated_is_weight(old, samples.rollout_logprob, cfg.tis_cap) if cfg.tis else None
+        if is_weight is not None:
+            metrics["train/is_weight_mean"] = float(is_weight.mean())
+            metrics["train/is_weight_truncated_frac"] = float((is_weight >= cfg.tis_cap).float().mean())
+        ref = self.recompute(samples, self.reference) if self.reference is not None else None
+        raw_weights = losses.row_weights(samples.trajectory_length, cfg.loss_agg)
+        acc = _Accumulator()
+        first = True
+        for _ in range(cfg.update_epochs):
+            order = torch.randperm(len(samples), generator=self.generator)
+            batch = cfg.global_batch or len(samples)
+            for global_index in torch.split(order, batch):
+                weights = losses.normalise(raw_weights[global_index])
+                self.optimizer.zero_grad(set_to_none=True)
+                offset = 0
+                for micro in self._micro(global_index):
+                    w = weights[offset: offset + len(micro)]
+                    offset += len(micro)
+                    terms = self._micro_step(samples.select(micro), old[micro], w, micro,
+                                             is_weight, ref)
+                    acc.add(terms, w)
+                    if first:
+                        metrics["train/clip_frac_first_mb"] = float(terms.ratio_outside.float().mean())
+                        first = False
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+                acc.grad_norms.append(float(grad_norm))
+                self.optimizer.step()
+                self.updates += 1
+        metrics.update(acc.metrics(cfg.update_epochs))
+        metrics["train/rows"] = len(samples)
+        metrics["train/lr"] = cfg.lr
+        return metrics
+
+    def _micro_step(self, rows: Samples, old: Tensor, weights: Tensor, index: Tensor,
+                    is_weight: Tensor | None, ref: Tensor | None) -> losses.LossTerms:
+        cfg, dev = self.cfg, self.device
+        logprob = self.chunk_logprob(self.policy, rows)
+        entropy = self.step_entropy(rows) if cfg.entropy_coef > 0 else None
+        terms = losses.grpo_loss(
+            logprob, old.to(dev), rows.advantages.to(dev), weights.to(dev), cfg.clip_low, cfg.clip_high,
+            cfg.dual_clip, is_weight=None if is_weight is None else is_weight[index].to(dev),
+            ref_logprob=None if ref is None else ref[index].to(dev), kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator, entropy=entropy, entropy_coef=cfg.entropy_coef,
+        )
+        terms.loss.backward()
+        return terms
+
+
+def gap_metrics(trainer_logprob: Tensor, rollout_logprob: Tensor, clip_low: float, clip_high: float
+                ) -> dict[str, float]:
+    """Rollout vs trainer recompute of the same transitions, before any update (nats per chunk)."""
+    gap = (trainer_logprob - rollout_logprob).abs()
+    outside = losses.ratio_outside(trainer_logprob - rollout_logprob, clip_low, clip_high)
+    return {
+        "rollout/logprob_gap": float(gap.mean()),
+        "rollout/logprob_gap_max": float(gap.max()),
+        "rollout/logprob_gap_clip_frac": float(outside.float().mean()),
+    }
+
+
+class _Accumulator:
+    """Weighted sums of the loss terms over an RL step's micro-batches."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.rows = 0
+        self.grad_norms: list[float] = []
+
+    def add(self, terms: losses.LossTerms, weights: Tensor) -> None:
+        w = weights.to(terms.clip_active.device)
+        values = {
+            "train/loss": float(terms.loss.detach()), "train/policy_loss": float(terms.policy.detach()),
+            "train/kl_ref": float(terms.kl.detach()), "train/entropy": float(terms.entropy.detach()),
+            "train/approx_kl": float(terms.approx_kl), "train/clip_active_frac": float((w * terms.clip_active).sum()),
+            "train/clip_frac": float((w * terms.ratio_outside).sum()),
+        }
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def metrics(self, epochs: int) -> dict[str, float]:
+        steps = max(len(self.grad_norms), 1)
+        out = {k: v / steps for k, v in self.sums.items()}  # each global batch's weights sum to 1
+        out["train/grad_norm"] = sum(self.grad_norms) / steps
+        out["train/optimizer_steps"] = len(self.grad_norms)
+        return out

@@ -1,0 +1,152 @@
+"""Typed GRPO configuration (Hydra group `grpo`, conf/grpo/*.yaml), validated on construction.
+
+Errors name the full key and the bad value ("grpo.clip_low must be in (0, 1), got 1.5").
+`GRPOConfig.from_mapping(cfg.grpo)` rejects unknown keys by name; `register_hydra_schema()`
+stores the dataclass as `grpo/grpo_schema` so Hydra also type-checks overrides while composing.
+
+Defaults are RLinf's pi0.5 GRPO recipe (DESIGN.md section 5; RLinf
+examples/embodiment/config/libero_10_grpo_openpi_pi05.yaml) where it has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.config import (
+    check_choice,
+    check_nonnegative_int,
+    check_positive_float,
+    check_positive_int,
+    reject_unknown_keys,
+    to_container,
+)
+
+LOSS_AGGREGATIONS = ("token_mean", "trajectory_mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AUTOCAST_MODES = ("auto", "bf16", "none")
+
+
+@dataclass
+class GRPOConfig:
+    """Advantages, loss, optimiser and loop of GRPO; the group size is env.group_size."""
+
+    # ----- loop -----
+    steps: int = 3  # RL steps (weight_sync -> rollout epochs -> advantages -> actor_train)
+    rollout_epochs: int = 1  # collector epochs per RL step (each resets every env once)
+    # ----- advantages -----
+    adv_eps: float = 1e-6  # (score - mean) / (std + eps), RLinf's eps
+    std_unbiased: bool = True  # torch.std's Bessel correction, as RLinf's compute_grpo_advantages
+    filter_groups: bool = True  # drop groups whose mean success is outside [filter_low, filter_high]
+    filter_low: float = 0.1
+    filter_high: float = 0.9
+    # ----- loss -----
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2
+    dual_clip: float | None = 3.0  # lower bound -dual_clip * A for negative advantages; null: off
+    loss_agg: str = "token_mean"  # token_mean (RLinf) | trajectory_mean (per-trajectory length norm.)
+    kl_coef: float = 0.0  # KL to the initial (reference) policy; 0: no reference copy is kept
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0  # bonus on the entropy of the stochastic SDE step (constant in a)
+    # Truncated importance sampling: the rollout's log-probs enter only as the weight
+    # min(pi_old_trainer / pi_rollout, tis_cap) (detached); the ratio uses the trainer's own old
+    # log-probs, so it is exactly 1 at the first update whatever the rollout's numerics.
+    tis: bool = True
+    tis_cap: float = 2.0
+    # ----- optimiser (RLinf: AdamW betas (0.9, 0.95), eps 1e-5, weight decay 0.01, clip 1.0) -----
+    lr: float = 5e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    adam_eps: float = 1e-5
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    # ----- batching -----
+    update_epochs: int = 1  # passes over the step's data
+    global_batch: int | None = None  # rows per optimiser step; null: all rows in one step
+    micro_batch: int = 128  # rows per forward/backward (gradients accumulate over a global batch)
+    autocast: str = "auto"  # auto: bf16 autocast on CUDA, none on CPU
+    seed: int = 0  # shuffling of the rows (its RNG state is checkpointed)
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "rollout_epochs", "update_epochs", "micro_batch"):
+            check_positive_int(f"grpo.{key}", getattr(self, key))
+        check_nonnegative_int("grpo.seed", self.seed)
+        if self.global_batch is not None:
+            check_positive_int("grpo.global_batch", self.global_batch)
+            if self.global_batch % self.micro_batch:
+                raise ValueError(
+                    f"grpo.global_batch ({self.global_batch}) must be a multiple of grpo.micro_batch "
+                    f"({self.micro_batch})"
+                )
+        check_positive_float("grpo.adv_eps", self.adv_eps)
+        for key in ("std_unbiased", "filter_groups", "tis"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"grpo.{key} must be true or false, got {getattr(self, key)!r}")
+        for key in ("filter_low", "filter_high"):
+            _check_range(f"grpo.{key}", getattr(self, key), 0.0, 1.0)
+        if self.filter_low > self.filter_high:
+            raise ValueError(
+                f"grpo.filter_low ({self.filter_low}) must not exceed grpo.filter_high ({self.filter_high})"
+            )
+        for key in ("clip_low", "clip_high"):
+            value = getattr(self, key)
+            _check_number(f"grpo.{key}", value)
+            if not 0 < value < 1:
+                raise ValueError(f"grpo.{key} must be in (0, 1), got {value!r}")
+        if self.dual_clip is not None:
+            _check_number("grpo.dual_clip", self.dual_clip)
+            if not self.dual_clip > 1:
+                raise ValueError(f"grpo.dual_clip must be > 1 or null, got {self.dual_clip!r}")
+        check_choice("grpo.loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
+        check_choice("grpo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("grpo.autocast", self.autocast, AUTOCAST_MODES)
+        for key in ("kl_coef", "entropy_coef", "weight_decay"):
+            _check_range(f"grpo.{key}", getattr(self, key), 0.0, math.inf)
+        for key in ("tis_cap", "lr", "adam_eps", "grad_clip"):
+            check_positive_float(f"grpo.{key}", getattr(self, key))
+        if self.tis and self.tis_cap < 1:
+            raise ValueError(f"grpo.tis_cap must be >= 1 (1 would ignore the gap), got {self.tis_cap!r}")
+        self.betas = list(self.betas)
+        if len(self.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in self.betas):
+            raise ValueError(f"grpo.betas must be two numbers in [0, 1), got {self.betas!r}")
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any] | None = None, **overrides: Any) -> GRPOConfig:
+        data = dict(to_container(mapping) if mapping is not None else {})
+        data.update(overrides)
+        data = reject_unknown_keys(cls, data, "grpo", "grpo config")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"grpo: {exc}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def _check_number(key: str, value: Any) -> None:
+    if not _is_number(value) or math.isnan(value):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+
+
+def _check_range(key: str, value: Any, low: float, high: float) -> None:
+    _check_number(key, value)
+    if not low <= value <= high:
+        raise ValueError(f"{key} must be in [{low}, {high}], got {value!r}")
+
+
+HYDRA_SCHEMA_NAME = "grpo_schema"
+
+
+def register_hydra_schema() -> None:
+    """Store GRPOConfig as `grpo/grpo_schema` (conf/grpo/*.yaml extend it): Hydra rejects unknown
+    keys and wrongly typed values under `grpo.` while composing."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="grpo", name=HYDRA_SCHEMA_NAME, node=GRPOConfig)

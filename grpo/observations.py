@@ -1,0 +1,51 @@
+"""Rebuild the policy's `Observation` from stored rows, with the engine's own prompt ids.
+
+The images go through the same steps as `policies.transforms.ObservationTransform` (uint8 ->
+[0, 1] -> resize-with-pad to the vision size when needed -> [-1, 1]; camera slots the env does
+not provide are -1 and masked), but the prompt is NOT re-tokenised: the tokens the engine built
+(state discretised into them) are used as stored, so the recompute sees exactly the rollout's
+inputs. tests/grpo/test_observations.py checks the images equal `policy.make_batch`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from policies.config import PolicyConfig
+from policies.observation import Observation
+from policies.transforms import resize_with_pad
+
+
+def _image(raw: Tensor, size: int, resize: bool, key: str) -> Tensor:
+    if raw.dim() != 4 or raw.shape[-1] != 3:
+        raise ValueError(f"stored images {key!r} must be (R, S, S, 3), got {tuple(raw.shape)}")
+    img = raw.float() / 255.0 if raw.dtype == torch.uint8 else raw.float()
+    if tuple(img.shape[1:3]) != (size, size):
+        if not resize:
+            raise ValueError(f"stored images {key!r} are {tuple(img.shape[1:3])}, expected ({size}, {size}) "
+                             "(policy.inputs.resize_images is off)")
+        img = resize_with_pad(img, size, size)
+    return img * 2.0 - 1.0
+
+
+def observation_from_rows(cfg: PolicyConfig, images: dict[str, Tensor], states: Tensor, tokens: Tensor,
+                          token_mask: Tensor, device: torch.device | str) -> Observation:
+    """images: env camera key -> (R, S, S, 3) uint8; states (R, state_dim); tokens/mask (R, L)."""
+    n = int(states.shape[0])
+    size = cfg.vision.image_size
+    slot_to_key = {slot: key for key, slot in cfg.inputs.camera_map.items()}
+    obs_images, masks = {}, {}
+    for slot in cfg.cameras:
+        key = slot_to_key.get(slot)
+        if key is None:
+            obs_images[slot] = torch.full((n, size, size, 3), -1.0, device=device)
+            masks[slot] = torch.zeros(n, dtype=torch.bool, device=device)
+            continue
+        if key not in images:
+            raise ValueError(f"stored rows have no camera {key!r} (policy.inputs.camera_map maps it to {slot!r}); "
+                             f"stored: {sorted(images)}")
+        obs_images[slot] = _image(images[key].to(device), size, cfg.inputs.resize_images, key)
+        masks[slot] = torch.ones(n, dtype=torch.bool, device=device)
+    return Observation(images=obs_images, image_masks=masks, state=states.to(device),
+                       tokenized_prompt=tokens.to(device).long(), tokenized_prompt_mask=token_mask.to(device).bool())

@@ -1,0 +1,173 @@
+"""The whole experiment's configuration, validated at start before anything is written.
+
+`ExperimentConfig.from_hydra(cfg)` builds every group's typed config (env, policy, rollout,
+grpo, profiler, logger, run, eval) and the checks that cross groups; every error names the full
+key and the value ("grpo.micro_batch must be a positive integer, got 0", "rollout.collector.stages
+(3) must divide env.num_envs (8)"). Nothing touches the disk until it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.config import (
+    check_choice,
+    check_nonnegative_int,
+    check_positive_int,
+    reject_unknown_keys,
+    to_container,
+)
+from envs.config import EnvConfig
+from grpo.config import GRPOConfig
+from policies.config import PolicyConfig
+from profiler.config import ProfilerConfig, WandbConfig
+from rollout.collector_config import CollectorConfig
+from rollout.collector_record import BatchShapes
+from rollout.config import RolloutConfig
+
+MODES = ("train", "eval")
+VIDEO_FORMATS = ("auto", "mp4", "gif")
+EVAL_SAMPLING = ("ode", "sde")
+TOP_LEVEL_KEYS = ("mode", "run", "eval", "env", "policy", "rollout", "grpo", "profiler", "logger")
+
+
+@dataclass
+class RunConfig:
+    """Where and how the run goes (Hydra key `run`)."""
+
+    dir: str = "runs/grpo"  # the run directory; a suffix -1, -2, ... is added if it exists (fresh runs)
+    device: str = "auto"  # the trainer's device: auto (cuda if available), cpu, cuda, cuda:N
+    seed: int = 0  # python / numpy / torch global seeds and the rollout seeds
+    checkpoint_every: int = 1  # RL steps between checkpoints, and after the last step (0: none at all)
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    resume: str | None = None  # a checkpoint file or a run directory (its newest checkpoint)
+    show_progress: bool = True  # tqdm bars for training steps and rollout epochs
+    torch_threads: int | None = None  # torch.set_num_threads in the driver (None: torch's default)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, str) or not self.dir:
+            raise ValueError(f"run.dir must be a non-empty path, got {self.dir!r}")
+        kind, _, index = str(self.device).partition(":")
+        if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+            raise ValueError(f"run.device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
+        check_nonnegative_int("run.seed", self.seed)
+        check_nonnegative_int("run.checkpoint_every", self.checkpoint_every)
+        check_positive_int("run.keep_checkpoints", self.keep_checkpoints)
+        if self.torch_threads is not None:
+            check_positive_int("run.torch_threads", self.torch_threads)
+        if not isinstance(self.show_progress, bool):
+            raise ValueError(f"run.show_progress must be true or false, got {self.show_progress!r}")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation with ODE sampling (Hydra key `eval`): `mode=eval`, or every N training steps."""
+
+    tasks: list[int] | None = None  # task ids of the suite (None: the tasks env.task_ids uses)
+    init_states: int = 2  # init states per task, ids 0..init_states-1
+    num_envs: int | None = None  # envs of the eval vector env (None: env.num_envs)
+    every: int = 0  # during training: evaluate every N RL steps and after the last (0: never)
+    at_start: bool = False  # also evaluate the initial weights before the first step (curve point 0)
+    sampling: str = "ode"  # ode: deterministic flow (RLinf's eval) | sde: the flow-SDE rollout policy
+    repeats: int = 1  # episodes per (task, init state): >1 averages over the sampling noise
+    checkpoint: str | None = None  # mode=eval: weights to evaluate (file or run dir); None: the init
+    videos: int = 2  # episodes written as videos (and logged)
+    video_format: str = "auto"  # auto: mp4 when imageio can write it, else gif (PIL)
+    video_fps: int = 4  # frames are chunk-end observations: a few per second reads well
+
+    def __post_init__(self) -> None:
+        check_positive_int("eval.init_states", self.init_states)
+        check_nonnegative_int("eval.every", self.every)
+        check_positive_int("eval.repeats", self.repeats)
+        check_choice("eval.sampling", self.sampling, EVAL_SAMPLING)
+        if not isinstance(self.at_start, bool):
+            raise ValueError(f"eval.at_start must be true or false, got {self.at_start!r}")
+        check_nonnegative_int("eval.videos", self.videos)
+        check_positive_int("eval.video_fps", self.video_fps)
+        check_choice("eval.video_format", self.video_format, VIDEO_FORMATS)
+        if self.num_envs is not None:
+            check_positive_int("eval.num_envs", self.num_envs)
+        if self.tasks is not None:
+            self.tasks = [int(t) for t in self.tasks]
+            if not self.tasks or min(self.tasks) < 0 or len(set(self.tasks)) != len(self.tasks):
+                raise ValueError(f"eval.tasks must be distinct task ids >= 0, got {self.tasks!r}")
+
+
+def _build(cls: type, data: Any, key: str) -> Any:
+    data = reject_unknown_keys(cls, data if data is not None else {}, key)
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ValueError(f"{key}: {exc}") from exc
+
+
+@dataclass
+class ExperimentConfig:
+    mode: str
+    env: EnvConfig
+    policy: PolicyConfig
+    rollout: RolloutConfig
+    collector: CollectorConfig
+    grpo: GRPOConfig
+    profiler: ProfilerConfig
+    logger: WandbConfig
+    run: RunConfig
+    eval: EvalConfig
+    raw: dict = field(default_factory=dict)  # the resolved Hydra config (written to the run dir)
+
+    @staticmethod
+    def from_hydra(cfg: Any) -> ExperimentConfig:
+        raw = to_container(cfg)
+        unknown = sorted(set(raw) - set(TOP_LEVEL_KEYS))
+        if unknown:
+            raise ValueError(f"unknown top-level key(s) {unknown}; known: {list(TOP_LEVEL_KEYS)}")
+        mode = raw.get("mode", "train")
+        check_choice("mode", mode, MODES)
+        rollout = RolloutConfig.from_mapping(raw.get("rollout") or {})
+        out = ExperimentConfig(
+            mode=mode,
+            env=EnvConfig.from_mapping(raw.get("env") or {}),
+            policy=PolicyConfig.from_mapping(raw.get("policy") or {}),
+            rollout=rollout,
+            collector=rollout.collector if rollout.collector is not None else CollectorConfig(),
+            grpo=GRPOConfig.from_mapping(raw.get("grpo") or {}),
+            profiler=ProfilerConfig.from_dict(raw.get("profiler") or {}, logger=raw.get("logger") or {}),
+            logger=_build(WandbConfig, raw.get("logger"), "logger"),
+            run=_build(RunConfig, raw.get("run"), "run"),
+            eval=_build(EvalConfig, raw.get("eval"), "eval"),
+            raw=raw,
+        )
+        out.check_cross_group()
+        return out
+
+    def check_cross_group(self) -> None:
+        env, pol, col = self.env, self.policy, self.collector
+        col.check_against_env(env)
+        BatchShapes.from_configs(env, pol)  # chunk sizes, log-prob chunk == env chunk, action dims
+        obs_keys = {f"{c}_image" for c in env.cameras}
+        missing = sorted(set(pol.inputs.camera_map) - obs_keys)
+        if missing:
+            raise ValueError(f"policy.inputs.camera_map reads {missing}, but env.cameras {env.cameras} "
+                             f"gives {sorted(obs_keys)}")
+        if self.grpo.entropy_coef > 0 and pol.sampling.train_mode != "sde":
+            raise ValueError(f"grpo.entropy_coef ({self.grpo.entropy_coef}) needs policy.sampling.train_mode 'sde', "
+                             f"got {pol.sampling.train_mode!r}")
+        if not col.record_images and self.mode == "train":
+            raise ValueError("rollout.collector.record_images must be true for training (the recompute needs them)")
+        if self.eval.tasks is not None and self.eval.num_envs is not None and self.eval.num_envs % len(self.eval.tasks):
+            raise ValueError(f"eval.num_envs ({self.eval.num_envs}) must be a multiple of the number of "
+                             f"eval.tasks ({len(self.eval.tasks)})")
+        if self.mode == "eval" and self.run.resume is not None:
+            raise ValueError("run.resume is for training; evaluate a checkpoint with eval.checkpoint=PATH")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
+                for k, v in vars(self).items() if k != "raw"}
+
+
+def from_mapping(data: Mapping[str, Any]) -> ExperimentConfig:
+    """The same from a plain dict (tests, scripts)."""
+    return ExperimentConfig.from_hydra(dict(data))

@@ -1,0 +1,68 @@
+"""Run directories and the evaluation-only run (`mode=eval`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from grpo.run_config import ExperimentConfig
+
+CONFIG_FILE = "config.yaml"
+
+
+def make_run_dir(path: str | Path) -> Path:
+    """Create the run directory; an existing non-empty one gets a fresh sibling (-1, -2, ...)."""
+    base = Path(path)
+    candidate, n = base, 0
+    while candidate.exists() and any(candidate.iterdir()):
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    candidate.mkdir(parents=True, exist_ok=True)
+    return candidate.resolve()
+
+
+def write_config(run_dir: Path, cfg: ExperimentConfig) -> Path:
+    """The resolved Hydra config, as composed (before any default was filled in by the dataclasses)."""
+    from omegaconf import OmegaConf
+
+    path = run_dir / CONFIG_FILE
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.raw)))
+    return path
+
+
+def run_evaluation(cfg: ExperimentConfig, run_dir: Path) -> dict:
+    """ODE evaluation of the initial weights or eval.checkpoint: table, eval.json, videos, wandb."""
+    from grpo import checkpoint
+    from grpo.evaluate import Evaluator
+    from grpo.reporting import WandbRun
+    from grpo.trainer import resolve_device, seed_everything, trainer_policy_config, weight_source
+    from policies import build_policy
+    from rollout.engine import PolicyEngine
+
+    seed_everything(cfg.run.seed)
+    wandb_run = WandbRun(cfg.logger, run_dir, cfg.raw)
+    engine = evaluator = None
+    try:
+        engine = PolicyEngine(cfg.rollout.engine, cfg.policy, cfg.rollout.weights)
+        step = 0
+        if cfg.eval.checkpoint:
+            policy = build_policy(trainer_policy_config(cfg.policy), resolve_device(cfg.run.device))
+            step = checkpoint.load_model_weights(policy.model, cfg.eval.checkpoint)
+            engine.update_weights(weight_source(policy, full=True), version=max(step, 1))
+            del policy
+        evaluator = Evaluator(cfg.env, cfg.eval, cfg.collector, engine, cfg.policy, seed=cfg.run.seed)
+        result = evaluator.run(run_dir / "videos")
+    finally:
+        for part in (evaluator, engine):
+            if part is not None:
+                part.close()
+    print(f"evaluation (ODE) of {cfg.eval.checkpoint or 'the initial weights'}:\n{result.table()}")
+    summary = {"checkpoint": cfg.eval.checkpoint, "step": step, **result.metrics(),
+               "tasks": [dict(zip(result.COLUMNS, row)) for row in result.rows()],
+               "videos": [str(p) for _, p in result.videos]}
+    (run_dir / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
+    wandb_run.log(step, result.metrics())
+    wandb_run.log_table("eval/table", result.COLUMNS, result.rows())
+    wandb_run.log_videos(result.videos)
+    wandb_run.finish()
+    return summary

@@ -1,0 +1,258 @@
+"""The GRPO training loop, top to bottom (CleanRL style). Entry point: experiments/grpo.py.
+
+Per RL step s = 1..grpo.steps (weight version = s, the global step):
+    weight_sync  trainer weights -> engine.update_weights(state dict, version=s): everything at
+                 the first sync of a (re)started run, the trainable parameters after that
+    rollout      grpo.rollout_epochs x collector.collect(): every env reset (groups of G share
+                 an init state), chunks until every episode ends (the collector records
+                 rollout/reset, rollout/transfer, rollout/predict, rollout/env_step)
+    advantages   group-normalised success over all epochs, filtered groups, chunk masks
+    actor_train  recompute old log-probs, clipped surrogate with truncated IS, AdamW steps
+each a profiler span inside the "step" span; then one console line, metrics.jsonl + wandb,
+an evaluation every eval.every steps, a checkpoint every run.checkpoint_every steps. When the
+loop ends: report.json / trace.json / timeline.png / breakdown.png / success_rate.png and the
+wandb run (grpo/artifacts.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from grpo import checkpoint
+from grpo.actor import Actor
+from grpo.artifacts import write_profile
+from grpo.evaluate import Evaluator
+from grpo.reporting import MetricsLog, WandbRun, console_line, phase_metrics, plot_success_curve
+from grpo.run_config import ExperimentConfig
+from grpo.samples import EpochRows, assemble, rollout_metrics
+from policies import PolicyConfig, build_policy
+from profiler import make_timeline, profiler_environ, set_timeline, write_meta
+from rollout.collector import RolloutCollector
+from rollout.engine import PolicyEngine
+
+CURVE_FILE = "success_rate.png"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def trainer_policy_config(cfg: PolicyConfig) -> PolicyConfig:
+    """The trainer keeps fp32 master weights (bf16 compute comes from autocast) and the plain
+    forward; the engine runs the configured dtype and fast path. With
+    policy.fast.consistent_recompute the trainer keeps the fast path too: its log_prob re-scores
+    the stored transitions through the rollout's kernels at the rollout's shapes (bf16 shadows of
+    the fp32 masters equal the engine's cast weights), see policies/fast/recompute.py."""
+    if cfg.fast.enabled and cfg.fast.consistent_recompute:
+        return cfg.replace(dtype="float32")
+    return cfg.replace(dtype="float32", fast={"enabled": False, "consistent_recompute": False})
+
+
+def weight_source(policy, full: bool) -> dict[str, torch.Tensor]:
+    """Our parameter names -> tensors: all of them, or only those the actor updates."""
+    return {name: p.detach() for name, p in policy.model.named_parameters() if full or p.requires_grad}
+
+
+def data_position(collector) -> dict:
+    """The collector's epoch counter and each stage env's reset counter (episode seeds derive from
+    both). The vector env has no public accessor for its reset counter yet, hence `_reset_count`."""
+    return {"collector_epochs": collector.epochs, "env_resets": [st.vec._reset_count for st in collector.stages]}
+
+
+def restore_data_position(collector, position: dict) -> None:
+    collector.epochs = int(position["collector_epochs"])
+    for stage, count in zip(collector.stages, position.get("env_resets", [])):
+        stage.vec._reset_count = int(count)
+
+
+@contextlib.contextmanager
+def phase(timeline, name: str, step: int, times: dict[str, float]):
+    """A profiler span and the driver's wall time of it (for the live console line)."""
+    start = time.perf_counter()
+    with timeline.span(name, step=step):
+        yield
+    times[name] = time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def profiler_env(prof, run_dir: Path):
+    """Engine ranks (and their processes) record into this run's trace while the run lasts."""
+    saved = dict(os.environ)
+    os.environ.update(profiler_environ(prof, run_dir))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+class Trainer:
+    """Owns the run's components; `run()` is the loop. Tests drive it directly."""
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: Path):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        resume_from = checkpoint.resolve(cfg.run.resume) if cfg.run.resume else None  # fail before building
+        self.device = resolve_device(cfg.run.device)
+        if cfg.run.torch_threads:
+            torch.set_num_threads(cfg.run.torch_threads)
+        seed_everything(cfg.run.seed)
+        gpu = self.device.type == "cuda"
+        self.prof = dataclasses.replace(cfg.profiler, out_dir=str(self.run_dir),
+                                        gpu_timing=cfg.profiler.gpu_timing if not gpu or cfg.profiler.gpu_timing
+                                        != "none" else "sync")
+        write_meta(self.run_dir, profiler_config=dataclasses.asdict(self.prof), workload=self.describe())
+        self.timeline = make_timeline(self.prof, rank=0, worker="driver", run_dir=self.run_dir)
+        self._previous_timeline = set_timeline(self.timeline)
+        self.lanes = [make_timeline(self.prof, rank=0, worker=f"env_stage{s}", run_dir=self.run_dir)
+                      for s in range(cfg.collector.stages)]
+        self.engine = self.collector = self.evaluator = None
+        try:
+            self.policy = build_policy(trainer_policy_config(cfg.policy), self.device)
+            with profiler_env(self.prof, self.run_dir):
+                self.engine = PolicyEngine(cfg.rollout.engine, cfg.policy, cfg.rollout.weights)
+            self.collector = RolloutCollector(cfg.env, self.engine, cfg.collector, policy_cfg=cfg.policy,
+                                              timeline=self.timeline, stage_timelines=self.lanes)
+            self.actor = Actor(self.policy, cfg.grpo, show_progress=cfg.run.show_progress)
+            self.state = checkpoint.TrainState(step=1)
+            self.first_step = 1
+            if resume_from is not None:
+                self.resume(resume_from)
+            self.log = MetricsLog(self.run_dir, self.state.history)
+            self.log.rewrite()
+            self.wandb = WandbRun(cfg.logger, self.run_dir, cfg.raw, resume_id=self.state.wandb_id)
+            self.state.wandb_id = self.wandb.id
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self) -> str:
+        c = self.cfg
+        return (f"experiments.grpo: {c.env.env_type}/{c.env.suite} tasks {c.env.task_ids}, {c.env.num_envs} envs in "
+                f"groups of {c.env.group_size}, {c.collector.stages} stages, {c.policy.name} policy, "
+                f"{c.grpo.rollout_epochs} epochs x {c.grpo.steps} steps on {self.device}")
+
+    # ----- the loop -----
+    def run(self) -> list[dict]:
+        cfg = self.cfg
+        steps = range(self.state.step, cfg.grpo.steps + 1)
+        if cfg.eval.at_start and self.state.step == 1:
+            self.evaluate(0)
+        bar = tqdm(steps, desc="GRPO steps", disable=not cfg.run.show_progress, dynamic_ncols=True)
+        for step in bar:
+            metrics = self.train_step(step)
+            bar.write(console_line(step - 1, cfg.grpo.steps, metrics))
+            if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.grpo.steps):
+                self.evaluate(step)
+            self.state.step = step + 1
+            every = cfg.run.checkpoint_every
+            if every and (step % every == 0 or step == cfg.grpo.steps):
+                self.save(step)
+            self.timeline.flush()
+        return self.state.history
+
+    def train_step(self, step: int) -> dict:
+        cfg, tl, times = self.cfg, self.timeline, {}
+        with phase(tl, "step", step, times):
+            with phase(tl, "weight_sync", step, times):
+                full = step == self.first_step
+                self.engine.update_weights(weight_source(self.policy, full), version=step, partial=not full)
+            with phase(tl, "rollout", step, times):
+                epochs, predict_s = [], 0.0
+                for _ in tqdm(range(cfg.grpo.rollout_epochs), desc=f"rollout (step {step})", leave=False,
+                              disable=not cfg.run.show_progress or cfg.grpo.rollout_epochs == 1):
+                    batch = self.collector.collect(seed=cfg.run.seed, mode="train", step=step)
+                    epochs.append(EpochRows.from_batch(batch))
+                    predict_s += self.collector.last_stats.predict_s
+            with phase(tl, "advantages", step, times):
+                data = assemble(epochs, self.collector.group_size, cfg.grpo)
+            with phase(tl, "actor_train", step, times):
+                train_metrics = self.actor.train(data.samples)
+        metrics = {"kind": "train", "step": step, **rollout_metrics(data), **train_metrics,
+                   **phase_metrics(times, predict_s),
+                   "rollout/stale_rows": int((data.samples.versions != step).sum())}
+        self.log.append(metrics)
+        self.wandb.log(step, metrics)
+        return metrics
+
+    def evaluate(self, step: int) -> dict:
+        if self.evaluator is None:
+            self.evaluator = Evaluator(self.cfg.env, self.cfg.eval, self.cfg.collector, self.engine, self.cfg.policy,
+                                       seed=self.cfg.run.seed)
+        with self.timeline.span("eval", after_step=step):
+            result = self.evaluator.run(self.run_dir / "videos" / f"step_{step:06d}")
+        metrics = {"kind": "eval", "step": step, **result.metrics()}
+        tqdm.write(f"evaluation after step {step} ({self.cfg.eval.sampling}):\n{result.table()}")
+        self.log.append(metrics)
+        self.wandb.log(step, metrics)
+        self.wandb.log_table(f"eval/table_step_{step}", result.COLUMNS, result.rows())
+        self.wandb.log_videos(result.videos)
+        return metrics
+
+    # ----- checkpoints -----
+    def save(self, step: int) -> Path:
+        rng = checkpoint.rng_state(self.actor.generator, self.engine.generator)
+        return checkpoint.save(self.run_dir, step, self.state, self.policy.model, self.actor.optimizer,
+                               self.actor.updates, rng, data_position(self.collector), self.cfg.run.keep_checkpoints)
+
+    def resume(self, path: str | Path) -> None:
+        payload = checkpoint.load(path)
+        self.policy.model.load_state_dict(payload["model"], strict=True)
+        self.actor.optimizer.load_state_dict(payload["optimizer"])
+        self.actor.updates = int(payload["actor_updates"])
+        checkpoint.restore_rng(payload["rng"], self.actor.generator, self.engine.generator)
+        restore_data_position(self.collector, payload["data"])
+        self.state = checkpoint.TrainState(step=int(payload["step"]) + 1, history=list(payload["history"]),
+                                           wandb_id=payload.get("wandb_id"))
+        self.first_step = self.state.step
+
+    # ----- the end -----
+    def finish(self) -> dict[str, Path]:
+        """Flush the trace, write the profile artifacts and the curve, close the wandb run."""
+        self.close()
+        written = write_profile(self.run_dir, self.prof, self.wandb, quiet=True) if self.prof.enabled else {}
+        c = self.cfg
+        title = f"GRPO on {c.env.env_type if c.env.env_type != 'libero' else c.env.suite}, {c.policy.name} policy"
+        curve = plot_success_curve(self.log.history, self.run_dir / CURVE_FILE, title=title,
+                                   eval_label=f"evaluation ({c.eval.sampling}, {c.eval.init_states} init states "
+                                              f"x {c.eval.repeats})")
+        if curve is not None:
+            written["success_rate"] = curve
+            self.wandb.log_images({"success_rate": curve})
+        wandb_dir = self.wandb.finish()
+        if wandb_dir is not None:
+            written["wandb"] = wandb_dir
+        return written
+
+    def abort(self) -> None:
+        """After an error: stop every process, keep the trace written so far, end the wandb run."""
+        self.close()
+        if getattr(self, "wandb", None) is not None:
+            self.wandb.finish(exit_code=1)
+
+    def close(self) -> None:
+        """Stop the envs' workers and the engine, flush the trace (idempotent)."""
+        for part in (self.evaluator, self.collector, self.engine):
+            if part is not None:
+                part.close()
+        self.evaluator = self.collector = self.engine = None
+        for lane in self.lanes:
+            lane.close()
+        self.timeline.close()
+        set_timeline(self._previous_timeline)

@@ -1,0 +1,111 @@
+"""The predict benchmark's own logic on CPU: gap metrics, the time budget, the bounded worker,
+picking the fastest LeRobot variant, the summary keys, and one tiny end-to-end configuration."""
+
+import sys
+import time
+
+import pytest
+import torch
+
+from experiments import bench_predict as bench_mod
+from experiments.bench_predict_common import Budget, BudgetExceeded, run_bounded, time_calls
+from experiments.bench_predict_lerobot import read_events
+from experiments.bench_predict_ours import gap_metrics
+
+
+def test_gap_metrics_hand_computed():
+    rollout = torch.tensor([0.0, 1.0, -2.0, 5.0])
+    recompute = torch.tensor([0.1, 0.7, -2.0, 5.25])  # diffs 0.1, -0.3, 0, 0.25
+    m = gap_metrics(recompute, rollout, clip=0.2)
+    assert m["mean_nats"] == pytest.approx((0.1 + 0.3 + 0.0 + 0.25) / 4)
+    assert m["max_nats"] == pytest.approx(0.3)
+    # ratios e^0.1 = 1.105 (in), e^-0.3 = 0.741 (out), 1 (in), e^0.25 = 1.284 (out)
+    assert m["clip_fraction"] == pytest.approx(0.5) and m["chunks"] == 4
+
+
+def test_time_calls_refuses_what_would_overrun_the_budget():
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.05)
+
+    with pytest.raises(BudgetExceeded, match="bench.time_budget_s=0.2"):
+        time_calls(slow, torch.device("cpu"), warmup=2, iters=10, budget=Budget(0.2), what="slow side")
+    assert len(calls) == 2, "only the warm-up ran: no timed call was started"
+    out = time_calls(lambda: 7, torch.device("cpu"), warmup=1, iters=3, budget=Budget(60))
+    assert out["output"] == 7 and len(out["ms_all"]) == 3
+
+
+def test_run_bounded_kills_the_process_group_at_the_deadline(tmp_path):
+    marker = tmp_path / "child_alive"
+    script = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+              f"'import time; time.sleep(3); open(r\"{marker}\", \"w\")']); time.sleep(30)")
+    out = run_bounded([sys.executable, "-c", script], timeout_s=1.0, log_path=str(tmp_path / "log"))
+    assert out["timed_out"] and out["returncode"] is None and out["wall_s"] < 10
+    time.sleep(3.5)
+    assert not marker.exists(), "the worker's children die with it"
+    done = run_bounded([sys.executable, "-c", "raise SystemExit(3)"], timeout_s=30)
+    assert done == {"returncode": 3, "timed_out": False, "wall_s": done["wall_s"]}
+
+
+def test_read_events_drops_a_line_cut_by_a_kill(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"event": "built"}\n{"event": "batch", "batch": 1}\n{"event": "bat')
+    assert [e["event"] for e in read_events(path)] == ["built", "batch"]
+    assert read_events(tmp_path / "missing.jsonl") == []
+
+
+def _side(ms, actions):
+    return {"ms": ms, "actions": actions, "stages": {}}
+
+
+def test_finalize_quotes_the_fastest_lerobot_variant():
+    a = torch.ones(2, 3, 4)
+    row = {"batch": 32, "sides": {
+        "ours": _side(100.0, a), "ours_fp8": _side(80.0, a * 1.01),
+        "lerobot_shipped": _side(500.0, a * 1.1), "lerobot_bf16": _side(400.0, a),
+        "lerobot_compiled_reduce-overhead": {"skipped": "timeout: killed after 90 s"},
+    }}
+    result = {"rows": [row], "lerobot": {}, "dtype": "bfloat16"}
+    bench_mod.finalize(result)
+    assert row["lerobot_best_variant"] == "lerobot_bf16" and row["lerobot_ms"] == 400.0
+    assert row["speedup"] == pytest.approx(4.0) and row["fp8_speedup"] == pytest.approx(5.0)
+    assert row["speedup_by_variant"] == pytest.approx({"lerobot_shipped": 5.0, "lerobot_bf16": 4.0})
+    assert row["parity_rel_l2"]["lerobot_bf16"] == 0.0
+    assert row["parity_rel_l2"]["lerobot_shipped"] == pytest.approx(0.1 / 1.1)
+    assert row["fp8_rel_l2"] == pytest.approx(0.01) and row["ours_samples_per_s"] == pytest.approx(320.0)
+    assert all("actions" not in s for s in row["sides"].values()), "tensors never reach the JSON"
+
+    summary = bench_mod.summarise({"phyai": result}, Budget(10))
+    assert summary["lerobot_variant_b32"] == "lerobot_bf16" and summary["speedup_b32"] == pytest.approx(4.0)
+    assert summary["parity_rel_l2"] == 0.0 and summary["fp8_b32_sps"] == pytest.approx(400.0)
+    assert summary["skipped_or_failed"] == 1
+
+
+def test_config_is_validated_and_full_sweep():
+    assert bench_mod.BenchPredictConfig(full_sweep=True).batch_sizes == [1, 2, 4, 8, 16, 32, 64]
+    with pytest.raises(ValueError, match="bench.precisions must contain 'bf16'"):
+        bench_mod.BenchPredictConfig(precisions=["fp8"])
+    with pytest.raises(ValueError, match="bench.lerobot_variants"):
+        bench_mod.BenchPredictConfig(lerobot_variants=["fp16"])
+
+
+def test_tiny_configuration_end_to_end():
+    """One LIBERO-shaped configuration of the tiny policy: both precisions, the gap, the summary."""
+    from policies.config import PolicyConfig
+
+    bench = bench_mod.BenchPredictConfig(configurations=["libero_rl"], batch_sizes=[2], warmup=1, iters=1,
+                                         lerobot=False, gap_batch=2, gap_calls=2, lerobot_compile_modes=[])
+    budget, device = Budget(600), torch.device("cpu")
+    ceilings = {"matmul_tflops": 1.0, "copy_tb_s": 0.01, "dtype": "float32", "source": "test"}
+    result, pending = bench_mod.bench_configuration("libero_rl", PolicyConfig.preset("tiny"), bench, device,
+                                                    ceilings, budget)
+    bench_mod.finalize(result)
+    row = result["rows"][0]
+    assert {"ours", "ours_fp8"} <= set(row["sides"]) and row["sides"]["ours_fp8"]["fp8_gemms"] > 0
+    assert 0 < row["fp8_rel_l2"] < 0.1 and result["parity_fast_vs_our_reference_rel_l2"] < 1e-5
+    summary = bench_mod.summarise({"libero_rl": result}, budget)
+    for key in ("libero_best_sps", "fp8_libero_best_sps", "fp8_rel_l2", "fp8_logprob_gap_mean", "fp8_clip_fraction"):
+        assert key in summary, key
+    assert summary["bf16_logprob_gap_max"] < 1e-4, "fp32 fast rollout vs fp32 plain recompute agree"

@@ -1,0 +1,91 @@
+"""The Hydra tree of experiments.grpo: presets compose and validate; bad overrides stop at start
+naming the key, before the run directory exists."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import OmegaConfBaseException
+
+import experiments.grpo  # noqa: F401  (registers the env and grpo schemas)
+from grpo.run_config import ExperimentConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF = str(ROOT / "conf")
+PRESETS = ["smoke", "libero10_pi05", "libero_spatial_pi05", "reach_tiny"]
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("grpo_main", overrides=list(overrides))
+
+
+def test_default_is_the_smoke_run_on_a_real_libero_task():
+    exp = ExperimentConfig.from_hydra(composed("run.dir=x"))
+    smoke = ExperimentConfig.from_hydra(composed("+experiment=smoke", "run.dir=x"))
+    assert exp.mode == "train" and exp.env.env_type == "libero" and exp.env.suite == "libero_10"
+    assert exp.policy.name == "tiny" and exp.policy.logprob_chunk == exp.env.chunk_size
+    assert exp.to_dict() == smoke.to_dict()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_composes_and_validates(preset):
+    exp = ExperimentConfig.from_hydra(composed(f"+experiment={preset}"))
+    assert exp.policy.logprob_chunk == exp.env.chunk_size
+
+
+def test_libero10_preset_has_rlinf_recipe_values():
+    exp = ExperimentConfig.from_hydra(composed("+experiment=libero10_pi05"))
+    g, e, p = exp.grpo, exp.env, exp.policy
+    assert (e.num_envs, e.group_size, e.chunk_size, e.max_episode_steps, e.num_settle_steps) == (64, 8, 10, 480, 15)
+    assert (p.name, p.chunk_size, p.sampling.num_steps, p.sampling.noise_level, p.train_expert_only) == \
+        ("pi05", 10, 4, 0.5, True)
+    assert (g.rollout_epochs, g.update_epochs, g.lr, g.global_batch, g.micro_batch) == (8, 4, 5e-6, 2048, 128)
+    clips = (g.clip_low, g.clip_high, g.dual_clip, g.kl_coef, g.filter_low, g.filter_high)
+    assert clips == (0.2, 0.2, 3.0, 0.0, 0.1, 0.9)
+    assert tuple(g.betas) == (0.9, 0.95) and g.weight_decay == 0.01 and g.grad_clip == 1.0
+    assert exp.collector.stages == 1
+
+
+@pytest.mark.parametrize("override,match", [
+    ("grpo.lrr=1", "grpo.lrr"),  # unknown key (Hydra, struct mode)
+    ("grpo.lr=fast", "grpo.lr"),  # wrong type (the grpo schema)
+    ("env.num_envs=many", "env.num_envs"),
+])
+def test_hydra_rejects_unknown_keys_and_wrong_types(override, match):
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)) as info:
+        composed(override)
+    text = str(info.value) + str(info.value.__cause__)
+    assert match in text
+
+
+@pytest.mark.parametrize("override,match", [
+    ("env.group_size=3", "env.num_envs must be a multiple of env.group_size"),
+    ("grpo.micro_batch=0", "grpo.micro_batch"),
+    ("grpo.clip_low=1.5", "grpo.clip_low"),
+    ("rollout.collector.stages=3", "rollout.collector.stages"),
+    ("grpo.global_batch=50", "grpo.global_batch"),
+    ("+policy.foo=1", "policy.foo"),
+    ("+run.nope=1", "run.nope"),
+    ("mode=serve", "mode"),
+    ("policy.sampling.logprob_chunk=3", "env.chunk_size"),
+])
+def test_impossible_values_name_the_key(override, match):
+    with pytest.raises(ValueError, match=match.replace(".", r"\.")):
+        ExperimentConfig.from_hydra(composed(override))
+
+
+def test_bad_override_on_the_command_line_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "experiments.grpo", "env.group_size=3", f"run.dir={run_dir}",
+                           f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert proc.returncode != 0
+    assert "env.group_size" in proc.stderr and "config error" in proc.stderr
+    assert not run_dir.exists()

@@ -1,0 +1,26 @@
+"""experiments.logprob_gap on CPU (tiny policy): the JSON has the keys the GPU run reports, and
+an fp32 engine against the fp32 trainer recompute shows no gap."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cpu_smoke_writes_the_gap_json(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "experiments.logprob_gap", "--batch", "4", "--calls", "2",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = list(tmp_path.glob("grpo_logprob_gap_*.json"))
+    assert len(files) == 1
+    summary = json.loads(files[0].read_text())["summary"]
+    for key in ("gap_mean_nats", "gap_max_nats", "clip_frac_lr0"):
+        assert key in summary and key in summary["recompute"]["fp32"]
+    assert summary["rows"] == 8 and summary["engine_fast_path"] is False
+    assert summary["recompute"]["fp32"]["gap_max_nats"] < 1e-3  # same numerics on both sides
+    assert summary["recompute"]["fp32"]["clip_frac_lr0"] == 0.0
+    assert proc.stdout.strip().splitlines()[-1].startswith("RESULT ")
