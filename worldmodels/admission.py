@@ -1,0 +1,195 @@
+"""Virtual ranks, the measured tick-time model and admission control. Plain Python.
+
+A placement is one or more rings; a ring is a sequence of stages (block ranges covering the
+whole model) on devices. Each stage is a virtual rank: several may share a device (several
+rings on a box, or many stages on one GPU / CPU for testing). A stream is placed on one ring
+when it opens: its K/V pages are reserved on every stage of that ring and it never moves.
+
+Admission: a stream is admitted only when all its stages fit, i.e. every stage of some ring
+has the pages it needs, the ring's stage batches stay within `max_batch`, and the predicted
+output interval of every stream (the new one included) stays within its SLO. The prediction
+uses per-stage tick models t_r(n) = a_r + b_r n fitted on measured ticks, in the lockstep
+execution the server uses: a tick lasts as long as the busiest device (the sum of its stages'
+times); a closed-loop stream (one chunk in flight: the policy needs chunk n's frames to act on
+chunk n+1) needs passes x stages ticks per chunk; S streams spread over the phases of a ring of
+R stages put ceil(S / R) items on each stage per tick (exact for one stage), so
+
+    interval = passes * R * max_device sum_{r on device} t_r(ceil(S_ring(r) / R_ring(r))).
+
+Refusals say which ring and stage failed and by how much.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from worldmodels.kvpool import PageAllocator
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    device: str
+    blocks: tuple[int, int]  # [start, end)
+
+
+@dataclass(frozen=True)
+class VirtualRank:
+    rank: int
+    ring: int
+    stage: int
+    device: str
+    blocks: tuple[int, int]
+
+    @property
+    def label(self) -> str:
+        first, last = self.blocks[0], self.blocks[1] - 1
+        return f"ring {self.ring} stage {self.stage} (rank {self.rank} on {self.device}, blocks {first}-{last})"
+
+
+class Placement:
+    def __init__(self, rings: list[list[StageSpec]], num_blocks: int):
+        if not rings or any(not ring for ring in rings):
+            raise ValueError("a placement needs at least one ring of at least one stage")
+        self.ranks: list[VirtualRank] = []
+        for g, ring in enumerate(rings):
+            cursor = 0
+            for s, spec in enumerate(ring):
+                start, end = spec.blocks
+                if start != cursor or end <= start:
+                    raise ValueError(
+                        f"ring {g} stage {s}: blocks {spec.blocks} must start at {cursor} and be non-empty "
+                        f"(stages cover blocks 0..{num_blocks - 1} in order)"
+                    )
+                self.ranks.append(VirtualRank(len(self.ranks), g, s, spec.device, (start, end)))
+                cursor = end
+            if cursor != num_blocks:
+                raise ValueError(f"ring {g} covers blocks 0..{cursor - 1}, the model has {num_blocks}")
+        self.ring_sizes = [len(ring) for ring in rings]
+
+    def rank_of(self, ring: int, stage: int) -> VirtualRank:
+        return next(r for r in self.ranks if r.ring == ring and r.stage == stage)
+
+    def ring_ranks(self, ring: int) -> list[VirtualRank]:
+        return [r for r in self.ranks if r.ring == ring]
+
+    @property
+    def devices(self) -> list[str]:
+        return sorted({r.device for r in self.ranks})
+
+
+class TickTimeModel:
+    """Seconds one stage needs for a batch of n items: a + b n, least squares on measurements
+    (the prior until two distinct batch sizes were measured)."""
+
+    def __init__(self, prior_a: float = 0.0, prior_b: float = 0.0):
+        self.a, self.b = float(prior_a), float(prior_b)
+        self._samples: dict[int, list[float]] = defaultdict(list)
+
+    def observe(self, n: int, seconds: float) -> None:
+        if n > 0:
+            self._samples[n].append(float(seconds))
+            self._fit()
+
+    def _fit(self) -> None:
+        # per batch size the median (robust to a slow first tick), then a line through them
+        points = [(n, sorted(v)[len(v) // 2]) for n, v in self._samples.items()]
+        if len(points) < 2:
+            n, t = points[0]
+            if self.a + self.b * n > 0:  # scale the prior's shape to the measurement
+                scale = t / (self.a + self.b * n)
+                self.a, self.b = self.a * scale, self.b * scale
+            else:
+                self.a, self.b = 0.0, t / n
+            return
+        mean_n = sum(n for n, _ in points) / len(points)
+        mean_t = sum(t for _, t in points) / len(points)
+        var = sum((n - mean_n) ** 2 for n, _ in points)
+        b = sum((n - mean_n) * (t - mean_t) for n, t in points) / var
+        b = max(b, 0.0)
+        self.a, self.b = max(mean_t - b * mean_n, 0.0), b
+
+    def predict(self, n: int) -> float:
+        return self.a + self.b * n if n > 0 else 0.0
+
+
+@dataclass
+class Decision:
+    admitted: bool
+    ring: int | None = None
+    pages: dict[int, list[int]] = field(default_factory=dict)  # rank -> reserved page ids
+    reason: str = ""
+
+
+class AdmissionController:
+    def __init__(self, placement: Placement, allocators: dict[int, PageAllocator], pages_per_stream: int,
+                 tick_models: dict[int, TickTimeModel], passes: int, max_batch: int):
+        self.placement = placement
+        self.allocators = allocators
+        self.pages_per_stream = pages_per_stream
+        self.tick_models = tick_models
+        self.passes = passes
+        self.max_batch = max_batch
+        self.members: dict[int, tuple[int, float | None]] = {}  # stream -> (ring, slo seconds)
+
+    def ring_load(self, ring: int) -> int:
+        return sum(1 for g, _ in self.members.values() if g == ring)
+
+    def predicted_tick(self, loads: dict[int, int]) -> float:
+        """Lockstep tick: the busiest device's summed stage times. A ring of R stages with S
+        streams spread over its phases gives each stage ceil(S / R) items per tick."""
+        per_device: dict[str, float] = defaultdict(float)
+        for r in self.placement.ranks:
+            size = self.placement.ring_sizes[r.ring]
+            items = -(-loads.get(r.ring, 0) // size)
+            per_device[r.device] += self.tick_models[r.rank].predict(min(items, self.max_batch))
+        return max(per_device.values(), default=0.0)
+
+    def predicted_interval(self, ring: int, loads: dict[int, int] | None = None) -> float:
+        loads = loads if loads is not None else {g: self.ring_load(g) for g in range(len(self.placement.ring_sizes))}
+        return self.passes * self.placement.ring_sizes[ring] * self.predicted_tick(loads)
+
+    def try_admit(self, stream: int, slo_s: float | None = None) -> Decision:
+        if stream in self.members:
+            raise ValueError(f"stream {stream} is already admitted")
+        reasons, options = [], []
+        base = {g: self.ring_load(g) for g in range(len(self.placement.ring_sizes))}
+        for ring in range(len(self.placement.ring_sizes)):
+            why = self._check_ring(ring, slo_s, base)
+            if why:
+                reasons.append(f"ring {ring}: {why}")
+            else:
+                loads = {**base, ring: base[ring] + 1}
+                options.append((base[ring], self.predicted_interval(ring, loads), ring))
+        if not options:
+            return Decision(False, reason=f"stream {stream} refused: " + "; ".join(reasons))
+        ring = min(options)[2]
+        pages = {r.rank: self.allocators[r.rank].allocate(self.pages_per_stream)
+                 for r in self.placement.ring_ranks(ring)}
+        self.members[stream] = (ring, slo_s)
+        return Decision(True, ring, pages)
+
+    def release(self, stream: int, pages: dict[int, list[int]]) -> None:
+        self.members.pop(stream, None)
+        for rank, ids in pages.items():
+            self.allocators[rank].free(ids)
+
+    def _check_ring(self, ring: int, slo_s: float | None, base: dict[int, int]) -> str:
+        for r in self.placement.ring_ranks(ring):
+            free = self.allocators[r.rank].free_count
+            if free < self.pages_per_stream:
+                return f"{r.label} has {free} free KV pages, the stream needs {self.pages_per_stream}"
+        if base[ring] + 1 > self.max_batch:
+            return f"already serves {base[ring]} streams = max_batch ({self.max_batch})"
+        loads = {**base, ring: base[ring] + 1}
+        tick = self.predicted_tick(loads)
+        for other, (g, slo) in [(None, (ring, slo_s)), *self.members.items()]:
+            if slo is None:
+                continue
+            interval = self.passes * self.placement.ring_sizes[g] * tick
+            if interval > slo:
+                who = "the new stream" if other is None else f"stream {other}"
+                return (f"predicted output interval {interval * 1e3:.1f} ms > SLO {slo * 1e3:.1f} ms for {who} "
+                        f"(tick {tick * 1e3:.2f} ms x {self.passes} passes x {self.placement.ring_sizes[g]} stages, "
+                        f"{loads[ring]} streams on the ring)")
+        return ""

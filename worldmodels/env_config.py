@@ -1,0 +1,150 @@
+"""Typed configuration of the world-model vector env (envs/worldmodel_env.py).
+
+The top-level keys are EnvConfig's (envs/config.py) with the same meaning, so the collector and
+GRPO can treat both alike; everything specific to the world model sits under `worldmodel`:
+
+    env_type: worldmodel
+    num_envs: 8
+    group_size: 4
+    image_size: 32            # per camera; the model's frame tiles the cameras side by side
+    cameras: [agentview, wrist]
+    chunk_size: 10            # <= the model's frames_per_chunk x actions_per_frame (12)
+    max_episode_steps: 40
+    worldmodel:
+      model: {preset: tiny}   # WorldModelConfig (height/width follow image_size and cameras)
+      serve: {}               # ServeConfig (rings default to [[device]], max_streams to num_envs)
+      device: cpu
+      num_tasks: 4            # context tables (one learned context per task) and prompts
+      num_init_states: 8
+      init_frames: null       # .npz with "<camera>_image" (tasks, inits, S, S, 3) uint8 (optionally
+                              # "state" (tasks, inits, 8), "prompts" (tasks,)); null: synthetic frames
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.config import check_choice, check_nonnegative_int, check_positive_int, reject_unknown_keys, to_container
+from worldmodels.config import WorldModelConfig
+from worldmodels.serve_config import ServeConfig
+
+RENDER_EVERY = ("chunk_end", "substep")
+
+
+@dataclass
+class WorldModelSettings:
+    model: dict[str, Any] = field(default_factory=lambda: {"preset": "tiny"})
+    serve: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    num_tasks: int = 4
+    num_init_states: int = 8
+    init_frames: str | None = None
+
+
+@dataclass
+class WorldModelEnvConfig:
+    env_type: str = "worldmodel"
+    suite: str = "worldmodel"  # kept for EnvConfig-shaped code; names nothing here
+    task_ids: list[int] | None = None
+    num_envs: int = 4
+    group_size: int = 1
+    num_workers: int = 1  # EnvConfig's key; the world model runs in this process
+    image_size: int = 32
+    cameras: list[str] = field(default_factory=lambda: ["agentview", "wrist"])
+    render_every: str = "chunk_end"
+    chunk_size: int = 10
+    max_episode_steps: int | None = 40
+    seed: int = 0
+    show_progress: bool = False
+    worldmodel: WorldModelSettings = field(default_factory=WorldModelSettings)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.worldmodel, Mapping):
+            self.worldmodel = WorldModelSettings(
+                **reject_unknown_keys(WorldModelSettings, self.worldmodel, "env.worldmodel", "world-model env config"))
+        check_choice("env.env_type", self.env_type, ("worldmodel",))
+        check_choice("env.render_every", self.render_every, RENDER_EVERY)
+        for key in ("num_envs", "group_size", "image_size", "chunk_size", "num_workers"):
+            check_positive_int(f"env.{key}", getattr(self, key))
+        check_nonnegative_int("env.seed", self.seed)
+        if self.max_episode_steps is None:
+            self.max_episode_steps = 40
+        check_positive_int("env.max_episode_steps", self.max_episode_steps)
+        for key in ("num_tasks", "num_init_states"):
+            check_positive_int(f"env.worldmodel.{key}", getattr(self.worldmodel, key))
+        if self.num_envs % self.group_size:
+            raise ValueError(
+                f"env.num_envs must be a multiple of env.group_size ({self.group_size}), got {self.num_envs}")
+        self.cameras = list(self.cameras)
+        if not self.cameras or len(set(self.cameras)) != len(self.cameras):
+            raise ValueError(f"env.cameras must be distinct camera names, got {self.cameras}")
+        if self.task_ids is not None:
+            self.task_ids = [int(t) for t in self.task_ids]
+            if len(self.task_ids) not in {1, self.num_envs, self.num_groups}:
+                raise ValueError(f"env.task_ids must have 1, num_groups ({self.num_groups}) or num_envs "
+                                 f"({self.num_envs}) entries, got {len(self.task_ids)}")
+        model = self.model_config()  # validates the model keys now, with their names
+        if self.chunk_size > model.chunk_actions:
+            raise ValueError(f"env.chunk_size ({self.chunk_size}) exceeds what one world-model chunk covers "
+                             f"({model.chunk_actions} = frames_per_chunk x dit.actions_per_frame)")
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_envs // self.group_size
+
+    @property
+    def episode_steps(self) -> int:
+        return int(self.max_episode_steps)
+
+    def model_config(self) -> WorldModelConfig:
+        """The world model: the frame is the cameras side by side; one context per task."""
+        overrides = dict(self.worldmodel.model)
+        overrides.setdefault("height", self.image_size)
+        overrides.setdefault("width", self.image_size * len(self.cameras))
+        dit = dict(overrides.pop("dit", {}) or {})
+        dit.setdefault("num_contexts", self.worldmodel.num_tasks)
+        return WorldModelConfig.from_mapping(overrides, dit=dit)
+
+    def serve_config(self) -> ServeConfig:
+        data = dict(self.worldmodel.serve)
+        data.setdefault("rings", [[self.worldmodel.device]])
+        data.setdefault("max_streams", self.num_envs)
+        return ServeConfig.from_mapping(data)
+
+    def env_task_ids(self) -> list[int]:
+        tasks = self.worldmodel.num_tasks
+        if self.task_ids is None:
+            per_group = [g % tasks for g in range(self.num_groups)]
+        elif len(self.task_ids) == 1:
+            per_group = self.task_ids * self.num_groups
+        elif len(self.task_ids) == self.num_groups:
+            per_group = list(self.task_ids)
+        else:
+            per_group = None
+        ids = [t for t in per_group for _ in range(self.group_size)] if per_group is not None else list(self.task_ids)
+        for index, task in enumerate(ids):
+            if not 0 <= task < tasks:
+                raise ValueError(f"env.task_ids: env {index} has task {task}, but the world model has "
+                                 f"{tasks} tasks (env.worldmodel.num_tasks)")
+        return ids
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any] | Any | None = None, **overrides: Any) -> WorldModelEnvConfig:
+        """From a dict, an OmegaConf node or an EnvConfig-like object (its fields, `worldmodel` a mapping)."""
+        if mapping is not None and dataclasses.is_dataclass(mapping):
+            mapping = dataclasses.asdict(mapping)
+        data = dict(to_container(mapping) if mapping is not None else {})
+        data.update(overrides)
+        data = {k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(cls)} or k not in _ENV_ONLY}
+        return cls(**reject_unknown_keys(cls, data, "env", "world-model env config"))
+
+
+# EnvConfig keys that mean nothing for the world model (dropped when building from an EnvConfig)
+_ENV_ONLY = {"num_settle_steps", "render_backend", "step_mode", "restart_on_crash", "worker_timeout_s",
+             "create_timeout_s", "start_method"}
