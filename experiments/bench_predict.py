@@ -1,257 +1,343 @@
-"""Predict benchmark: our fast path vs LeRobot 0.6.1's PI05 on the same weights, inputs and noise.
+"""Predict benchmark: our fast path (bf16 and FP8) vs LeRobot 0.6.1's PI05 in every variant, one run.
 
-    python -m experiments.bench_predict                      # GPU: pi05, both configurations
-    python -m experiments.bench_predict policy=tiny          # CPU smoke run (fp32, eager)
+    python -m experiments.bench_predict                      # GPU: pi05, both configurations, B = 1, 32, 64
+    python -m experiments.bench_predict bench.full_sweep=true   # B = 1, 2, 4, ..., 64
+    python -m experiments.bench_predict policy=tiny bench.batch_sizes=[1,4] bench.gap_batch=4   # CPU smoke (fp32)
 
 For each configuration (PhyAI's: 3 cameras, 200-token prompt, chunk 50, 10 steps; LIBERO RL:
-2 cameras, trimmed prompt, chunk 10, 4 steps): build LeRobot's PI05Pytorch with random
-weights (AdaRMS modulation randomised too, so the time conditioning is exercised), write it as
-a LeRobot safetensors checkpoint, load that into our model through our loader, then per batch
-size time both (CUDA-event medians after warm-up), record peak memory, our stage breakdown
-(vision / prefix / expert, each a CUDA graph) against analytic FLOPs and the measured compute
-and bandwidth ceilings, and the action difference for the same noise (parity).
+2 cameras, 48-token prompt, chunk 10, 4 steps): LeRobot's PI05Pytorch with random weights
+(AdaRMS randomised so the time conditioning matters), our model loaded from its state dict
+through our LeRobot loader, then per batch size every side on the same inputs and noise:
+- ours: the fast path in bf16 ("ours") and with FP8 vision/prefix GEMMs ("ours_fp8");
+- LeRobot "shipped" (its bf16 mode: SigLIP fp32), "bf16" (every weight bf16) and, after all
+  configurations, "compiled_<mode>" (its compile_model option, in a worker process killed at a
+  deadline: experiments/bench_predict_lerobot.py).
+Every side gets the same warm-up and timed iterations (CUDA-event medians); speed-ups are quoted
+against the fastest LeRobot variant at that batch size; memory is each side's weights plus
+everything its measurement added (peak allocated, peak reserved, resident incl. CUDA graph
+pools); actions are compared for the same noise (parity; FP8 vs bf16). At `bench.gap_batch` the
+FP8 and bf16 rollouts' log-prob gap to the trainer's plain-path recompute is measured.
+`bench.time_budget_s` bounds the run: a measurement that would overrun it is skipped and recorded.
 """
 
 from __future__ import annotations
 
-import gc
-import statistics
-import tempfile
-import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from experiments import bench_predict_common as common
+from experiments import bench_predict_lerobot as lerobot_side
+from experiments import bench_predict_ours as ours_side
+from experiments.bench_predict_common import timed_ms  # noqa: F401 - scripts/gpu_smoke.py imports it from here
+from experiments.bench_predict_lerobot import build_lerobot  # noqa: F401 - so does bench_rollout_baseline
+from experiments.bench_predict_ours import footprint, roofline_ceilings
 from experiments.results import write_result
-from policies import flops
 from policies.config import PolicyConfig
-from policies.fast.config import FastConfig
-from policies.fast.runner import STAGES, FastSampler
-from policies.lerobot_bridge import build_lerobot_core, lerobot_config, lerobot_inputs, relative_l2
-from policies.observation import ModelInputs
-from policies.policy import build_policy
+from policies.fast.fp8 import FP8
+from policies.lerobot_bridge import relative_l2
 from profiler.ceilings import measure_ceilings as profiler_ceilings
 from profiler.export_png import plot_stage_roofline
-from profiler.roofline import Ceilings, StageMeasurement, stage_roofline
+from profiler.roofline import StageMeasurement, stage_roofline
 
-CAMERAS = ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"]
-CONFIGURATIONS = {
-    "phyai": {"cameras": 3, "prompt_len": 200, "chunk_size": 50, "num_steps": 10},
-    "libero_rl": {"cameras": 2, "prompt_len": 48, "chunk_size": 10, "num_steps": 4},
-}
+FULL_SWEEP = [1, 2, 4, 8, 16, 32, 64]
+MIN_COMPILE_S = 30.0  # a compile attempt with less time than this is skipped (recorded), not started
 
 
 @dataclass
 class BenchPredictConfig:
-    configurations: List[str] = field(default_factory=lambda: ["phyai", "libero_rl"])
-    batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    warmup: int = 3
-    iters: int = 20
+    configurations: list[str] = field(default_factory=lambda: ["phyai", "libero_rl"])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 32, 64])
+    full_sweep: bool = False  # batch sizes 1, 2, 4, ..., 64 instead of batch_sizes
+    warmup: int = 2
+    iters: int = 5
+    precisions: list[str] = field(default_factory=lambda: ["bf16", "fp8"])
     lerobot: bool = True
-    lerobot_iters: int = 5
-    parity_batch: int = 4
+    lerobot_variants: list[str] = field(default_factory=lambda: list(lerobot_side.EAGER_VARIANTS))
+    lerobot_compile_modes: list[str] = field(default_factory=lambda: ["reduce-overhead"])
+    lerobot_compile_precision: str = "bf16"
+    lerobot_compile_budget_s: float = 180.0
+    time_budget_s: float = 420.0
+    gap_batch: int = 32
+    gap_calls: int = 4
+    clip: float = 0.2
     attention: str = "auto"
     device: str = "auto"
-    out_dir: Optional[str] = None
+    out_dir: str | None = None  # None: experiments.results decides (runs/bench_predict/)
+    commit: bool = False  # write the JSON to benchmarks/results/ (a result to commit)
 
     def __post_init__(self):
-        unknown = [c for c in self.configurations if c not in CONFIGURATIONS]
+        if self.full_sweep:
+            self.batch_sizes = list(FULL_SWEEP)
+        unknown = [c for c in self.configurations if c not in common.CONFIGURATIONS]
         if unknown:
-            raise ValueError(f"bench.configurations has unknown {unknown}; choose from {list(CONFIGURATIONS)}")
+            raise ValueError(f"bench.configurations has unknown {unknown}; choose from {list(common.CONFIGURATIONS)}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"bench.batch_sizes must be positive, got {self.batch_sizes}")
-
-
-# --------------------------------------------------------------------------- timing
-
-
-def timed_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    """Median wall time of fn: CUDA events on GPU, perf_counter on CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        if self.warmup < 1 or self.iters < 1:
+            raise ValueError(f"bench.warmup and bench.iters must be >= 1, got {self.warmup}, {self.iters}")
+        if "bf16" not in self.precisions or not set(self.precisions) <= {"bf16", "fp8"}:
+            raise ValueError(f"bench.precisions must contain 'bf16' (the baseline) and only 'bf16'/'fp8', "
+                             f"got {self.precisions}")
+        if not set(self.lerobot_variants) <= set(lerobot_side.EAGER_VARIANTS):
+            raise ValueError(f"bench.lerobot_variants must be among {lerobot_side.EAGER_VARIANTS}, "
+                             f"got {self.lerobot_variants}")
+        if self.lerobot_compile_precision not in ("shipped", "bf16"):
+            raise ValueError(f"bench.lerobot_compile_precision must be 'shipped' or 'bf16', "
+                             f"got {self.lerobot_compile_precision!r}")
+        if self.time_budget_s <= 0 or self.lerobot_compile_budget_s <= 0:
+            raise ValueError(f"bench.time_budget_s and bench.lerobot_compile_budget_s must be > 0, got "
+                             f"{self.time_budget_s}, {self.lerobot_compile_budget_s}")
+        if not 0 < self.clip < 1:
+            raise ValueError(f"bench.clip must be in (0, 1), got {self.clip}")
 
 
 def measure_ceilings(device: torch.device) -> dict:
-    """Dense GEMM rate (bf16 on GPU) and device copy bandwidth (bytes read + written), measured now."""
+    """Dense GEMM rate (bf16 on GPU; FP8 too) and device copy bandwidth (bytes read + written), measured now."""
     cuda = device.type == "cuda"
     dtype = "bfloat16" if cuda else "float32"
     measured = profiler_ceilings(str(device), dtype=dtype, matmul_n=8192 if cuda else 1024,
                                  copy_mb=4096 if cuda else 256, repeats=10)
-    return {"matmul_tflops": measured.peak_flops / 1e12, "copy_tb_s": measured.peak_bytes_per_s / 1e12,
-            "dtype": dtype, "source": measured.source}
+    out = {"matmul_tflops": measured.peak_flops / 1e12, "copy_tb_s": measured.peak_bytes_per_s / 1e12,
+           "dtype": dtype, "source": measured.source}
+    if cuda:
+        out["fp8_matmul_tflops"] = fp8_matmul_tflops(device)
+    return out
 
 
-def peak_mib(fn: Callable[[], object], device: torch.device) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-
-
-# --------------------------------------------------------------------------- models and inputs
-
-
-def configuration_policy_cfg(base: PolicyConfig, spec: dict, dtype: str) -> PolicyConfig:
-    return base.replace(
-        cameras=CAMERAS[: spec["cameras"]], chunk_size=spec["chunk_size"], dtype=dtype,
-        max_token_len=max(base.max_token_len, spec["prompt_len"]),
-        sampling={"num_steps": spec["num_steps"]},
-    )
-
-
-def make_inputs(cfg: PolicyConfig, batch: int, prompt_len: int, device: torch.device, seed: int) -> tuple[ModelInputs, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    cams, res = len(cfg.cameras), cfg.vision.image_size
-    inputs = ModelInputs(
-        images=(torch.rand(batch, cams, 3, res, res, generator=g) * 2 - 1).to(device),
-        image_masks=torch.ones(batch, cams, dtype=torch.bool, device=device),
-        tokens=torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=g).to(device),
-        token_mask=torch.ones(batch, prompt_len, dtype=torch.bool, device=device),
-    )
-    noise = torch.randn(batch, cfg.chunk_size, cfg.max_action_dim, generator=g).to(device)
-    return inputs, noise
-
-
-def build_lerobot(cfg: PolicyConfig, device: torch.device, seed: int):
-    """LeRobot's PI05Pytorch in its bf16 mode with random weights, or None where it is missing."""
+def fp8_matmul_tflops(device: torch.device, n: int = 8192) -> float | str:
+    """Best of 10 row-wise-scaled e4m3 GEMMs (torch._scaled_mm, bf16 out), or the error it raised."""
     try:
-        from lerobot.policies.pi05 import modeling_pi05 as modeling
-    except Exception as exc:  # noqa: BLE001 - LeRobot 0.6.1 needs Python >= 3.12; recorded, skipped
-        print(f"LeRobot pi05 not importable here ({type(exc).__name__}: {exc}); timing ours only")
-        return None
-    torch.manual_seed(seed)
-    try:
-        from lerobot.policies.pi05.configuration_pi05 import PI05Config
-
-        lr_cfg = PI05Config(**{k: v for k, v in vars(lerobot_config(cfg)).items() if k != "rtc_config"})
-    except Exception:  # noqa: BLE001 - the stub path has no PI05Config: its namespace suffices
-        lr_cfg = lerobot_config(cfg)
-    with torch.device(device):  # random init on the device: minutes faster than on the host
-        core = build_lerobot_core(modeling, cfg, lr_cfg)
-    core.to(device).eval()
-    with torch.no_grad():
-        for name, p in core.named_parameters():
-            if ".dense." in name:  # LeRobot zero-inits AdaRMS; randomise so time conditioning matters
-                if p.dim() == 2:
-                    p.normal_(0.0, 0.02)
-                else:
-                    p.zero_()
-                    p[2 * p.numel() // 3:] = 1.0  # gate bias 1: residual branches stay open
-    return core
-
-
-def load_ours_from_lerobot(core, cfg: PolicyConfig, device: torch.device):
-    """Write LeRobot's weights as a LeRobot-format safetensors file and load it with our loader."""
-    from safetensors.torch import save_file
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "model.safetensors"
-        state = {"model." + k: v.detach().contiguous() for k, v in core.state_dict().items()}
-        save_file(state, str(path))
-        del state
-        return build_policy(cfg.replace(checkpoint=str(path), checkpoint_format="lerobot"), device=device)
+        a, b = (torch.randn(n, n, device=device).to(FP8) for _ in range(2))
+        sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+        ms = min(timed_ms(lambda: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16), device, 3, 1)
+                 for _ in range(10))
+        return 2.0 * n**3 / (ms / 1e3) / 1e12
+    except Exception as exc:  # noqa: BLE001 - recorded: the FP8 side then fails the same way
+        return f"{type(exc).__name__}: {exc}"[:300]
 
 
 # --------------------------------------------------------------------------- one configuration
 
 
-def bench_configuration(name: str, base: PolicyConfig, bench: BenchPredictConfig, device: torch.device, ceilings: dict) -> dict:
-    spec = CONFIGURATIONS[name]
+def build_lerobot_variants(cfg: PolicyConfig, bench: BenchPredictConfig, device: torch.device, result: dict):
+    """{variant: (core, weights MiB)} for the eager variants, and the shipped core (ours loads its weights)."""
+    info = result["lerobot"]
+    if not bench.lerobot:
+        info["status"] = "disabled (bench.lerobot=false)"
+        return {}, None
+    mark = common.memory_mark(device)
+    core = lerobot_side.build_lerobot(cfg, device, seed=1)
+    if core is None:
+        info["status"] = "not importable here (LeRobot 0.6.1 needs Python >= 3.12 and its wheels)"
+        return {}, None
+    built = common.memory_since(mark, device)
+    info["status"], info["checksum"] = "ok", lerobot_side.weights_checksum(core)
+    variants = {"lerobot_shipped": (core, built["resident_mib"] if built else lerobot_side.param_mib(core))}
+    result["weights_mib"]["lerobot_shipped"] = lerobot_side.param_mib(core)
+    return variants, core
+
+
+def add_bf16_variant(variants: dict, core, cfg: PolicyConfig, bench: BenchPredictConfig, device, result) -> None:
+    if "bf16" not in bench.lerobot_variants or core is None:
+        return
+    if cfg.dtype != "bfloat16":
+        result["lerobot"]["lerobot_bf16"] = f"skipped: the run is {cfg.dtype} (LeRobot already runs every weight so)"
+        return
+    mark = common.memory_mark(device)
+    clone = lerobot_side.bf16_copy(core)
+    built = common.memory_since(mark, device)
+    variants["lerobot_bf16"] = (clone, built["resident_mib"] if built else lerobot_side.param_mib(clone))
+    result["weights_mib"]["lerobot_bf16"] = lerobot_side.param_mib(clone)
+
+
+def bench_configuration(name: str, base: PolicyConfig, bench: BenchPredictConfig, device: torch.device,
+                        ceilings: dict, budget: common.Budget) -> tuple[dict, dict]:
+    spec = common.CONFIGURATIONS[name]
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    cfg = configuration_policy_cfg(base, spec, dtype)
-    core = build_lerobot(cfg, device, seed=1) if bench.lerobot else None
-    policy = load_ours_from_lerobot(core, cfg, device) if core is not None else build_policy(cfg, device=device)
-    fast = FastSampler(policy.model, FastConfig(enabled=True, dtype=dtype, attention=bench.attention,
-                                                 batch_buckets=sorted(set(bench.batch_sizes))))
-    steps, prompt_len = cfg.sampling.num_steps, spec["prompt_len"]
-    result = {"spec": spec, "policy": cfg.to_dict(), "rows": [], "lerobot_available": core is not None}
-
-    parity_inputs, parity_noise = make_inputs(cfg, bench.parity_batch, prompt_len, device, seed=123)
-    stoch = torch.zeros(bench.parity_batch, steps, dtype=torch.bool, device=device)
-    ours_actions = fast.sample_chains(parity_inputs, parity_noise, None, stoch)[0][:, -1]
-    ref = policy.sample(parity_inputs, mode="ode", noise=parity_noise)
-    result["parity_fast_vs_our_reference_rel_l2"] = relative_l2(ours_actions, ref.model_actions)
-    if core is not None:
-        with torch.no_grad():
-            theirs = core.sample_actions(*lerobot_inputs(parity_inputs), noise=parity_noise, num_steps=steps).float()
-        result["parity_rel_l2"] = relative_l2(ours_actions, theirs)
-        result["parity_rel_l2_action_dims"] = relative_l2(ours_actions[..., : cfg.action_dim], theirs[..., : cfg.action_dim])
-        result["parity_our_reference_vs_lerobot_rel_l2"] = relative_l2(ref.model_actions, theirs)
-
+    cfg = common.configuration_policy_cfg(base, spec, dtype)
+    result = {"spec": spec, "policy": cfg.to_dict(), "dtype": dtype, "rows": [], "lerobot": {}, "weights_mib": {}}
+    variants, core = build_lerobot_variants(cfg, bench, device, result)
+    mark = common.memory_mark(device)
+    policy = ours_side.ours_policy(core, cfg, device)
+    built = common.memory_since(mark, device)
+    ours_weights = built["resident_mib"] if built else lerobot_side.param_mib(policy.model)
+    result["weights_mib"]["ours"] = lerobot_side.param_mib(policy.model)
+    add_bf16_variant(variants, core, cfg, bench, device, result)
+    if "shipped" not in bench.lerobot_variants:
+        variants.pop("lerobot_shipped", None)
+    sides = {"ours": ours_weights, "ours_fp8": ours_weights, **{v: w for v, (_, w) in variants.items()}}
     for batch in tqdm(bench.batch_sizes, desc=f"{name} batch sizes"):
-        inputs, noise = make_inputs(cfg, batch, prompt_len, device, seed=batch)
-        stoch = torch.zeros(batch, steps, dtype=torch.bool, device=device)
-        run_ours = lambda: fast.sample_chains(inputs, noise, None, stoch)  # noqa: E731
-        row = {"batch": batch, "ours_ms": timed_ms(run_ours, device, bench.warmup, bench.iters)}
-        row["ours_peak_mib"] = peak_mib(run_ours, device)
-        row["stages"] = stage_breakdown(fast, cfg, inputs, noise, stoch, prompt_len, device, bench, ceilings)
-        if core is not None:
-            args = lerobot_inputs(inputs)
-            run_theirs = lambda: core.sample_actions(*args, noise=noise, num_steps=steps)  # noqa: E731
-            with torch.no_grad():
-                row["lerobot_ms"] = timed_ms(run_theirs, device, 2, bench.lerobot_iters)
-                row["lerobot_peak_mib"] = peak_mib(run_theirs, device)
-            row["speedup"] = row["lerobot_ms"] / row["ours_ms"]
-        for side in ("ours", "lerobot"):
-            if f"{side}_ms" in row:
-                row[f"{side}_samples_per_s"] = batch / row[f"{side}_ms"] * 1e3
-                row[f"{side}_amortised_ms"] = row[f"{side}_ms"] / batch
+        row = {"batch": batch, "sides": {}}
+        inputs, noise = common.make_inputs(cfg, batch, spec["prompt_len"], device, seed=batch)
+        measure_our_sides(row, policy, bench, spec, inputs, noise, device, budget, ceilings)
+        for variant, (lerobot_core, _) in variants.items():
+            row["sides"][variant] = guarded(lambda c=lerobot_core, v=variant: lerobot_side.measure_lerobot(
+                c, inputs, noise, cfg.sampling.num_steps, device, bench.warmup, bench.iters, budget, f"{v} b={batch}"))
+        for side, measured in row["sides"].items():
+            if "memory_delta" in measured:
+                measured["memory"] = footprint(sides[side], measured.pop("memory_delta"))
+        if batch == min(bench.batch_sizes) and "actions" in row["sides"]["ours"]:
+            reference = policy.sample(inputs, mode="ode", noise=noise).model_actions.float().cpu()
+            result["parity_fast_vs_our_reference_rel_l2"] = relative_l2(row["sides"]["ours"]["actions"], reference)
         result["rows"].append(row)
-        tqdm.write(f"{name} b={batch}: ours {row['ours_ms']:.2f} ms"
-                   + (f", lerobot {row['lerobot_ms']:.1f} ms, x{row['speedup']:.1f}" if "lerobot_ms" in row else ""))
-    result["attention_choices"] = dict(fast.selector.records)
-    result["weights_gib"] = {"ours": _param_gib(policy.model), "lerobot": _param_gib(core) if core is not None else None}
-    fast = policy = core = None  # free the GPU memory before the next configuration
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
+        tqdm.write(f"{name} b={batch}: " + ", ".join(f"{s} {m['ms']:.1f} ms" if "ms" in m else f"{s} -"
+                                                      for s, m in row["sides"].items()))
+    pending = {"cfg": cfg, "prompt_len": spec["prompt_len"], "lerobot": core is not None,
+               "checksum": result["lerobot"].get("checksum")}
+    variants = core = policy = None  # free the GPU memory before the next configuration  # noqa: F841
+    common.memory_mark(device)
+    return result, pending
 
 
-def stage_breakdown(fast: FastSampler, cfg: PolicyConfig, inputs, noise, stoch, prompt_len: int, device, bench, ceilings) -> dict:
-    """Each stage replayed alone (CUDA graph) against its analytic FLOPs and bytes."""
-    bucket = fast.prepare(inputs, noise, None, stoch)
-    batch = bucket.batch
-    costs = flops.stage_costs(cfg.replace(dtype="bfloat16") if device.type == "cuda" else cfg, batch=batch,
-                              prompt_len=bucket.prompt_len, modulation_precomputed=True)
-    cost_of = {"vision": costs["vision"], "prefix": costs["prefix"], "denoise": costs["expert_total"]}
-    measured = []
-    for stage in STAGES:
-        ms = timed_ms(lambda: fast.run_stage(bucket, stage), device, bench.warmup, bench.iters)
-        cost = cost_of[stage]
-        measured.append(StageMeasurement(stage, cost.flops, cost.bytes, ms / 1e3))
-    points = stage_roofline(measured, roofline_ceilings(ceilings))
-    return {p.name: {"ms": p.time_s * 1e3, "gflop": p.flops / 1e9, "gbytes": p.bytes / 1e9,
-                     "tflops": p.achieved_flops / 1e12, "intensity": p.intensity, "mfu": p.mfu,
-                     "roof_fraction": p.roof_fraction, "bound": p.bound} for p in points}
+def measure_our_sides(row: dict, policy, bench: BenchPredictConfig, spec: dict, inputs, noise, device, budget,
+                      ceilings) -> None:
+    batch, chosen = row["batch"], None
+    for precision in bench.precisions:
+        side = "ours" if precision == "bf16" else "ours_fp8"
+        gap_calls = bench.gap_calls if batch == bench.gap_batch else 0
+        row["sides"][side] = guarded(lambda p=precision, c=chosen, g=gap_calls: ours_side.measure_ours(
+            policy, p, batch, spec["prompt_len"], inputs, noise, device, bench, budget, ceilings, c, g))
+        chosen = row["sides"][side].get("attention") if precision == "bf16" else chosen
 
 
-def roofline_ceilings(ceilings: dict) -> Ceilings:
-    return Ceilings(ceilings["matmul_tflops"] * 1e12, ceilings["copy_tb_s"] * 1e12,
-                    source=f"measured {ceilings['dtype']} GEMM + device copy")
+def guarded(measure) -> dict:
+    """Run one side's measurement; a budget skip or an error is recorded and the run goes on."""
+    try:
+        return measure()
+    except common.BudgetExceeded as exc:
+        return {"skipped": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - one GPU call must bring back everything else it measured
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"[:1000], "traceback": traceback.format_exc()[-3000:]}
+
+
+# --------------------------------------------------------------------------- compiled LeRobot, last
+
+
+def run_compile_variants(results: dict, pending: dict, bench: BenchPredictConfig, budget: common.Budget,
+                         device: torch.device) -> None:
+    """LeRobot's compile option per configuration and mode, each in a worker process given an equal
+    share of the time left (at most bench.lerobot_compile_budget_s); merged into the rows."""
+    todo = [(name, mode) for name in results if pending[name]["lerobot"] for mode in bench.lerobot_compile_modes]
+    for i, (name, mode) in enumerate(todo):
+        variant, job = f"lerobot_compiled_{mode}", pending[name]
+        timeout = min(bench.lerobot_compile_budget_s, budget.left() / (len(todo) - i))
+        if timeout < MIN_COMPILE_S:
+            out = {"status": "skipped", "message": f"{timeout:.0f} s of the time budget left for it", "rows": {}}
+        else:
+            print(f"{name}: LeRobot compile_model=True, mode {mode} (worker, killed after {timeout:.0f} s)")
+            # all-bf16 weights only where the run is bf16 (as the eager "bf16" variant)
+            precision = bench.lerobot_compile_precision if job["cfg"].dtype == "bfloat16" else "shipped"
+            out = lerobot_side.run_compiled(job["cfg"], mode, precision, bench.batch_sizes, job["prompt_len"],
+                                            bench.warmup, bench.iters, timeout, device, job["checksum"])
+        rows = out.pop("rows")
+        results[name]["lerobot"][variant] = out
+        weights = (out.get("built") or {}).get("resident_mib") or (out.get("built") or {}).get("weights_mib")
+        for row in results[name]["rows"]:
+            measured = rows.get(row["batch"])
+            if measured is None:
+                row["sides"][variant] = {"skipped": f"{out['status']}: {out['message']}"}
+                continue
+            measured["memory"] = footprint(weights, measured.pop("memory_delta", None))
+            row["sides"][variant] = measured
+
+
+def finalize(result: dict) -> None:
+    """Per row: the fastest LeRobot variant, speed-ups against it, parity, FP8 vs bf16; drops actions."""
+    for row in result["rows"]:
+        sides, batch = row["sides"], row["batch"]
+        ours, fp8 = sides.get("ours", {}), sides.get("ours_fp8", {})
+        lerobot_ms = {v: s["ms"] for v, s in sides.items() if v.startswith("lerobot_") and "ms" in s}
+        if "ms" in ours:
+            row.update(ours_ms=ours["ms"], ours_samples_per_s=batch / ours["ms"] * 1e3, stages=ours["stages"])
+        if "ms" in fp8:
+            row.update(fp8_ms=fp8["ms"], fp8_samples_per_s=batch / fp8["ms"] * 1e3)
+            if "ms" in ours:
+                row["fp8_speedup_vs_bf16"] = ours["ms"] / fp8["ms"]
+                row["fp8_rel_l2"] = relative_l2(fp8["actions"], ours["actions"])
+        if lerobot_ms:
+            best = min(lerobot_ms, key=lerobot_ms.get)
+            row.update(lerobot_best_variant=best, lerobot_ms=lerobot_ms[best],
+                       lerobot_samples_per_s=batch / lerobot_ms[best] * 1e3)
+            if "ms" in ours:
+                row["speedup"] = lerobot_ms[best] / ours["ms"]
+                row["speedup_by_variant"] = {v: ms / ours["ms"] for v, ms in lerobot_ms.items()}
+                row["parity_rel_l2"] = {v: relative_l2(ours["actions"], sides[v]["actions"]) for v in lerobot_ms}
+            if "ms" in fp8:
+                row["fp8_speedup"] = lerobot_ms[best] / fp8["ms"]
+        for measured in sides.values():
+            measured.pop("actions", None)
+
+
+# --------------------------------------------------------------------------- summary and table
+
+
+def summarise(results: dict, budget: common.Budget) -> dict:
+    summary = {}
+    phyai = results.get("phyai")
+    if phyai:
+        rows = {r["batch"]: r for r in phyai["rows"]}
+        for b, key, metric in ((1, "b1_ms", "ms"), (32, "b32_sps", "samples_per_s")):
+            row = rows.get(b, {})
+            for side in ("ours", "lerobot", "fp8"):
+                if f"{side}_{metric}" in row:
+                    summary[f"{side}_{key}"] = row[f"{side}_{metric}"]
+            if "speedup" in row:
+                summary[f"speedup_b{b}"] = row["speedup"]
+                summary[f"lerobot_variant_b{b}"] = row["lerobot_best_variant"]
+        best32 = rows.get(32, {}).get("lerobot_best_variant")
+        if best32 and "parity_rel_l2" in rows[32]:
+            summary["parity_rel_l2"] = rows[32]["parity_rel_l2"][best32]
+        memory = rows.get(32, {}).get("sides", {})
+        for side, key in (("ours", "ours"), ("ours_fp8", "fp8"), (best32, "lerobot")):
+            if side and (memory.get(side) or {}).get("memory"):
+                summary[f"{key}_b32_peak_reserved_gib"] = memory[side]["memory"]["peak_reserved_mib"] / 1024
+    libero = results.get("libero_rl")
+    if libero:
+        for side, prefix in (("ours", "libero"), ("fp8", "fp8_libero")):
+            timed = [r for r in libero["rows"] if f"{side}_samples_per_s" in r]
+            if timed:
+                best = max(timed, key=lambda r: r[f"{side}_samples_per_s"])
+                summary[f"{prefix}_best_sps"] = best[f"{side}_samples_per_s"]
+                summary[f"{prefix}_best_batch"] = best["batch"]
+                if side == "ours" and "parity_rel_l2" in best:
+                    summary["libero_parity_rel_l2"] = best["parity_rel_l2"][best["lerobot_best_variant"]]
+        for side, prefix in (("ours_fp8", "fp8"), ("ours", "bf16")):
+            gaps = [r["sides"][side]["logprob_gap"] for r in libero["rows"]
+                    if "mean_nats" in r["sides"].get(side, {}).get("logprob_gap", {})]
+            if gaps:
+                summary[f"{prefix}_logprob_gap_mean"] = gaps[0]["mean_nats"]
+                summary[f"{prefix}_logprob_gap_max"] = gaps[0]["max_nats"]
+                summary[f"{prefix}_clip_fraction"] = gaps[0]["clip_fraction"]
+    fp8_rel = [r["fp8_rel_l2"] for res in results.values() for r in res["rows"] if "fp8_rel_l2" in r]
+    if fp8_rel:
+        summary["fp8_rel_l2"] = max(fp8_rel)  # worst batch size over both configurations
+    summary["skipped_or_failed"] = sum(1 for res in results.values() for r in res["rows"]
+                                       for m in r["sides"].values() if "ms" not in m)
+    summary["time_used_s"] = budget.elapsed()
+    return summary
+
+
+def print_table(results: dict) -> None:
+    for name, result in results.items():
+        compiled = {v: f"{o['status']} {o.get('message', '')}".strip() for v, o in result["lerobot"].items()
+                    if isinstance(o, dict)}
+        print(f"\n{name} ({result['dtype']}): LeRobot {result['lerobot'].get('status')}; compiled: {compiled}")
+        print(f"{'B':>4} {'ours ms':>9} {'ours/s':>8} {'fp8 ms':>8} {'fp8/s':>8} {'LeRobot ms':>11} {'x':>6} "
+              f"{'x fp8':>6}  fastest LeRobot; vision/prefix/denoise ms (MFU)")
+        for r in result["rows"]:
+            def num(key, fmt):
+                return format(r[key], fmt) if key in r else format("-", fmt.split(".")[0].rstrip("f") + "s")
+            st = " ".join(f"{v['ms']:.2f}({v['mfu']:.0%})" for v in r.get("stages", {}).values())
+            print(f"{r['batch']:4d} {num('ours_ms', '9.2f')} {num('ours_samples_per_s', '8.1f')} "
+                  f"{num('fp8_ms', '8.2f')} {num('fp8_samples_per_s', '8.1f')} {num('lerobot_ms', '11.1f')} "
+                  f"{num('speedup', '6.1f')} {num('fp8_speedup', '6.1f')}  {r.get('lerobot_best_variant', '-')}; {st}")
 
 
 def plot_stage_rooflines(record: dict, out_dir: str | Path, batches=(1, 32)) -> list[Path]:
@@ -260,64 +346,33 @@ def plot_stage_rooflines(record: dict, out_dir: str | Path, batches=(1, 32)) -> 
     paths = []
     for name, result in record["configurations"].items():
         for row in result["rows"]:
-            if row["batch"] not in batches:
+            if row["batch"] not in batches or "stages" not in row:
                 continue
-            stages = [StageMeasurement(f"{stage} (b={row['batch']})", v["gflop"] * 1e9, v["gbytes"] * 1e9, v["ms"] / 1e3)
+            stages = [StageMeasurement(f"{stage} (b={row['batch']})", v["gflop"] * 1e9, v["gbytes"] * 1e9,
+                                       v["ms"] / 1e3)
                       for stage, v in row["stages"].items()]
             path = Path(out_dir) / f"stage_roofline_{name}_b{row['batch']}.png"
             paths.append(plot_stage_roofline(stage_roofline(stages, ceilings), ceilings, path))
     return paths
 
 
-def _param_gib(module) -> float:
-    return sum(p.numel() * p.element_size() for p in module.parameters()) / 2**30
-
-
-def summarise(results: dict) -> dict:
-    summary = {}
-    phyai = results.get("phyai")
-    if phyai:
-        rows = {r["batch"]: r for r in phyai["rows"]}
-        for b, key in ((1, "b1_ms"), (32, "b32_sps")):
-            row = rows.get(b)
-            if row is None:
-                continue
-            for side in ("ours", "lerobot"):
-                if f"{side}_ms" in row:
-                    summary[f"{side}_{key}"] = row[f"{side}_ms"] if key.endswith("ms") else row[f"{side}_samples_per_s"]
-            if "speedup" in row:
-                summary[f"speedup_{key.split('_')[0]}"] = row["speedup"]
-        summary["parity_rel_l2"] = phyai.get("parity_rel_l2")
-    libero = results.get("libero_rl")
-    if libero:
-        best = max(libero["rows"], key=lambda r: r["ours_samples_per_s"])
-        summary["libero_best_sps"] = best["ours_samples_per_s"]
-        summary["libero_best_batch"] = best["batch"]
-        summary["libero_parity_rel_l2"] = libero.get("parity_rel_l2")
-    return summary
-
-
-def print_table(results: dict) -> None:
-    for name, result in results.items():
-        print(f"\n{name}: parity rel L2 vs LeRobot {result.get('parity_rel_l2')}; attention {sorted({v['chosen'] for v in result['attention_choices'].values()})}")
-        print(f"{'B':>4} {'ours ms':>9} {'ours/s':>8} {'LeRobot ms':>11} {'LeRobot/s':>10} {'x':>6}  vision/prefix/denoise ms (MFU)")
-        for r in result["rows"]:
-            st = " ".join(f"{v['ms']:.2f}({v['mfu']:.0%})" for v in r["stages"].values())
-            lr = f"{r['lerobot_ms']:11.1f} {r['lerobot_samples_per_s']:10.1f} {r['speedup']:6.1f}" if "lerobot_ms" in r else " " * 29
-            print(f"{r['batch']:4d} {r['ours_ms']:9.2f} {r['ours_samples_per_s']:8.1f} {lr}  {st}")
-
-
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_predict")
 def main(cfg: DictConfig) -> None:
     bench = BenchPredictConfig(**OmegaConf.to_container(cfg.bench, resolve=True))
+    budget = common.Budget(bench.time_budget_s)
     base = PolicyConfig.from_mapping(cfg.policy)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if bench.device == "auto" else bench.device)
     ceilings = measure_ceilings(device)
     print(f"device {device}; ceilings {ceilings}")
-    results = {name: bench_configuration(name, base, bench, device, ceilings) for name in bench.configurations}
+    results, pending = {}, {}
+    for name in bench.configurations:
+        results[name], pending[name] = bench_configuration(name, base, bench, device, ceilings, budget)
+    run_compile_variants(results, pending, bench, budget, device)
+    for result in results.values():
+        finalize(result)
     print_table(results)
     payload = {"bench": asdict(bench), "ceilings": ceilings, "configurations": results}
-    write_result("bench_predict", payload, summarise(results), bench.out_dir)
+    write_result("bench_predict", payload, summarise(results, budget), bench.out_dir, commit=bench.commit)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 ATTENTION_CHOICES = ("auto", "sdpa", "flashinfer", "triton")
+# Backends whose result for one sample depends only on that sample (for a fixed bucket shape):
+# flashinfer's plan splits the KV by every sample's length, and "auto" picks by timing, which can
+# differ between the rollout's and the trainer's processes.
+BATCH_INVARIANT_ATTENTION = ("sdpa", "triton")
 FAST_DTYPES = ("bfloat16", "float32")
+PRECISIONS = ("bf16", "fp8")
 
 
 @dataclass
@@ -16,15 +20,23 @@ class FastConfig:
     padding of small batches to the maximum); larger batches are split.
     prompt_buckets: prompt lengths the (trimmed) tokenized prompt is padded to.
     attention: "auto" checks SDPA, flashinfer and the Triton split-KV kernel against fp32
-    attention per shape and keeps the fastest correct one; or a backend name to force it."""
+    attention per shape and keeps the fastest correct one; or a backend name to force it.
+    consistent_recompute: `Policy.log_prob` recomputes through the fast path's kernels at the
+    rollout's bucket shapes (policies/fast/recompute.py), reproducing the rollout's log-probs bit
+    for bit; needs `enabled` and a batch-invariant `attention` ("sdpa" or "triton").
+    precision: "bf16" runs every GEMM in `dtype`; "fp8" runs the vision tower's and the prefix's
+    GEMMs in FP8 e4m3 (per-channel weight and per-token activation scales, policies/fast/fp8.py),
+    the expert in `dtype`; needs dtype "bfloat16"."""
 
     enabled: bool = False
     cuda_graphs: bool = True
     dtype: str = "bfloat16"
     attention: str = "auto"
-    batch_buckets: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    prompt_buckets: List[int] = field(default_factory=lambda: [32, 64, 128, 200])
-    attention_profile_path: Optional[str] = None
+    batch_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    prompt_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 200])
+    attention_profile_path: str | None = None
+    consistent_recompute: bool = False
+    precision: str = "bf16"
 
     def __post_init__(self) -> None:
         self.validate("policy.fast")
@@ -32,6 +44,11 @@ class FastConfig:
     def validate(self, key: str) -> None:
         if self.dtype not in FAST_DTYPES:
             raise ValueError(f"{key}.dtype must be one of {FAST_DTYPES}, got {self.dtype!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"{key}.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision == "fp8" and self.dtype != "bfloat16":
+            raise ValueError(f"{key}.precision=fp8 needs {key}.dtype=bfloat16 (FP8 GEMMs write bf16), "
+                             f"got {key}.dtype={self.dtype!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"{key}.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         for name in ("batch_buckets", "prompt_buckets"):
@@ -40,3 +57,10 @@ class FastConfig:
                 raise ValueError(f"{key}.{name} must be a non-empty list of positive ints, got {values}")
             if values != sorted(set(values)):
                 raise ValueError(f"{key}.{name} must be strictly increasing, got {values}")
+        if self.consistent_recompute:
+            if not self.enabled:
+                raise ValueError(f"{key}.consistent_recompute needs {key}.enabled=true (it reproduces the fast-path "
+                                 f"rollout; the plain path's recompute is already the default log_prob)")
+            if self.attention not in BATCH_INVARIANT_ATTENTION:
+                raise ValueError(f"{key}.attention must be one of {BATCH_INVARIANT_ATTENTION} with "
+                                 f"{key}.consistent_recompute=true (batch-invariant), got {self.attention!r}")

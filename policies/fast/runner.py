@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
+from policies.fast import fp8
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -54,7 +55,7 @@ class FastSampler:
         self.device = model.action_in_proj.weight.device
         self.dtype = DTYPES[fast_cfg.dtype]
         self.num_steps = self.cfg.sampling.num_steps
-        self.w = FastWeights(model, self.dtype, self.num_steps)
+        self.w = FastWeights(model, self.dtype, self.num_steps, fast_cfg.precision)
         self.selector = AttentionSelector(fast_cfg.attention, fast_cfg.attention_profile_path)
         self.buckets: dict[tuple[int, int], Bucket] = {}
         self.use_graphs = fast_cfg.cuda_graphs and self.device.type == "cuda"
@@ -63,31 +64,62 @@ class FastSampler:
         deltas, sigmas = flow.step_deltas(grid), flow.sde_sigmas(grid, self.cfg.sampling.noise_level)
         self.step_constants = [(float(grid[k]), float(deltas[k]), float(sigmas[k]), -1.0 / self.num_steps)
                                for k in range(self.num_steps)]
+        # (batch bucket, prompt bucket) each row of the last sample_chains call ran in: a row's
+        # numerics depend on its bucket's shapes, so a consistent recompute (recompute.py) needs it.
+        self.last_buckets = torch.zeros(0, 2, dtype=torch.long)
+        self._versions = self._weight_versions()
 
     # ------------------------------------------------------------------ public
     def refresh_weights(self) -> None:
         """Call after the model's weights changed in place (no graph re-capture needed)."""
         self.w.refresh()
+        self._versions = self._weight_versions()
 
     @torch.no_grad()
-    def sample_chains(self, inputs, noise: Tensor, step_noise: Tensor | None, stochastic: Tensor) -> tuple[Tensor, Tensor]:
+    def refresh_if_weights_changed(self) -> bool:
+        """Refresh when any parameter was modified in place since the last refresh (weight syncs
+        and optimizer steps bump the tensors' version counters); returns whether it refreshed.
+        Fused optimizers (torch.optim ..., fused=True) write without bumping them, so the fast-dtype
+        shadows of parameters that require grad are re-copied on every call (the expert's: cheap)."""
+        if self._weight_versions() != self._versions:
+            self.refresh_weights()
+            return True
+        for param, shadow in self.w._shadows:
+            if param.requires_grad:
+                shadow.copy_(param.detach())
+        return False
+
+    def _weight_versions(self) -> list[int]:
+        return [p._version for p in self.model.parameters()]
+
+    @torch.no_grad()
+    def sample_chains(self, inputs, noise: Tensor, step_noise: Tensor | None,
+                      stochastic: Tensor) -> tuple[Tensor, Tensor]:
         """inputs: ModelInputs; noise (B, H, D); step_noise (B, K, H, D) or None (drawn here);
         stochastic (B, K) bool -> chains (B, K+1, H, D), step_logprobs (B, K, H, D), fp32."""
         total = inputs.batch_size
         largest = self.fast.batch_buckets[-1]
-        if total > largest:  # split: graphs exist only up to the largest bucket
-            parts = [self.sample_chains(_rows(inputs, s, s + largest), noise[s:s + largest],
-                                        None if step_noise is None else step_noise[s:s + largest],
-                                        stochastic[s:s + largest]) for s in range(0, total, largest)]
-            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        bucket = self.prepare(inputs, noise, step_noise, stochastic)
-        for stage in STAGES:
-            self.run_stage(bucket, stage)
-        t = bucket.tensors
-        return t["chains"][:total].clone(), t["step_logprobs"][:total].clone()
+        chains, logps, keys = [], [], []
+        for s in range(0, max(total, 1), largest):  # split: graphs exist only up to the largest bucket
+            part = _rows(inputs, s, s + largest) if total > largest else inputs
+            bucket = self.prepare(part, noise[s:s + largest], None if step_noise is None else step_noise[s:s + largest],
+                                  stochastic[s:s + largest])
+            for stage in STAGES:
+                self.run_stage(bucket, stage)
+            t, rows = bucket.tensors, part.batch_size
+            chains.append(t["chains"][:rows].clone())
+            logps.append(t["step_logprobs"][:rows].clone())
+            keys.append(torch.tensor([[bucket.batch, bucket.prompt_len]]).expand(rows, 2))
+        self.last_buckets = torch.cat(keys)
+        if len(chains) == 1:
+            return chains[0], logps[0]
+        return torch.cat(chains), torch.cat(logps)
 
-    def prepare(self, inputs, noise: Tensor, step_noise: Tensor | None, stochastic: Tensor) -> Bucket:
+    def prepare(self, inputs, noise: Tensor, step_noise: Tensor | None, stochastic: Tensor,
+                key: tuple[int, int] | None = None) -> Bucket:
         """Pick (and build on first use) the bucket, and copy this call's inputs into it.
+        `key` = (batch bucket, prompt bucket) forces a bucket (the consistent recompute re-runs
+        rows in the bucket the rollout used); by default the smallest that holds the call.
 
         The token layout (valid-first order, RoPE positions, suffix slots) is computed on the
         host from the masks (tiny) and sent as one packed copy; the attention is planned from
@@ -97,20 +129,28 @@ class FastSampler:
         image_masks = inputs.image_masks.bool().cpu()
         trailing = (token_mask.flip(1).cumsum(1) == 0).sum(1)
         used = int(token_mask.shape[1] - trailing.min()) if b else 0
-        bucket = self._bucket(_pick(self.fast.batch_buckets, b, "batch size"),
-                              _pick(self.fast.prompt_buckets, max(used, 1), "prompt length"))
+        if key is None:
+            key = (_pick(self.fast.batch_buckets, b, "batch size"),
+                   _pick(self.fast.prompt_buckets, max(used, 1), "prompt length"))
+        elif (key[0] not in self.fast.batch_buckets or key[1] not in self.fast.prompt_buckets
+              or b > key[0] or used > key[1]):
+            raise ValueError(f"bucket {tuple(key)} (batch, prompt) cannot hold {b} rows with prompts of {used} tokens; "
+                             f"buckets: policy.fast.batch_buckets={self.fast.batch_buckets}, "
+                             f"policy.fast.prompt_buckets={self.fast.prompt_buckets}")
+        bucket = self._bucket(*key)
         n_valid = self._fill(bucket, inputs, image_masks, token_mask, noise, step_noise, stochastic)
         bucket.prefix_attn.plan(n_valid)
         bucket.expert_attn.plan(n_valid + self.cfg.chunk_size)
         return bucket
 
-    def run_stage(self, bucket: Bucket, stage: str) -> None:
-        """Replay the stage's graph (captured on first use), or run it eagerly without graphs."""
+    def run_stage(self, bucket: Bucket, stage: str, fn=None) -> None:
+        """Replay the stage's graph (captured on first use), or run it eagerly without graphs.
+        `fn(bucket)` runs a stage that is not one of STAGES (graph key `stage`)."""
         graph = bucket.graphs.get(stage)
         if graph is not None:
             graph.replay()
             return
-        fn = getattr(self, f"_stage_{stage}")
+        fn = fn or getattr(self, f"_stage_{stage}")
         if not self.use_graphs:
             fn(bucket)
             return
@@ -164,10 +204,12 @@ class FastSampler:
         self.buckets[key] = bucket
         return bucket
 
-    def _fill(self, bucket: Bucket, inputs, image_masks: Tensor, token_mask: Tensor, noise, step_noise, stochastic) -> Tensor:
+    def _fill(self, bucket: Bucket, inputs, image_masks: Tensor, token_mask: Tensor, noise, step_noise,
+              stochastic) -> Tensor:
         """Copy inputs into the bucket's buffers; returns the host (bucket rows,) valid prefix lengths."""
         t, b, rows = bucket.tensors, inputs.batch_size, bucket.batch
-        mask = F.pad(token_mask[:, : bucket.prompt_len], (0, bucket.prompt_len - min(token_mask.shape[1], bucket.prompt_len)))
+        prompt_len = bucket.prompt_len
+        mask = F.pad(token_mask[:, :prompt_len], (0, prompt_len - min(token_mask.shape[1], prompt_len)))
         image_pad = image_masks[:, :, None].expand(-1, -1, self.cfg.vision.num_patches).flatten(1)
         valid = _pad_rows(torch.cat([image_pad, mask], dim=1), rows)  # (rows, P) host bool
         order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid tokens first
@@ -209,13 +251,15 @@ class FastSampler:
         layers, eps = w["layers"], cfg.layer_norm_eps
         _, y = K.add_layer_norm(h, None, layers[0]["ln1"].weight, layers[0]["ln1"].bias, eps)
         for i, lw in enumerate(layers):
-            qkv = F.linear(y, lw["qkv"].weight, lw["qkv"].bias).view(n, tok, 3, cfg.num_heads, -1).permute(2, 0, 3, 1, 4)
+            qkv = fp8.project(y, lw["qkv"]).view(n, tok, 3, cfg.num_heads, -1)  # FP8 or bf16 (fp8.py)
+            qkv = qkv.permute(2, 0, 3, 1, 4)
             a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape(n * tok, width)
-            h, y = K.add_layer_norm(h, F.linear(a, lw["out"].weight, lw["out"].bias), lw["ln2"].weight, lw["ln2"].bias, eps)
-            mlp = F.linear(K.linear_gelu_tanh(y, lw["fc1"].weight, lw["fc1"].bias), lw["fc2"].weight, lw["fc2"].bias)
+            out = fp8.project(a, lw["out"])
+            h, y = K.add_layer_norm(h, out, lw["ln2"].weight, lw["ln2"].bias, eps)
+            mlp = fp8.mlp(y, lw["fc1"], lw["fc2"], "gelu_tanh")
             norm = layers[i + 1]["ln1"] if i + 1 < len(layers) else w["post_ln"]  # next pre-norm, or post_ln
             h, y = K.add_layer_norm(h, mlp, norm.weight, norm.bias, eps)
-        img = F.linear(y, w["proj"].weight, w["proj"].bias).view(bk.batch, -1, self.cfg.prefix.width)
+        img = fp8.project(y, w["proj"]).view(bk.batch, -1, self.cfg.prefix.width)
         lang = F.embedding(t["tokens"], self.w.embed) * self.w.embed_scale
         emb = torch.cat([img, lang.to(img.dtype)], dim=1)
         t["embeddings"].copy_(emb.gather(1, t["order"][..., None].expand_as(emb)))
@@ -229,15 +273,15 @@ class FastSampler:
         _, normed = K.add_rms_norm(h, None, None, self.w.prefix_norms[0], None, pcfg.rms_norm_eps)
         last = len(self.w.prefix) - 1
         for i, lw in enumerate(self.w.prefix):
-            qkv = F.linear(normed, lw["qkv"].weight).view(b, p, -1)
+            qkv = fp8.project(normed, lw["qkv"]).view(b, p, -1)  # FP8 or bf16 (fp8.py)
             K.rope_scatter_qkv(qkv, cos, sin, pcfg.num_heads, pcfg.num_kv_heads, q, bk.k_cache[i], bk.v_cache[i],
                                t["prefix_slots"])
             if i == last:
                 break
             attn = bk.prefix_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * p, -1)
-            o = F.linear(attn, lw["o"].weight)
+            o = fp8.project(attn, lw["o"])
             h, normed = K.add_rms_norm(h, o, None, self.w.prefix_post_norms[i], None, pcfg.rms_norm_eps)
-            mlp = F.linear(K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight)), lw["down"].weight)
+            mlp = fp8.mlp(normed, lw["gate_up"], lw["down"], "gelu_tanh_mul")
             h, normed = K.add_rms_norm(h, mlp, None, self.w.prefix_norms[i + 1], None, pcfg.rms_norm_eps)
 
     def _stage_denoise(self, bk: Bucket) -> None:

@@ -7,6 +7,13 @@ mode keeps SigLIP and the norms in fp32) get a shadow copy in the fast dtype; `r
 copies them again. The AdaRMS modulation table of the fixed time grid depends only on weights
 and t: it is computed outside any graph into a fixed buffer and refreshed in place, so a
 weight update never forces a graph re-capture.
+
+With precision "fp8" the vision tower's and the prefix's linear weights also get FP8 shadows
+(policies/fast/fp8.py: e4m3 + one fp32 scale per output channel) in fixed buffers. `refresh()`
+re-quantises, in place, only those whose parameter changed since it was last quantised: the
+parameter's version counter, which every in-place write through the parameter or a `detach()`ed
+view bumps (copy_, optimizer steps, load_state_dict, `state_dict()` views). Writes through
+`param.data` bypass the counter: call `refresh(force=True)` after those.
 """
 
 from __future__ import annotations
@@ -17,25 +24,30 @@ import torch
 from torch import Tensor, nn
 
 from policies import flow
+from policies.fast.fp8 import Fp8Weight, make_fp8_weight, requantize_, supported
 
 
 @dataclass
 class LinearW:
     weight: Tensor
     bias: Tensor | None
+    fp8: Fp8Weight | None = None  # FP8 shadow of `weight` (precision "fp8")
 
 
 class FastWeights:
-    def __init__(self, model: nn.Module, dtype: torch.dtype, num_steps: int):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, num_steps: int, precision: str = "bf16"):
         self.model = model
         self.dtype = dtype
+        self.quantize = precision == "fp8"
+        self.fp8_weights: list[Fp8Weight] = []
+        self.last_requantized = 0  # how many FP8 shadows the last refresh() re-quantised
         self._shadows: list[tuple[Tensor, Tensor]] = []
         self.num_steps = num_steps
         cfg = model.cfg
         self.vision = self._vision(model.vision)
         self.embed = self.cast(model.embed_tokens.weight)
         self.embed_scale = torch.tensor(cfg.prefix.width**0.5, dtype=torch.float32).to(self.embed.dtype).item()
-        self.prefix = [self._gemma_layer(layer) for layer in model.prefix.layers]
+        self.prefix = [self._gemma_layer(layer, quantize=True) for layer in model.prefix.layers]
         self.prefix_norms = [self.cast(layer.input_norm.weight) for layer in model.prefix.layers]
         self.prefix_post_norms = [self.cast(layer.post_norm.weight) for layer in model.prefix.layers]
         self.expert = [self._gemma_layer(layer) for layer in model.expert.layers]
@@ -54,30 +66,41 @@ class FastWeights:
         self._shadows.append((param, shadow))
         return shadow
 
-    def _linear(self, module: nn.Linear) -> LinearW:
-        return LinearW(self.cast(module.weight), self.cast(module.bias) if module.bias is not None else None)
+    def _linear(self, module: nn.Linear, quantize: bool = False) -> LinearW:
+        lw = LinearW(self.cast(module.weight), self.cast(module.bias) if module.bias is not None else None)
+        if quantize and self.quantize and supported(module.weight):
+            lw.fp8 = make_fp8_weight(module.weight)
+            self.fp8_weights.append(lw.fp8)
+        return lw
 
-    def _gemma_layer(self, layer) -> dict:
-        return {"qkv": self._linear(layer.qkv), "o": self._linear(layer.o_proj),
-                "gate_up": self._linear(layer.gate_up), "down": self._linear(layer.down)}
+    def _gemma_layer(self, layer, quantize: bool = False) -> dict:
+        return {name: self._linear(module, quantize) for name, module in
+                (("qkv", layer.qkv), ("o", layer.o_proj), ("gate_up", layer.gate_up), ("down", layer.down))}
 
     def _vision(self, vision) -> dict:
         layers = []
         for block in vision.layers:
             layers.append({
-                "ln1": self._linear(block.ln1), "qkv": self._linear(block.qkv), "out": self._linear(block.out_proj),
-                "ln2": self._linear(block.ln2), "fc1": self._linear(block.fc1), "fc2": self._linear(block.fc2),
+                "ln1": self._linear(block.ln1), "qkv": self._linear(block.qkv, quantize=True),
+                "out": self._linear(block.out_proj, quantize=True), "ln2": self._linear(block.ln2),
+                "fc1": self._linear(block.fc1, quantize=True), "fc2": self._linear(block.fc2, quantize=True),
             })
         return {
             "patch": self._linear(vision.patch_embed), "pos": self.cast(vision.position_embedding),
-            "layers": layers, "post_ln": self._linear(vision.post_ln), "proj": self._linear(vision.projector),
+            "layers": layers, "post_ln": self._linear(vision.post_ln),
+            "proj": self._linear(vision.projector, quantize=True),
         }
 
     @torch.no_grad()
-    def refresh(self) -> None:
-        """After an in-place weight update: re-copy the shadows, recompute the tables in place."""
+    def refresh(self, force: bool = False) -> None:
+        """After an in-place weight update: re-copy the shadows, re-quantise the FP8 shadows of
+        changed parameters (all with `force`), recompute the tables; every buffer in place."""
         for param, shadow in self._shadows:
             shadow.copy_(param.detach())
+        changed = [w for w in self.fp8_weights if force or w.source._version != w.version]
+        for w in changed:
+            requantize_(w)
+        self.last_requantized = len(changed)
         self.refresh_tables()
 
     @torch.no_grad()

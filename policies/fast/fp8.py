@@ -1,0 +1,245 @@
+"""FP8 (e4m3) GEMMs for the fast path's vision tower and prefix (`policy.fast.precision: fp8`).
+
+Why only there: at large batch the bf16 prefix runs near the card's bf16 GEMM ceiling, and the
+H200 runs FP8 GEMMs at about twice that rate; the expert's sampling math (denoise loop, flow
+update, log-probs) stays in bf16/fp32, so the rollout's log-probs move only through the prefix
+K/V the expert attends to.
+
+Scheme (what `torch._scaled_mm`'s row-wise mode computes, on CUDA and on CPU):
+- weights: one scale per output channel, s_w[n] = max_k |W[n, k]| / 448, Q_w = fp8(W / s_w);
+- activations: one scale per token (row), computed on the fly from the row's absolute maximum,
+  s_x[m] = max_k |x[m, k]| / 448, Q_x = fp8(x / s_x);
+- y = (Q_x Q_w^T) * s_x s_w^T + bias, accumulated in fp32, written in bf16.
+448 is e4m3's largest finite value; values are clamped to it before the cast (PyTorch turns an
+out-of-range e4m3 cast into NaN, and fp32 rounding of x / s_x can land a hair above 448).
+Accumulation: `use_fast_accum=False` (Hopper's fast FP8 accumulation drops low-order bits over
+long reductions; Gemma's down projection reduces over 16384).
+
+The activation quantisation can absorb the activation before it: `act` = "gelu_tanh" (SigLIP's
+fc2 input) or "gelu_tanh_mul" (GeGLU: gelu_tanh(gate) * up over a fused gate/up projection, the
+Gemma down projection's input), so the bf16 activation tensor is never written. On CUDA this is
+one Triton kernel per GEMM input (`quantize_rows_triton`, a row's absolute max then the scaled
+cast); elsewhere the PyTorch twin (`quantize_rows_reference`). The Triton kernel is tested on the
+GPU only: Triton 3.9's CPU interpreter rounds e4m3 casts wrongly when the mantissa carries into
+the exponent (126.2 -> 64 instead of 128, measured here).
+
+`project(x, lw)` and `mlp(x, up, down, act)` are what the runner calls: FP8 where the LinearW
+carries an `Fp8Weight`, else exactly the bf16 calls the fast path made before FP8 existed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from policies.fast import kernels as K
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_AMAX = 1e-12  # an all-zero row gets this amax: its scale stays finite and its values 0
+ACTIVATIONS = ("none", "gelu_tanh", "gelu_tanh_mul")
+ALIGN = 16  # _scaled_mm needs K and N divisible by 16
+
+
+@dataclass
+class Fp8Weight:
+    """FP8 shadow of one (N, K) weight: `qweight` (N, K) e4m3 and `scale` (N,) fp32, so that
+    weight ~ qweight * scale[:, None]. Both buffers keep their storage for the shadow's lifetime
+    (CUDA graphs captured on them stay valid); `requantize_` rewrites them in place.
+    `source` is the model's parameter; `version` its `_version` when last quantised."""
+
+    qweight: Tensor
+    scale: Tensor
+    source: Tensor
+    version: int
+
+
+def supported(weight: Tensor) -> bool:
+    """Whether `_scaled_mm` takes this (N, K) weight (both dims divisible by 16)."""
+    return weight.dim() == 2 and weight.shape[0] % ALIGN == 0 and weight.shape[1] % ALIGN == 0
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, K) -> (qweight (N, K) e4m3, scale (N,) fp32), one scale per output channel."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(MIN_AMAX) / FP8_MAX
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def make_fp8_weight(param: Tensor) -> Fp8Weight:
+    qweight, scale = quantize_weight(param)
+    return Fp8Weight(qweight, scale, param, param._version)
+
+
+@torch.no_grad()
+def requantize_(w: Fp8Weight) -> None:
+    """Re-quantise `w.source` into w's existing buffers (in place: no graph re-capture)."""
+    qweight, scale = quantize_weight(w.source)
+    w.qweight.copy_(qweight)
+    w.scale.copy_(scale)
+    w.version = w.source._version
+
+
+def dequantize_weight(w: Fp8Weight) -> Tensor:
+    return w.qweight.float() * w.scale[:, None]
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def activate(x: Tensor, act: str) -> Tensor:
+    """act(x) in fp32: "none", "gelu_tanh", or "gelu_tanh_mul" (x = [gate | up] on the last dim)."""
+    x = x.float()
+    if act == "none":
+        return x
+    if act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if act == "gelu_tanh_mul":
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {act!r}")
+
+
+def quantize_rows_reference(x: Tensor, act: str = "none") -> tuple[Tensor, Tensor]:
+    """x (M, K') -> (q (M, K) e4m3, scale (M, 1) fp32) of act(x), one scale per row."""
+    v = activate(x, act)
+    scale = v.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
+    return (v / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_rows(q: Tensor, scale: Tensor) -> Tensor:
+    return q.float() * scale
+
+
+@functools.cache
+def _quantize_kernel():
+    """Compiled on first use, so CPU-only runs never import triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, width, x_row_stride, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per row, two passes over its columns: the row's absolute max of act(x),
+        # then act(x) / scale cast to e4m3. A row is at most 64 KiB, so the second pass mostly
+        # hits L2. ACT: 0 none, 1 gelu_tanh, 2 gelu_tanh(gate) * up with up `width` columns on.
+        row = tl.program_id(0).to(tl.int64)
+        src = x_ptr + row * x_row_stride
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, width, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < width
+            v = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+            if ACT != 0:
+                inner = tl.minimum(tl.maximum(0.7978845608028654 * (v + 0.044715 * v * v * v), -15.0), 15.0)
+                v = 0.5 * v * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+            if ACT == 2:
+                v = v * tl.load(src + width + cols, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+        tl.store(s_ptr + row, scale)
+        dst = q_ptr + row * width
+        for start in range(0, width, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < width
+            v = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+            if ACT != 0:
+                inner = tl.minimum(tl.maximum(0.7978845608028654 * (v + 0.044715 * v * v * v), -15.0), 15.0)
+                v = 0.5 * v * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+            if ACT == 2:
+                v = v * tl.load(src + width + cols, mask=mask, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+            tl.store(dst + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+    return quantize_rows_kernel
+
+
+def quantize_rows_triton(x: Tensor, act: str = "none") -> tuple[Tensor, Tensor]:
+    """The one-kernel version of `quantize_rows_reference` (x: 2-D, unit column stride)."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {act!r}")
+    rows, cols = x.shape
+    width = cols // 2 if act == "gelu_tanh_mul" else cols
+    q = torch.empty(rows, width, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    block = min(2048, 1 << max(4, (width - 1).bit_length()))
+    _quantize_kernel()[(rows,)](x, q, scale, width, x.stride(0), ACT=ACTIVATIONS.index(act), BLOCK=block,
+                                num_warps=8 if block >= 2048 else 4)
+    return q, scale
+
+
+def quantize_rows(x: Tensor, act: str = "none") -> tuple[Tensor, Tensor]:
+    """Per-row e4m3 quantisation of act(x) for x (M, K'): Triton on CUDA, PyTorch elsewhere."""
+    if x.is_cuda:
+        return quantize_rows_triton(x if x.stride(-1) == 1 else x.contiguous(), act)
+    return quantize_rows_reference(x, act)
+
+
+# ----------------------------------------------------------------------------- GEMMs
+
+
+def scaled_linear(q: Tensor, scale: Tensor, w: Fp8Weight, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """(q * scale) @ (w.qweight * w.scale)^T + bias through `torch._scaled_mm` (fp32 accumulation)."""
+    fused = bias is not None and _bias_fusable(q.device, out_dtype)
+    out = torch._scaled_mm(q, w.qweight.t(), scale, w.scale.view(1, -1), bias=bias if fused else None,
+                           out_dtype=out_dtype, use_fast_accum=False)
+    return out if bias is None or fused else out + bias
+
+
+@functools.cache
+def _bias_fusable(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether this build's row-wise `_scaled_mm` takes a bias on `device` (probed once, on a tiny
+    GEMM, before any graph capture: the fast path's stages run once eagerly first)."""
+    q = torch.zeros(16, 16, dtype=FP8, device=device)
+    ones = torch.ones(16, 1, device=device)
+    try:
+        torch._scaled_mm(q, q.t(), ones, ones.t(), bias=torch.zeros(16, dtype=out_dtype, device=device),
+                         out_dtype=out_dtype, use_fast_accum=False)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def scaled_linear_reference(q: Tensor, scale: Tensor, w: Fp8Weight, bias: Tensor | None) -> Tensor:
+    """What `scaled_linear` computes, dequantised and multiplied in fp32 (the test reference)."""
+    out = dequantize_rows(q, scale) @ dequantize_weight(w).t()
+    return out + bias.float() if bias is not None else out
+
+
+def fp8_linear(x: Tensor, w: Fp8Weight, bias: Tensor | None, act: str = "none") -> Tensor:
+    """F.linear(act(x), W, bias) with act(x) quantised per token and W per channel; x's dtype out."""
+    shape = x.shape
+    q, scale = quantize_rows(x.reshape(-1, shape[-1]), act)
+    out = scaled_linear(q, scale, w, bias.to(x.dtype) if bias is not None else None, x.dtype)
+    return out.view(*shape[:-1], out.shape[-1])
+
+
+# ----------------------------------------------------------------------------- runner dispatch
+
+
+def project(x: Tensor, lw, act: str = "none") -> Tensor:
+    """linear(act(x)) for a weights.LinearW: FP8 when it carries an `fp8` shadow, else F.linear."""
+    if lw.fp8 is not None:
+        return fp8_linear(x, lw.fp8, lw.bias, act)
+    if act == "gelu_tanh_mul":
+        x = K.gelu_tanh_mul(x)
+    elif act == "gelu_tanh":
+        x = F.gelu(x, approximate="tanh")
+    return F.linear(x, lw.weight, lw.bias)
+
+
+def mlp(x: Tensor, up, down, act: str) -> Tensor:
+    """down(act(up(x))): SigLIP's MLP (act "gelu_tanh") or Gemma's GeGLU ("gelu_tanh_mul").
+    In bf16 these are the calls the fast path always made (SigLIP's GELU in fc1's cuBLASLt
+    epilogue); in FP8 the activation moves into the down projection's input quantisation."""
+    if up.fp8 is None and down.fp8 is None:
+        if act == "gelu_tanh":
+            return F.linear(K.linear_gelu_tanh(x, up.weight, up.bias), down.weight, down.bias)
+        return F.linear(K.gelu_tanh_mul(F.linear(x, up.weight, up.bias)), down.weight, down.bias)
+    return project(project(x, up), down, act)

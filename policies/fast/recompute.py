@@ -1,0 +1,186 @@
+"""Consistent log-prob recompute: the trainer re-scores stored flow-SDE transitions with the rollout's numerics.
+
+Why: the fast-path rollout (bf16, fused kernels, CUDA graphs, bucketed shapes) and the plain
+PyTorch recompute round differently; on the H200 their chunk log-probs differed by 0.062 nats on
+average and 3.1% of the ratios fell outside the 0.2 clip before any update (issue 9). Here the
+trainer's forward runs the very kernels of the rollout at the very shapes, so at unchanged
+weights it returns the rollout's log-probs bit for bit, and gradients still flow to the expert.
+
+    policy.log_prob(batch, chains, denoise_inds, consistent=True, fast_buckets=buckets)
+    # or policy.fast.consistent_recompute=true makes consistent the default
+
+How, per micro-batch:
+1. Rows are grouped by the (batch bucket, prompt bucket) they ran in at rollout and re-run in
+   chunks padded to that bucket. For a fixed kernel and shape a row's GEMM, attention and norm
+   results do not depend on the other rows, so rows from different rollout calls mix freely; the
+   bucket itself must match (other shapes pick other GEMM tilings). `fast_buckets` (B, 2) gives
+   it per row (`FastSampler.last_buckets` right after the rollout's sample call), or one-entry
+   `policy.fast.batch_buckets` / `prompt_buckets` pin it for every row.
+2. Vision + prefix: the fast path's own stages (its CUDA graphs) under no_grad
+   (policy.train_expert_only: nothing there is trained).
+3. Each needed step k: the rollout's expert velocity at x_k = chains[:, k] and a twin of its
+   flow_step kernel scoring the stored chains[:, k+1] (flow_logprob.py), one CUDA graph per
+   bucket and step; wrapped in autograd.ConsistentStep, whose backward is the plain model's fp32
+   math at the same inputs.
+4. The AdaRMS modulation table is recomputed with autograd for the whole time grid (the shapes
+   of FastWeights' buffer, hence its bits) and copied into that buffer before the kernels run;
+   its gradient reaches the time MLP and the AdaRMS dense layers.
+Bit equality also needs what the rollout had: the same weights (in-place updates are detected
+through the parameters' version counters and the fast path's shadows refreshed), the same
+policy.fast settings (dtype, buckets, cuda_graphs, a batch-invariant attention backend: sdpa or
+triton, never flashinfer, whose plan depends on every row's length), the same GPU model, torch
+and Triton versions and matmul settings (TF32 flags). Autocast is switched off inside.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from policies import sampling
+from policies.fast.autograd import ConsistentStep, StepRun, velocity_parameters
+from policies.models.pi05 import PrefixCache
+from policies.sampling import LogProbOutput
+
+
+def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mode: str,
+                        fast_buckets: Tensor | None = None) -> LogProbOutput:
+    """Policy.log_prob's consistent mode. inputs: ModelInputs on the policy's device; chains
+    (B, K+1, H, D) fp32 and denoise_inds (B, K) long, already validated by Policy.log_prob;
+    mode "sde" or "sde_all"."""
+    cfg = policy.cfg
+    if not cfg.fast.enabled:
+        raise ValueError("consistent log_prob needs policy.fast.enabled=true: it reproduces the fast-path rollout "
+                         "(a plain-path rollout's recompute is the default log_prob)")
+    if torch.is_grad_enabled() and not cfg.train_expert_only:
+        raise ValueError("consistent log_prob with gradients needs policy.train_expert_only=true: vision and "
+                         "prefix run through the fast path without autograd")
+    sampler = policy.fast_sampler()
+    b = inputs.batch_size
+    columns = [0] if mode == "sde" else list(range(cfg.sampling.num_steps))
+    keys = row_buckets(sampler.fast, b, fast_buckets)
+    steps = denoise_inds[:, columns].cpu()
+    with torch.autocast(policy.device.type, enabled=False):
+        table = modulation_table(sampler)
+        named = velocity_parameters(policy.model)
+        weights = [p for _, p in named]
+        needs_grad = torch.is_grad_enabled() and (table.requires_grad or any(w.requires_grad for w in weights))
+        chunk = _ChunkRunner(sampler, inputs, chains, steps, len(columns), table, named, needs_grad)
+        pieces, index = [], []
+        for key, rows in _groups(keys):
+            for part in rows.split(key[0]):
+                for logp, flat in chunk.run(key, part):
+                    pieces.append(logp)
+                    index.append(flat)
+        step_lp = chains.new_zeros(b * len(columns), *chains.shape[2:])
+        if pieces:
+            step_lp = step_lp.index_copy(0, torch.cat(index), torch.cat(pieces))
+        step_lp = step_lp.view(b, len(columns), *chains.shape[2:])
+    if mode == "sde":
+        logprobs = step_lp[:, 0, : cfg.logprob_chunk, : cfg.action_dim]
+    else:
+        logprobs = sampling.reduce_logprobs(mode, step_lp, chains, denoise_inds, cfg.logprob_chunk, cfg.action_dim)
+    return LogProbOutput(logprobs, logprobs.flatten(1).sum(dim=1), step_lp)
+
+
+def row_buckets(fast, batch: int, fast_buckets: Tensor | None) -> Tensor:
+    """(B, 2) int64 host tensor: the (batch bucket, prompt bucket) each row ran in at rollout."""
+    if fast_buckets is None:
+        if len(fast.batch_buckets) != 1 or len(fast.prompt_buckets) != 1:
+            raise ValueError(
+                "consistent log_prob needs the bucket each row ran in at rollout: pass fast_buckets "
+                "(FastSampler.last_buckets after the rollout's sample call), or pin one bucket with one-entry "
+                f"policy.fast.batch_buckets and policy.fast.prompt_buckets, got {fast.batch_buckets} and "
+                f"{fast.prompt_buckets}")
+        return torch.tensor([[fast.batch_buckets[0], fast.prompt_buckets[0]]]).expand(batch, 2)
+    keys = torch.as_tensor(fast_buckets).cpu().long()
+    if tuple(keys.shape) != (batch, 2):
+        raise ValueError(f"fast_buckets must be (B, 2) = {(batch, 2)} (batch bucket, prompt bucket per row), "
+                         f"got {tuple(keys.shape)}")
+    return keys
+
+
+def modulation_table(sampler) -> Tensor:
+    """The AdaRMS table of the fast path's time grid, with autograd, also written into the buffer
+    the kernels read. Same call and shapes as FastWeights.refresh_tables, so the same bits."""
+    sampler.refresh_if_weights_changed()  # bf16 shadows of fp32 weights follow optimizer steps
+    table = sampler.model.modulation_table(sampler.w.grid[:-1]).float()
+    with torch.no_grad():
+        sampler.w.table.copy_(table)
+    return table
+
+
+def _groups(keys: Tensor):
+    for key in torch.unique(keys, dim=0).tolist():
+        yield tuple(key), (keys == torch.tensor(key)).all(dim=1).nonzero().flatten()
+
+
+class _ChunkRunner:
+    """Runs chunks of rows (at most one bucket each) through vision, prefix and the needed steps."""
+
+    def __init__(self, sampler, inputs, chains, steps, num_columns, table, named, needs_grad):
+        self.sampler, self.inputs, self.chains, self.steps = sampler, inputs, chains, steps
+        self.num_columns, self.table, self.needs_grad = num_columns, table, needs_grad
+        self.names = tuple(name for name, _ in named)
+        self.weights = [p for _, p in named]
+
+    def run(self, key: tuple[int, int], part: Tensor):
+        """Yields (log-probs (n, H, D), flat row*columns+column index) per distinct step of the rows."""
+        sampler, dev = self.sampler, self.sampler.device
+        bucket = self._prefix(key, part)
+        cache = _snapshot(bucket, len(part)) if self.needs_grad else None
+        chains = self.chains[part.to(self.chains.device)]
+        steps = self.steps[part]
+        for step in sorted(set(steps.flatten().tolist())):
+            rows, cols = (steps == step).nonzero(as_tuple=True)
+            with torch.no_grad():
+                _fill_chains(bucket, chains, step)
+            rows_dev = rows.to(dev)
+            run = StepRun(sampler, bucket, step, rows_dev, chains[rows_dev, step], chains[rows_dev, step + 1],
+                          None if cache is None else cache.index_select(rows_dev), self.names)
+            if self.needs_grad:
+                logp = ConsistentStep.apply(run, self.table, *self.weights)
+            else:
+                with torch.no_grad():
+                    logp = run.forward()
+            yield logp, (part[rows] * self.num_columns + cols).to(dev)
+
+    @torch.no_grad()
+    def _prefix(self, key: tuple[int, int], part: Tensor):
+        sampler, inputs = self.sampler, self.inputs
+        index = part.to(inputs.tokens.device)
+        rows = type(inputs)(inputs.images[index], inputs.image_masks[index], inputs.tokens[index],
+                            inputs.token_mask[index])
+        n, cfg, dev = len(part), sampler.cfg, sampler.device
+        noise = torch.zeros(n, cfg.chunk_size, cfg.max_action_dim, device=dev)
+        step_noise = noise[:, None].expand(n, sampler.num_steps, *noise.shape[1:])
+        stochastic = torch.ones(n, sampler.num_steps, dtype=torch.bool, device=dev)  # every step scored
+        bucket = sampler.prepare(rows, noise, step_noise, stochastic, key=key)
+        for attn in (bucket.prefix_attn, bucket.expert_attn):
+            if attn.name not in ("sdpa", "triton"):
+                raise ValueError(f"consistent log_prob: bucket {key} uses the {attn.name!r} attention backend, whose "
+                                 "results depend on the other rows; set policy.fast.attention to 'sdpa' or 'triton'")
+        sampler.run_stage(bucket, "vision")
+        sampler.run_stage(bucket, "prefix")
+        return bucket
+
+
+def _fill_chains(bucket, chains: Tensor, step: int) -> None:
+    """chains[:, step] and [:, step+1] of the chunk's rows into the bucket; padding rows repeat row 0."""
+    buf, n = bucket.tensors["chains"], len(chains)
+    buf[:n, step: step + 2].copy_(chains[:, step: step + 2])
+    if n < len(buf):
+        buf[n:, step: step + 2].copy_(buf[:1, step: step + 2].expand(len(buf) - n, -1, -1, -1))
+
+
+def _snapshot(bucket, n: int) -> PrefixCache:
+    """The first n rows' prefix K/V as the plain model's PrefixCache (for the backward), taken
+    before any expert step overwrites the suffix slots. Slots [0, n_valid) hold the valid tokens
+    in order (attention.py's layout), so slot j carries position j; the rest is masked."""
+    t = bucket.tensors
+    p = t["embeddings"].shape[1]
+    offsets = t["suffix_positions"][:n, 0].clone()
+    pad_mask = torch.arange(p, device=offsets.device)[None, :] < offsets[:, None]
+    keys = [cache[:n, :p].transpose(1, 2).clone() for cache in bucket.k_cache]
+    values = [cache[:n, :p].transpose(1, 2).clone() for cache in bucket.v_cache]
+    return PrefixCache(keys, values, pad_mask, offsets)

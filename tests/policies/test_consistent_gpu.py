@@ -1,0 +1,147 @@
+"""Consistent recompute on CUDA: bf16 fast path with CUDA graphs, compiled Triton kernels. Marker gpu.
+
+    python -m pytest tests/policies/test_consistent_gpu.py -q -s     # -s prints the measured gaps
+
+Rows of several graphed rollout calls (batch buckets 8/16/32, prompt buckets 32/64, different
+stochastic steps, a masked camera, ragged prompts) are shuffled and re-scored in micro-batches:
+- consistent recompute (the same policy object, and a second object with the same weights, as a
+  trainer in another process would be): every element equal to the rollout's (torch.equal);
+- the plain recompute in bf16 and in fp32: the gaps the consistent mode removes (printed, > 0);
+- gradients of the consistent recompute against the fp32 plain recompute's (printed, loose bound).
+Sizes: "small" (tiny widths with the real head_dim 256 and head counts) and "pi05_libero" (the
+full pi0.5 widths, random weights, LIBERO's shapes: 2 cameras, chunk 10, 4 steps).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from policies.config import PolicyConfig
+from policies.observation import ModelInputs
+from policies.policy import build_policy
+
+pytestmark = pytest.mark.gpu
+
+# (batch, prompt length, stochastic step) per rollout call
+CALLS = [(16, 20, 1), (5, 40, 2), (9, 28, 0), (32, 60, 3), (3, 12, 2)]
+FAST = {"enabled": True, "batch_buckets": [8, 16, 32], "prompt_buckets": [32, 64]}
+
+
+def config(size: str, attention: str, dtype: str = "bfloat16") -> PolicyConfig:
+    fast = {**FAST, "attention": attention}
+    common = dict(dtype=dtype, chunk_size=10, max_token_len=64, sampling={"num_steps": 4}, fast=fast)
+    if size == "small":
+        return PolicyConfig.preset(
+            "tiny", vocab_size=1024,
+            prefix={"width": 512, "depth": 2, "mlp_dim": 1024, "num_heads": 8, "num_kv_heads": 1, "head_dim": 256},
+            expert={"width": 256, "depth": 2, "mlp_dim": 512, "num_heads": 8, "num_kv_heads": 1, "head_dim": 256},
+            **common)
+    return PolicyConfig.preset("pi05", cameras=["base_0_rgb", "left_wrist_0_rgb"], **common)
+
+
+def cuda_inputs(cfg, batch: int, prompt_len: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    cams, res = len(cfg.cameras), cfg.vision.image_size
+    masks = torch.ones(batch, cams, dtype=torch.bool)
+    masks[0, -1] = False
+    lengths = torch.randint(max(1, prompt_len // 2), prompt_len + 1, (batch,), generator=g)
+    lengths[0] = prompt_len
+    inputs = ModelInputs(
+        (torch.rand(batch, cams, 3, res, res, generator=g) * 2 - 1).cuda(), masks.cuda(),
+        torch.randint(0, cfg.vocab_size, (batch, 64), generator=g).cuda(),
+        (torch.arange(64)[None] < lengths[:, None]).cuda(),
+    )
+    noise = torch.randn(batch, cfg.chunk_size, cfg.max_action_dim, generator=g).cuda()
+    step_noise = torch.randn(batch, cfg.sampling.num_steps, cfg.chunk_size, cfg.max_action_dim, generator=g).cuda()
+    return inputs, noise, step_noise
+
+
+def rollout(policy):
+    steps, parts = policy.cfg.sampling.num_steps, []
+    for i, (batch, prompt_len, step) in enumerate(CALLS):
+        inputs, noise, step_noise = cuda_inputs(policy.cfg, batch, prompt_len, seed=100 + i)
+        inds = torch.full((batch, steps), step, device="cuda")
+        out = policy.sample(inputs, mode="sde", noise=noise, step_noise=step_noise, denoise_inds=inds)
+        parts.append((inputs, out, policy.fast_sampler().last_buckets.clone()))
+    cat = lambda get: torch.cat([get(p) for p in parts])  # noqa: E731
+    inputs = ModelInputs(cat(lambda p: p[0].images), cat(lambda p: p[0].image_masks), cat(lambda p: p[0].tokens),
+                         cat(lambda p: p[0].token_mask))
+    return (inputs, cat(lambda p: p[1].chains), cat(lambda p: p[1].denoise_inds), cat(lambda p: p[1].logprobs),
+            cat(lambda p: p[2]))
+
+
+def rescore(policy, rows, micro: int, consistent: bool, grad: bool = False):
+    inputs, chains, inds, _, buckets = rows
+    order = torch.randperm(len(chains), generator=torch.Generator().manual_seed(micro))
+    outs = []
+    with torch.set_grad_enabled(grad):
+        for idx in order.split(micro):
+            sub = ModelInputs(*(t[idx.cuda()] for t in (inputs.images, inputs.image_masks, inputs.tokens,
+                                                         inputs.token_mask)))
+            outs.append(policy.log_prob(sub, chains[idx.cuda()], inds[idx.cuda()], consistent=consistent,
+                                        fast_buckets=buckets[idx]))
+    return torch.cat([o.logprobs for o in outs]), order
+
+
+def gap_stats(got: torch.Tensor, want: torch.Tensor, clip: float = 0.2) -> dict:
+    """Per-element max |difference|, chunk-level |gap| mean/max (nats) and the share of rows whose
+    ratio exp(got - want) is outside [1 - clip, 1 + clip] (the clip fraction at lr 0)."""
+    got, want = got.detach().double(), want.double()
+    chunk = got.flatten(1).sum(1) - want.flatten(1).sum(1)
+    ratio = chunk.exp()
+    return {"elem_max": float((got - want).abs().max()), "gap_mean_nats": float(chunk.abs().mean()),
+            "gap_max_nats": float(chunk.abs().max()),
+            "clip_frac_lr0": float(((ratio < 1 - clip) | (ratio > 1 + clip)).double().mean())}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+@pytest.mark.parametrize("size", ["small", "pi05_libero"])
+def test_consistent_recompute_equals_graphed_bf16_rollout(size, attention):
+    policy = build_policy(config(size, attention), device="cuda")
+    rows = rollout(policy)
+    want = rows[3]
+    assert len({tuple(b) for b in rows[4].tolist()}) >= 4, "several (batch, prompt) buckets"
+    results = {}
+    for micro in (7, 24):
+        got, order = rescore(policy, rows, micro, consistent=True)
+        results[f"consistent_mb{micro}"] = gap_stats(got, want[order])
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # as grpo.actor runs log_prob
+        got, order = rescore(policy, rows, 16, consistent=True)
+    results["consistent_autocast"] = gap_stats(got, want[order])
+    trainer = build_policy(config(size, attention), device="cuda")
+    trainer.model.load_state_dict(policy.model.state_dict())
+    got, order = rescore(trainer, rows, 16, consistent=True)
+    results["consistent_other_instance"] = gap_stats(got, want[order])
+    got, order = rescore(policy, rows, 16, consistent=False)
+    results["plain_bf16"] = gap_stats(got, want[order])
+    fp32 = build_policy(config(size, attention, dtype="float32"), device="cuda")
+    fp32.model.load_state_dict(policy.model.state_dict())
+    got, order = rescore(fp32, rows, 16, consistent=False)
+    results["plain_fp32"] = gap_stats(got, want[order])
+    print(f"\nconsistent_gpu {size} {attention} rows={len(want)} " + json.dumps(results))
+    for name in ("consistent_mb7", "consistent_mb24", "consistent_autocast", "consistent_other_instance"):
+        assert results[name]["elem_max"] == 0.0, (name, results[name])
+    assert results["plain_bf16"]["elem_max"] > 0.0
+
+
+def test_consistent_gradients_close_to_fp32_reference():
+    policy = build_policy(config("small", "sdpa"), device="cuda")
+    rows = rollout(policy)
+    fp32 = build_policy(config("small", "sdpa", dtype="float32"), device="cuda")
+    fp32.model.load_state_dict(policy.model.state_dict())
+    weights = torch.randn(len(rows[1]), generator=torch.Generator().manual_seed(0)).cuda()
+    grads = []
+    for pol, consistent in ((fp32, False), (policy, True)):
+        lp, order = rescore(pol, rows, len(rows[1]), consistent=consistent, grad=True)
+        (lp.flatten(1).sum(1) * weights[order.cuda()]).sum().backward()
+        grads.append({n: p.grad.float() for n, p in pol.model.named_parameters() if p.grad is not None})
+    want, got = grads
+    assert set(want) == set(got)
+    errors = {n: float((got[n] - w).norm() / w.norm().clamp_min(1e-12)) for n, w in want.items()}
+    worst = max(errors, key=errors.get)
+    print(f"\nconsistent_gpu gradients vs fp32 plain: worst rel L2 {errors[worst]:.3e} ({worst}), "
+          f"median {sorted(errors.values())[len(errors) // 2]:.3e}")
+    assert errors[worst] < 0.1
