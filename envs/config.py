@@ -57,6 +57,9 @@ class EnvConfig:
     worker_timeout_s: float = 300.0  # a worker silent this long on a command is declared hung
     create_timeout_s: float = 900.0  # per worker, for creating all of its envs
     start_method: str = "spawn"
+    # niceness added to env worker processes: the driver (policy predict, CUDA launches) keeps
+    # its core when the workers oversubscribe the machine (env steps are throughput work)
+    worker_nice: int = 5
     env_type: str = "libero"
     show_progress: bool = True
     # env_type "worldmodel" only: model / serve / init-frame settings (worldmodels/env_config.py)
@@ -72,6 +75,10 @@ class EnvConfig:
         for key in ("num_envs", "group_size", "num_workers", "image_size", "chunk_size"):
             check_positive_int(f"env.{key}", getattr(self, key))
         check_nonnegative_int("env.num_settle_steps", self.num_settle_steps)
+        check_nonnegative_int("env.worker_nice", self.worker_nice)
+        if self.worker_nice > 19:
+            raise ValueError(f"env.worker_nice must be in 0..19 (added to the workers' niceness), "
+                             f"got {self.worker_nice}")
         check_nonnegative_int("env.seed", self.seed)
         if self.max_episode_steps is not None:
             check_positive_int("env.max_episode_steps", self.max_episode_steps)

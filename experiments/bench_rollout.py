@@ -185,7 +185,7 @@ def env_alone(collector: RolloutCollector, batch, bench: BenchRolloutConfig) -> 
 
 def engine_alone(engine: PolicyEngine, collector: RolloutCollector, batch, bench: BenchRolloutConfig) -> dict[str, Any]:
     """The engine on the observation batches ours predicted (same stage rows, same chunks)."""
-    ha, walls, rows = collector.env_cfg.chunk_size, [], 0
+    ha, walls, rows, timings = collector.env_cfg.chunk_size, [], 0, []
     for t in range(bench.chunks):
         for stage in collector.stages:
             sl = stage.rows
@@ -193,14 +193,18 @@ def engine_alone(engine: PolicyEngine, collector: RolloutCollector, batch, bench
             obs["state"] = batch.states[sl, t]
             obs["prompt"] = batch.prompts[sl]
             start = time.perf_counter()
-            engine.predict(obs, mode=bench.mode, group_size=collector.group_size)
+            out = engine.predict(obs, mode=bench.mode, group_size=collector.group_size)
             if t >= bench.warmup_chunks:
                 walls.append(time.perf_counter() - start)
                 rows += stage.size
+                timings += out.timings
     wall = sum(walls)
     log(f"engine alone: {rows * ha / wall:.1f} env steps/s of actions ({rows / wall:.1f} samples/s)")
+    # where a call's time goes on the ranks: preprocessing (raw obs -> model inputs on the device),
+    # sampling (device-synchronised), the rest of the rank's reply (outputs to the CPU)
+    per_rank = {k: [getattr(t, k) for t in timings] for k in ("preprocess_s", "predict_s", "total_s")}
     return {"calls": len(walls), "rows": rows, "wall_s": wall, "samples_per_s": rows / wall,
-            "env_steps_per_s": rows * ha / wall, "call_walls_s": walls}
+            "env_steps_per_s": rows * ha / wall, "call_walls_s": walls, "rank_timings_s": per_rank}
 
 
 def variant_config(name: str, base: CollectorConfig, env_cfg: EnvConfig) -> CollectorConfig:

@@ -32,9 +32,12 @@ COMMIT_ENV = "VLA_COMMIT_RESULTS"
 
 
 def git_sha() -> str:
-    """HEAD's sha (+ "-dirty" with uncommitted changes to tracked files). Where the tree has no
-    usable git history (the GPU machine gets a copy of the working tree), $VLA_GIT_SHA, which
-    scripts/device_prelude.sh sets from .carry/GIT_SHA."""
+    """$VLA_GIT_SHA when set (scripts/device_prelude.sh sets it from .carry/GIT_SHA on the GPU
+    machine, whose copy of the tree can hold a stale .git: the session's base commit, not the
+    commit that was packed), else HEAD's sha (+ "-dirty" with uncommitted changes to tracked
+    files)."""
+    if os.environ.get("VLA_GIT_SHA"):
+        return os.environ["VLA_GIT_SHA"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10

@@ -40,6 +40,8 @@ def worker_main(
         from envs.config import EnvConfig
 
         cfg = EnvConfig(**cfg_dict)
+        if cfg.worker_nice:
+            os.nice(cfg.worker_nice)  # env stepping yields the CPU to the driver (env.worker_nice)
         if cfg.env_type == "libero":
             from envs.rendering import configure_gl
 

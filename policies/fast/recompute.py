@@ -84,7 +84,10 @@ def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mo
 
 
 def row_buckets(fast, batch: int, fast_buckets: Tensor | None) -> Tensor:
-    """(B, 2) int64 host tensor: the (batch bucket, prompt bucket) each row ran in at rollout."""
+    """(B, 2) or (B, 3) int64 host tensor: the (batch bucket, prompt bucket[, camera bitmask]) each
+    row ran in at rollout (FastSampler.last_buckets has all three; with pinned buckets the kept
+    camera slots are re-derived from the rows' masks: exact for inputs from the policy's transform,
+    whose unmapped slots are masked in every row)."""
     if fast_buckets is None:
         if len(fast.batch_buckets) != 1 or len(fast.prompt_buckets) != 1:
             raise ValueError(
@@ -94,9 +97,9 @@ def row_buckets(fast, batch: int, fast_buckets: Tensor | None) -> Tensor:
                 f"{fast.prompt_buckets}")
         return torch.tensor([[fast.batch_buckets[0], fast.prompt_buckets[0]]]).expand(batch, 2)
     keys = torch.as_tensor(fast_buckets).cpu().long()
-    if tuple(keys.shape) != (batch, 2):
-        raise ValueError(f"fast_buckets must be (B, 2) = {(batch, 2)} (batch bucket, prompt bucket per row), "
-                         f"got {tuple(keys.shape)}")
+    if keys.dim() != 2 or keys.shape[0] != batch or keys.shape[1] not in (2, 3):
+        raise ValueError(f"fast_buckets must be (B, 3) = {(batch, 3)} (batch bucket, prompt bucket, camera bitmask "
+                         f"per row: FastSampler.last_buckets) or (B, 2), got {tuple(keys.shape)}")
     return keys
 
 
@@ -124,7 +127,7 @@ class _ChunkRunner:
         self.names = tuple(name for name, _ in named)
         self.weights = [p for _, p in named]
 
-    def run(self, key: tuple[int, int], part: Tensor):
+    def run(self, key: tuple[int, ...], part: Tensor):
         """Yields (log-probs (n, H, D), flat row*columns+column index) per distinct step of the rows."""
         sampler, dev = self.sampler, self.sampler.device
         bucket = self._prefix(key, part)
@@ -146,7 +149,7 @@ class _ChunkRunner:
             yield logp, (part[rows] * self.num_columns + cols).to(dev)
 
     @torch.no_grad()
-    def _prefix(self, key: tuple[int, int], part: Tensor):
+    def _prefix(self, key: tuple[int, ...], part: Tensor):
         sampler, inputs = self.sampler, self.inputs
         index = part.to(inputs.tokens.device)
         rows = type(inputs)(inputs.images[index], inputs.image_masks[index], inputs.tokens[index],

@@ -41,6 +41,7 @@ class Bucket:
     tensors: dict[str, Tensor]
     k_cache: list[Tensor]
     v_cache: list[Tensor]
+    cam_bits: int = 0  # camera slots this call ran through SigLIP (bit i = policy.cameras[i])
     prefix_attn: object = None
     expert_attn: object = None
     graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
@@ -109,17 +110,18 @@ class FastSampler:
             t, rows = bucket.tensors, part.batch_size
             chains.append(t["chains"][:rows].clone())
             logps.append(t["step_logprobs"][:rows].clone())
-            keys.append(torch.tensor([[bucket.batch, bucket.prompt_len]]).expand(rows, 2))
+            keys.append(torch.tensor([[bucket.batch, bucket.prompt_len, bucket.cam_bits]]).expand(rows, 3))
         self.last_buckets = torch.cat(keys)
         if len(chains) == 1:
             return chains[0], logps[0]
         return torch.cat(chains), torch.cat(logps)
 
     def prepare(self, inputs, noise: Tensor, step_noise: Tensor | None, stochastic: Tensor,
-                key: tuple[int, int] | None = None) -> Bucket:
+                key: tuple[int, ...] | None = None) -> Bucket:
         """Pick (and build on first use) the bucket, and copy this call's inputs into it.
-        `key` = (batch bucket, prompt bucket) forces a bucket (the consistent recompute re-runs
-        rows in the bucket the rollout used); by default the smallest that holds the call.
+        `key` = (batch bucket, prompt bucket[, camera bitmask]) forces a bucket (the consistent
+        recompute re-runs rows in the bucket the rollout used); by default the smallest that holds
+        the call. Camera slots masked in every row are left out (`_drop_unused_cameras`).
 
         The token layout (valid-first order, RoPE positions, suffix slots) is computed on the
         host from the masks (tiny) and sent as one packed copy; the attention is planned from
@@ -127,6 +129,8 @@ class FastSampler:
         b = inputs.batch_size
         token_mask = inputs.token_mask.bool().cpu()
         image_masks = inputs.image_masks.bool().cpu()
+        forced_bits = key[2] if key is not None and len(key) > 2 else None
+        inputs, image_masks, cam_bits = _drop_unused_cameras(inputs, image_masks, forced_bits)
         trailing = (token_mask.flip(1).cumsum(1) == 0).sum(1)
         used = int(token_mask.shape[1] - trailing.min()) if b else 0
         if key is None:
@@ -137,7 +141,8 @@ class FastSampler:
             raise ValueError(f"bucket {tuple(key)} (batch, prompt) cannot hold {b} rows with prompts of {used} tokens; "
                              f"buckets: policy.fast.batch_buckets={self.fast.batch_buckets}, "
                              f"policy.fast.prompt_buckets={self.fast.prompt_buckets}")
-        bucket = self._bucket(*key)
+        bucket = self._bucket(key[0], key[1], cams=image_masks.shape[1])
+        bucket.cam_bits = cam_bits
         n_valid = self._fill(bucket, inputs, image_masks, token_mask, noise, step_noise, stochastic)
         bucket.prefix_attn.plan(n_valid)
         bucket.expert_attn.plan(n_valid + self.cfg.chunk_size)
@@ -166,12 +171,15 @@ class FastSampler:
         graph.replay()
 
     # ------------------------------------------------------------------ buffers
-    def _bucket(self, batch: int, prompt_len: int) -> Bucket:
-        key = (batch, prompt_len)
+    def _bucket(self, batch: int, prompt_len: int, cams: int | None = None) -> Bucket:
+        """The buffers, graphs and attention plans of one (batch, prompt, cameras) shape; `cams`
+        counts the camera slots that carry an image in some row (default: all of them)."""
+        cfg, dev = self.cfg, self.device
+        cams = len(cfg.cameras) if cams is None else cams
+        key = (batch, prompt_len) if cams == len(cfg.cameras) else (batch, prompt_len, cams)
         if key in self.buckets:
             return self.buckets[key]
-        cfg, dev = self.cfg, self.device
-        cams, res, n = len(cfg.cameras), cfg.vision.image_size, cfg.vision.num_patches
+        res, n = cfg.vision.image_size, cfg.vision.num_patches
         h, d, steps = cfg.chunk_size, cfg.max_action_dim, self.num_steps
         p = cams * n + prompt_len
         rows = p + h
@@ -313,6 +321,32 @@ class FastSampler:
             h, normed = K.add_rms_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps)
         out = F.linear(normed.float(), w.action_out.weight.float(), w.action_out.bias.float())
         return out.view(b, hlen, d)
+
+
+def _drop_unused_cameras(inputs, image_masks: Tensor, cam_bits: int | None = None):
+    """Drop the camera slots masked in EVERY row (e.g. pi0.5's third slot on LIBERO, which has two
+    cameras): their tokens are never attended to (pad keys) and do not advance the RoPE positions,
+    and their SigLIP outputs are never read, so leaving them out changes no output, while it saves
+    a third of the vision tower and of the prefix tokens. `cam_bits` forces the kept set (the
+    consistent recompute re-runs rows with the set their rollout call used).
+    Returns (inputs, host image masks of the kept slots, bitmask of the kept slots)."""
+    cams = image_masks.shape[1]
+    if cam_bits is None:
+        active = image_masks.any(dim=0)
+        if not bool(active.any()):
+            active = torch.ones(cams, dtype=torch.bool)
+    else:
+        active = torch.tensor([bool(cam_bits >> i & 1) for i in range(cams)])
+        if bool(image_masks[:, ~active].any()):
+            raise ValueError(f"camera bitmask {cam_bits} drops a camera slot that holds an image in some row "
+                             f"(image masks per slot: {image_masks.any(dim=0).tolist()})")
+    bits = int(sum(1 << i for i in range(cams) if active[i]))
+    if bool(active.all()):
+        return inputs, image_masks, bits
+    keep = active.nonzero().flatten()
+    images = inputs.images.index_select(1, keep.to(inputs.images.device))
+    masks = inputs.image_masks.index_select(1, keep.to(inputs.image_masks.device))
+    return type(inputs)(images, masks, inputs.tokens, inputs.token_mask), image_masks[:, keep], bits
 
 
 def _pick(buckets: list[int], value: int, what: str) -> int:

@@ -301,3 +301,13 @@ def test_make_vector_env_from_keywords():
         assert vec.num_envs == 2 and isinstance(vec, SyncVectorEnv)
     with make_vector_env(countdown_cfg(), in_process=True, num_envs=2, num_workers=1) as vec:
         assert vec.num_envs == 2 and vec.cfg.image_size == 8
+
+
+def test_workers_run_at_the_configured_niceness():
+    """env.worker_nice: workers yield the CPU to the driver process (which predicts)."""
+    with AsyncVectorEnv(countdown_cfg(worker_nice=3)) as vec:
+        vec.reset()
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in vec.worker_pids] == [min(base + 3, 19)] * 2
+    with pytest.raises(ValueError, match="env.worker_nice"):
+        countdown_cfg(worker_nice=25)

@@ -86,7 +86,7 @@ def test_consistent_equals_rollout_bitwise_tiny(dtype):
 def test_consistent_equals_rollout_bitwise_pi05_small(dtype):
     policy = fast_policy("pi05_small", dtype, batch_buckets=[1, 2], prompt_buckets=[32, 200])
     rows = rollout(policy, [(1, 30, 4), (2, 150, 9)], seed=2)
-    assert sorted({tuple(b) for b in rows[5].tolist()}) == [(1, 32), (2, 200)]
+    assert sorted({tuple(b[:2]) for b in rows[5].tolist()}) == [(1, 32), (2, 200)]
     got, _, order = recompute_in_micro_batches(policy, rows, 2)  # with autograd
     assert torch.equal(got.detach(), rows[3][order])
 

@@ -110,3 +110,23 @@ def test_policy_sample_uses_fast_path_when_enabled():
     assert pol._fast is not None and list(pol._fast.buckets) == [(4, 32)]  # default prompt buckets
     assert torch.allclose(fast.chains, ref.chains, atol=2e-5, rtol=1e-5)
     assert torch.allclose(fast.chunk_logprob, ref.chunk_logprob, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dropped", [0, 1])
+def test_camera_masked_in_every_row_is_skipped_exactly(dropped):
+    """A slot masked in every row (pi0.5's third camera on LIBERO) is left out of vision and the
+    prefix: same chains as the reference, which runs it and masks its tokens; smaller bucket."""
+    policy = build_policy(PolicyConfig.preset("tiny", cameras=["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"]))
+    cfg = policy.cfg
+    inputs, noise, step_noise = random_inputs(cfg, 3, 13, seed=11 + dropped)
+    inputs.image_masks[:, :] = True
+    inputs.image_masks[:, 2 - dropped] = False
+    inds = denoise_inds_for("sde", 3, cfg.sampling.num_steps)
+    ref = policy.sample(inputs, mode="sde", noise=noise, step_noise=step_noise, denoise_inds=inds, reference_path=True)
+    fast = FastSampler(policy.model, FastConfig(dtype="float32", batch_buckets=[4], prompt_buckets=[16]))
+    chains, step_lp = fast.sample_chains(inputs, noise, step_noise, inds == torch.arange(cfg.sampling.num_steps))
+    assert torch.allclose(chains, ref.chains, atol=2e-5, rtol=1e-5), (chains - ref.chains).abs().max()
+    assert torch.allclose(step_lp, ref.step_logprobs, atol=2e-4, rtol=1e-5)
+    (bucket,) = fast.buckets.values()
+    assert bucket.tensors["images"].shape[1] == 2  # two camera slots went through SigLIP, not three
+    assert list(fast.buckets) == [(4, 16, 2)]
