@@ -43,3 +43,25 @@ def check_nonnegative_int(key: str, value: Any) -> None:
 def check_positive_float(key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{key} must be a positive number, got {value!r}")
+
+
+def expand_task_ids(task_ids: list[int] | None, num_envs: int, group_size: int, num_tasks: int,
+                    source: str) -> list[int]:
+    """The task of every env from `env.task_ids`: None (group g runs task g % num_tasks), one id
+    for all, one per group of `group_size`, or one per env; every id checked against `num_tasks`
+    (the error names `source`, e.g. "libero_10 has 10 tasks")."""
+    num_groups = num_envs // group_size
+    if task_ids is None:
+        per_group = [g % num_tasks for g in range(num_groups)]
+    elif len(task_ids) == 1:
+        per_group = list(task_ids) * num_groups
+    elif len(task_ids) == num_groups:
+        per_group = list(task_ids)
+    else:
+        per_group = None
+    ids = [t for t in per_group for _ in range(group_size)] if per_group is not None else list(task_ids)
+    for env_index, task_id in enumerate(ids):
+        if not 0 <= task_id < num_tasks:
+            raise ValueError(f"env.task_ids: env {env_index} has task {task_id}, but {source} has "
+                             f"{num_tasks} tasks (0..{num_tasks - 1})")
+    return ids

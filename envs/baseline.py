@@ -33,14 +33,13 @@ import multiprocessing as mp
 import signal
 import time
 import traceback
-from multiprocessing import connection as mp_connection
 from typing import Any
 
 import numpy as np
 
 from envs.config import EnvConfig, robosuite_camera
 from envs.libero_env import NOOP_ACTION, quat_to_axis_angle, rotate_180, state_vector
-from envs.vector.subproc import EnvWorkerError, WorkerCrashedError, process_death_reason
+from envs.vector.subproc import EnvWorkerError, WorkerCrashedError, gather_replies
 
 CLOSE_GRACE_S = 10.0
 
@@ -227,36 +226,10 @@ class RlinfStyleVectorEnv:
         return [replies[i] for i in range(len(self._conns))]
 
     def _gather(self, timeout_s: float, command: str, bar: Any) -> tuple[dict, dict, dict]:
-        pending = set(range(len(self._conns)))
-        replies: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        failures: dict[int, str] = {}
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                failures.update({i: f"sent no reply to {command!r} within {timeout_s:g} s (hung)" for i in pending})
-                break
-            waitables = [self._conns[i] for i in pending] + [self._procs[i].sentinel for i in pending]
-            mp_connection.wait(waitables, timeout=min(remaining, 1.0))
-            for i in sorted(pending):
-                try:
-                    message = self._conns[i].recv() if self._conns[i].poll() else None
-                except (EOFError, OSError):
-                    message = None
-                if message is None:
-                    if not self._procs[i].is_alive():
-                        failures[i] = process_death_reason(self._procs[i])
-                        pending.discard(i)
-                    continue
-                pending.discard(i)
-                kind, payload = message
-                if kind == "ok":
-                    replies[i] = payload
-                else:
-                    errors[i] = payload
-                if bar is not None:
-                    bar.update(1)
+        peers = {i: (conn, proc) for i, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True))}
+        replies, errors, failures = gather_replies(peers, command, timeout_s)
+        if bar is not None:
+            bar.update(len(replies) + len(errors))
         return replies, errors, failures
 
     def _describe(self, index: int) -> str:

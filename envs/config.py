@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import check_choice, check_nonnegative_int, check_positive_int, reject_unknown_keys, to_container
+from common.config import (
+    check_choice,
+    check_nonnegative_int,
+    check_positive_int,
+    expand_task_ids,
+    reject_unknown_keys,
+    to_container,
+)
 from envs.suites import DEFAULT_MAX_EPISODE_STEPS, SUITES
 
 # Camera names in the config (and in observation keys "<name>_image") -> robosuite cameras.
@@ -147,27 +154,8 @@ class EnvConfig:
 
     def env_task_ids(self, num_tasks: int) -> list[int]:
         """Task id of every env, validated against the suite's task count."""
-        if self.task_ids is None:
-            per_group = [g % num_tasks for g in range(self.num_groups)]
-        elif len(self.task_ids) == 1:
-            per_group = self.task_ids * self.num_groups
-        elif len(self.task_ids) == self.num_groups:
-            per_group = list(self.task_ids)
-        else:
-            per_group = None
-        ids = (
-            [t for t in per_group for _ in range(self.group_size)]
-            if per_group is not None
-            else list(self.task_ids)
-        )
-        for env_index, task_id in enumerate(ids):
-            if task_id >= num_tasks:
-                raise ValueError(
-                    f"env.task_ids: env {env_index} has task {task_id}, but "
-                    f"{self.suite if self.env_type == 'libero' else self.env_type} has "
-                    f"{num_tasks} tasks (0..{num_tasks - 1})"
-                )
-        return ids
+        source = self.suite if self.env_type == "libero" else self.env_type
+        return expand_task_ids(self.task_ids, self.num_envs, self.group_size, num_tasks, source)
 
     def worker_env_ids(self) -> list[list[int]]:
         """Contiguous, balanced split of env indices over workers."""

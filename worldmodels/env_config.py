@@ -27,7 +27,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import check_choice, check_nonnegative_int, check_positive_int, reject_unknown_keys, to_container
+from common.config import (
+    check_choice,
+    check_nonnegative_int,
+    check_positive_int,
+    expand_task_ids,
+    reject_unknown_keys,
+    to_container,
+)
 from worldmodels.config import WorldModelConfig
 from worldmodels.serve_config import ServeConfig
 
@@ -115,21 +122,8 @@ class WorldModelEnvConfig:
         return ServeConfig.from_mapping(data)
 
     def env_task_ids(self) -> list[int]:
-        tasks = self.worldmodel.num_tasks
-        if self.task_ids is None:
-            per_group = [g % tasks for g in range(self.num_groups)]
-        elif len(self.task_ids) == 1:
-            per_group = self.task_ids * self.num_groups
-        elif len(self.task_ids) == self.num_groups:
-            per_group = list(self.task_ids)
-        else:
-            per_group = None
-        ids = [t for t in per_group for _ in range(self.group_size)] if per_group is not None else list(self.task_ids)
-        for index, task in enumerate(ids):
-            if not 0 <= task < tasks:
-                raise ValueError(f"env.task_ids: env {index} has task {task}, but the world model has "
-                                 f"{tasks} tasks (env.worldmodel.num_tasks)")
-        return ids
+        return expand_task_ids(self.task_ids, self.num_envs, self.group_size, self.worldmodel.num_tasks,
+                               "the world model")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -147,4 +141,4 @@ class WorldModelEnvConfig:
 
 # EnvConfig keys that mean nothing for the world model (dropped when building from an EnvConfig)
 _ENV_ONLY = {"num_settle_steps", "render_backend", "step_mode", "restart_on_crash", "worker_timeout_s",
-             "create_timeout_s", "start_method"}
+             "create_timeout_s", "start_method", "worker_nice"}

@@ -108,6 +108,18 @@ class VectorEnvBase:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def reset_count(self) -> int:
+        """Resets so far: episode seeds (and drawn init states) derive from (seed, reset count),
+        so a trainer checkpoints it as the data position and sets it back to resume exactly."""
+        return self._reset_count
+
+    @reset_count.setter
+    def reset_count(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"reset_count must be a non-negative integer, got {value!r}")
+        self._reset_count = value
+
     # ------------------------------------------------------------------ shared helpers
     def plan_reset(
         self,

@@ -189,40 +189,9 @@ class AsyncVectorEnv(VectorEnvBase):
         timeout_s: float,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> tuple[dict, dict, dict]:
-        """Collect one reply per worker. Returns (ok payloads, error tracebacks, failures),
-        each keyed by worker index; failures say why a worker gave no reply (died / hung).
-        `on_progress(worker index, payload)` receives "progress" messages."""
-        pending = {h.index: h for h in handles}
-        replies: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        failures: dict[int, str] = {}
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                for index in pending:
-                    failures[index] = f"sent no reply to {command!r} within {timeout_s:.0f} s (hung)"
-                break
-            waitables = [h.conn for h in pending.values()] + [h.process.sentinel for h in pending.values()]
-            mp_connection.wait(waitables, timeout=min(remaining, 1.0))
-            for index, handle in list(pending.items()):
-                message, gone = _poll(handle)
-                if message is None:
-                    if gone or not handle.process.is_alive():
-                        failures[index] = _death_reason(handle)
-                        del pending[index]
-                    continue
-                kind, payload = message
-                if kind == "progress":
-                    if on_progress is not None:
-                        on_progress(index, payload)
-                    continue
-                del pending[index]
-                if kind == "ok":
-                    replies[index] = payload
-                else:
-                    errors[index] = payload
-        return replies, errors, failures
+        """Collect one reply per worker (`gather_replies`), keyed by worker index."""
+        peers = {h.index: (h.conn, h.process) for h in handles}
+        return gather_replies(peers, command, timeout_s, on_progress)
 
     def _describe(self, handle: WorkerHandle) -> str:
         tasks = sorted({self.slots[i].label for i in handle.env_ids})
@@ -297,7 +266,7 @@ class AsyncVectorEnv(VectorEnvBase):
             _replies, errors, failures = self._gather(sent, "reset", self.cfg.worker_timeout_s)
             for h in handles:
                 if h not in sent:
-                    failures[h.index] = _death_reason(h)
+                    failures[h.index] = process_death_reason(h.process)
             self._handle_failures(failures, "reset")
             self._raise_errors(errors, "reset")
             if not failures:
@@ -312,7 +281,7 @@ class AsyncVectorEnv(VectorEnvBase):
         _replies, errors, failures = self._gather(sent, "step", self.cfg.worker_timeout_s)
         for h in handles:
             if h not in sent:
-                failures[h.index] = _death_reason(h)
+                failures[h.index] = process_death_reason(h.process)
         lost = self._handle_failures(failures, "step")
         self._raise_errors(errors, "step")
         return lost
@@ -321,18 +290,59 @@ class AsyncVectorEnv(VectorEnvBase):
         self._finalizer()
 
 
-def _poll(handle: WorkerHandle) -> tuple[tuple | None, bool]:
+def gather_replies(
+    peers: dict[int, tuple[Any, Any]],
+    command: str,
+    timeout_s: float,
+    on_progress: Callable[[int, Any], None] | None = None,
+) -> tuple[dict, dict, dict]:
+    """Wait for one reply per peer (index -> (pipe connection, process)) to `command`.
+
+    Returns (ok payloads, error tracebacks, failures), each keyed by index; a failure says why a
+    peer gave no reply: it died (exit code or signal, noticed through its process sentinel at
+    once) or stayed silent past `timeout_s` (hung). Replies are ("ok" | "error" | "progress",
+    payload); "progress" messages go to `on_progress(index, payload)` and do not count."""
+    pending = dict(peers)
+    replies: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            for index in pending:
+                failures[index] = f"sent no reply to {command!r} within {timeout_s:g} s (hung)"
+            break
+        waitables = [conn for conn, _ in pending.values()] + [proc.sentinel for _, proc in pending.values()]
+        mp_connection.wait(waitables, timeout=min(remaining, 1.0))
+        for index, (conn, process) in list(pending.items()):
+            message, gone = _poll(conn)
+            if message is None:
+                if gone or not process.is_alive():
+                    failures[index] = process_death_reason(process)
+                    del pending[index]
+                continue
+            kind, payload = message
+            if kind == "progress":
+                if on_progress is not None:
+                    on_progress(index, payload)
+                continue
+            del pending[index]
+            if kind == "ok":
+                replies[index] = payload
+            else:
+                errors[index] = payload
+    return replies, errors, failures
+
+
+def _poll(conn: Any) -> tuple[tuple | None, bool]:
     """(message or None, pipe closed)."""
     try:
-        if handle.conn.poll():
-            return handle.conn.recv(), False
+        if conn.poll():
+            return conn.recv(), False
     except (EOFError, OSError):
         return None, True
     return None, False
-
-
-def _death_reason(handle: WorkerHandle) -> str:
-    return process_death_reason(handle.process)
 
 
 def process_death_reason(process: Any) -> str:
