@@ -27,6 +27,7 @@ from profiler.config import ProfilerConfig, WandbConfig
 from rollout.collector_config import CollectorConfig
 from rollout.collector_record import BatchShapes
 from rollout.config import RolloutConfig
+from rollout.placement import check_static
 
 MODES = ("train", "eval")
 VIDEO_FORMATS = ("auto", "mp4", "gif")
@@ -146,6 +147,7 @@ class ExperimentConfig:
     def check_cross_group(self) -> None:
         env, pol, col = self.env, self.policy, self.collector
         col.check_against_env(env)
+        check_static(self.rollout)  # the weight transport (the GPU count is checked at the trainer's start)
         BatchShapes.from_configs(env, pol)  # chunk sizes, log-prob chunk == env chunk, action dims
         obs_keys = {f"{c}_image" for c in env.cameras}
         missing = sorted(set(pol.inputs.camera_map) - obs_keys)

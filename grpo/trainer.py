@@ -1,8 +1,12 @@
 """The GRPO training loop, top to bottom (CleanRL style). Entry point: experiments/grpo.py.
 
 Per RL step s = 1..grpo.steps (weight version = s, the global step):
-    weight_sync  trainer weights -> engine.update_weights(state dict, version=s): everything at
-                 the first sync of a (re)started run, the trainable parameters after that
+    weight_sync  trainer weights -> the engine (version=s): everything at the first sync of a
+                 (re)started run, the trainable parameters after that; by the placement's
+                 transport (rollout/placement.py): a state dict through update_weights, or a
+                 torch.distributed broadcast from the trainer's GPU when the engine's ranks are
+                 processes on other GPUs (run.device=cuda:0 rollout=local
+                 'rollout.engine.devices=[cuda:1,...]')
     rollout      grpo.rollout_epochs x collector.collect(): every env reset (groups of G share
                  an init state), chunks until every episode ends (the collector records
                  rollout/reset, rollout/transfer, rollout/predict, rollout/env_step)
@@ -38,6 +42,8 @@ from policies import PolicyConfig, build_policy
 from profiler import make_timeline, profiler_environ, set_timeline, write_meta
 from rollout.collector import RolloutCollector
 from rollout.engine import PolicyEngine
+from rollout.placement import plan_placement
+from rollout.weights_push import make_pusher
 
 CURVE_FILE = "success_rate.png"
 
@@ -72,14 +78,14 @@ def weight_source(policy, full: bool) -> dict[str, torch.Tensor]:
 
 def data_position(collector) -> dict:
     """The collector's epoch counter and each stage env's reset counter (episode seeds derive from
-    both). The vector env has no public accessor for its reset counter yet, hence `_reset_count`."""
-    return {"collector_epochs": collector.epochs, "env_resets": [st.vec._reset_count for st in collector.stages]}
+    both)."""
+    return {"collector_epochs": collector.epochs, "env_resets": [st.vec.reset_count for st in collector.stages]}
 
 
 def restore_data_position(collector, position: dict) -> None:
     collector.epochs = int(position["collector_epochs"])
     for stage, count in zip(collector.stages, position.get("env_resets", [])):
-        stage.vec._reset_count = int(count)
+        stage.vec.reset_count = int(count)
 
 
 @contextlib.contextmanager
@@ -109,7 +115,9 @@ class Trainer:
     def __init__(self, cfg: ExperimentConfig, run_dir: Path):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         resume_from = checkpoint.resolve(cfg.run.resume) if cfg.run.resume else None  # fail before building
-        self.device = resolve_device(cfg.run.device)
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.placement = plan_placement(cfg.run.device, "run.device", cfg.rollout, cuda_count)  # before any process
+        self.device = torch.device(self.placement.trainer_device)
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
         seed_everything(cfg.run.seed)
@@ -122,11 +130,12 @@ class Trainer:
         self._previous_timeline = set_timeline(self.timeline)
         self.lanes = [make_timeline(self.prof, rank=0, worker=f"env_stage{s}", run_dir=self.run_dir)
                       for s in range(cfg.collector.stages)]
-        self.engine = self.collector = self.evaluator = None
+        self.engine = self.collector = self.evaluator = self.pusher = None
         try:
             self.policy = build_policy(trainer_policy_config(cfg.policy), self.device)
             with profiler_env(self.prof, self.run_dir):
                 self.engine = PolicyEngine(cfg.rollout.engine, cfg.policy, cfg.rollout.weights)
+            self.pusher = make_pusher(self.engine, self.placement, cfg.rollout.weights)
             self.collector = RolloutCollector(cfg.env, self.engine, cfg.collector, policy_cfg=cfg.policy,
                                               timeline=self.timeline, stage_timelines=self.lanes)
             self.actor = Actor(self.policy, cfg.grpo, show_progress=cfg.run.show_progress)
@@ -146,7 +155,9 @@ class Trainer:
         c = self.cfg
         return (f"experiments.grpo: {c.env.env_type}/{c.env.suite} tasks {c.env.task_ids}, {c.env.num_envs} envs in "
                 f"groups of {c.env.group_size}, {c.collector.stages} stages, {c.policy.name} policy, "
-                f"{c.grpo.rollout_epochs} epochs x {c.grpo.steps} steps on {self.device}")
+                f"{c.grpo.rollout_epochs} epochs x {c.grpo.steps} steps; trainer on {self.device}, engine "
+                f"{c.rollout.engine.backend} x{c.rollout.engine.num_ranks} on {self.placement.engine_devices}, "
+                f"weights by {self.placement.why}")
 
     # ----- the loop -----
     def run(self) -> list[dict]:
@@ -172,7 +183,7 @@ class Trainer:
         with phase(tl, "step", step, times):
             with phase(tl, "weight_sync", step, times):
                 full = step == self.first_step
-                self.engine.update_weights(weight_source(self.policy, full), version=step, partial=not full)
+                push = self.pusher.push(weight_source(self.policy, full), version=step, partial=not full)
             with phase(tl, "rollout", step, times):
                 epochs, predict_s = [], 0.0
                 for _ in tqdm(range(cfg.grpo.rollout_epochs), desc=f"rollout (step {step})", leave=False,
@@ -187,6 +198,8 @@ class Trainer:
         metrics = {"kind": "train", "step": step, **rollout_metrics(data), **train_metrics,
                    **phase_metrics(times, predict_s),
                    "rollout/stale_rows": int((data.samples.versions != step).sum())}
+        if push.send_s is not None:  # broadcast: the trainer's send until every rank wrote
+            metrics["step_time/weight_send"] = push.send_s
         self.log.append(metrics)
         self.wandb.log(step, metrics)
         return metrics
@@ -248,6 +261,9 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the envs' workers and the engine, flush the trace (idempotent)."""
+        if self.pusher is not None:
+            self.pusher.close()
+            self.pusher = None
         for part in (self.evaluator, self.collector, self.engine):
             if part is not None:
                 part.close()

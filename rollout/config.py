@@ -28,6 +28,7 @@ from common.config import (
 BACKENDS = ("inproc", "local", "ray")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 WEIGHT_FORMATS = ("auto", "ours", "lerobot", "openpi")
+TRANSPORTS = ("auto", "tensors", "broadcast")
 START_METHODS = ("spawn", "forkserver")
 
 
@@ -135,6 +136,11 @@ class WeightSyncConfig:
     dist_backend: torch.distributed backend of the broadcast source ("auto": nccl on CUDA ranks,
       gloo on CPU ranks).
     dist_timeout_s: timeout of each collective of a broadcast update.
+    transport: how a trainer in another process than the ranks pushes its weights
+      (rollout/placement.py, rollout/weights_push.py): "tensors" (update_weights(state dict):
+      staged through host memory for rank processes), "broadcast" (torch.distributed from the
+      trainer's device), "auto" (broadcast over NCCL when every local rank has a GPU of its own
+      apart from the trainer's, else tensors).
     """
 
     bucket_mb: float = 512.0
@@ -142,6 +148,7 @@ class WeightSyncConfig:
     strict_dtype: bool = False
     dist_backend: str = "auto"
     dist_timeout_s: float = 300.0
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate("rollout.weights")
@@ -151,6 +158,7 @@ class WeightSyncConfig:
         check_choice(f"{key}.format", self.format, WEIGHT_FORMATS)
         check_choice(f"{key}.dist_backend", self.dist_backend, DIST_BACKENDS)
         check_positive_float(f"{key}.dist_timeout_s", self.dist_timeout_s)
+        check_choice(f"{key}.transport", self.transport, TRANSPORTS)
         if not isinstance(self.strict_dtype, bool):
             raise ValueError(f"{key}.strict_dtype must be true or false, got {self.strict_dtype!r}")
 

@@ -133,6 +133,12 @@ class EngineCore:
         """Our-layout parameters on the CPU (tests, checkpoints)."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self._params.items()}
 
+    def checksums(self, names: Sequence[str] | None = None) -> dict[str, int]:
+        """`bit_checksum` of these parameters (all by default): compares weights across processes
+        without moving them (benchmarks check a broadcast landed on every rank)."""
+        names = list(self._params) if names is None else list(names)
+        return {n: bit_checksum(self._params[n]) for n in names}
+
     def info(self) -> dict[str, Any]:
         return {"rank": self.rank, "device": str(self.device), "pid": os.getpid()}
 
@@ -143,3 +149,14 @@ class EngineCore:
         self._programs.clear()
         if self._owns_timeline:
             self.timeline.close()
+
+
+WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@torch.no_grad()
+def bit_checksum(t: Tensor) -> int:
+    """The sum of a tensor's raw words (int64, wrapping): exact and independent of the summation
+    order, so the same bits give the same number on any device and thread count."""
+    flat = t.detach().contiguous().view(-1)
+    return int(flat.view(WORDS[flat.element_size()]).sum())  # integer sums accumulate in int64

@@ -153,7 +153,8 @@ class _Server:
         if self.receiver is None:
             raise RuntimeError("no weight group joined: call engine.join_weight_group(...) first")
         src, version, partial, options = payload
-        self.receiver.receive([self.core.policy.model], src, version, partial, options)
+        with self.core.timeline.span("weight_sync/apply", rank=self.core.rank, source="broadcast"):
+            self.receiver.receive([self.core.policy.model], src, version, partial, options)
 
     def do_call(self, payload):
         method, args = payload

@@ -78,7 +78,8 @@ class RankActor:
     def dist(self, src: int, version: int, partial: bool, options: dict) -> None:
         if self.receiver is None:
             raise RuntimeError("no weight group joined: call engine.join_weight_group(...) first")
-        self.receiver.receive([self.core.policy.model], src, version, partial, options)
+        with self.core.timeline.span("weight_sync/apply", rank=self.core.rank, source="broadcast"):
+            self.receiver.receive([self.core.policy.model], src, version, partial, options)
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.core, method)(*args)
