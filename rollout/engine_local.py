@@ -32,7 +32,7 @@ from rollout.config import EngineConfig
 from rollout.engine_client import EngineClient, RankError, RankFailedError
 from rollout.engine_core import PredictRequest, RankReply, output_shapes
 from rollout.engine_local_worker import PredictCommand, rank_main
-from rollout.shm import ArraySpec, Layout, SharedBlock
+from rollout.shm import ALIGN, ArraySpec, Layout, SharedBlock
 from rollout.weights import TensorSource, WeightPlan, WeightRefusedError, bucket_layout, pack_bucket
 
 CLOSE_GRACE_S = 10.0
@@ -174,7 +174,7 @@ class LocalClient(EngineClient):
             return False
         capacity = max(b, current.capacity if current is not None else 0)
         specs = [ArraySpec(k, (capacity, *shape), np.dtype(dtype).str) for k, (shape, dtype) in rows.items()]
-        layout = Layout(specs)
+        layout = Layout(specs, ALIGN)
         block = SharedBlock.create(layout.nbytes)
         if current is not None:  # the rank re-attaches by name with this command; ours goes now
             h.blocks.remove(current.block)

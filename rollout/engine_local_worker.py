@@ -175,12 +175,12 @@ class _Server:
 
 
 def _attach(held, name: str, specs: list):
-    from rollout.shm import Layout, SharedBlock
+    from rollout.shm import ALIGN, Layout, SharedBlock
 
     if held is not None:
         held[0].close()
     block = SharedBlock.attach(name)
-    return block, Layout(specs).views(block.buf)
+    return block, Layout(specs, ALIGN).views(block.buf)
 
 
 def _send(conn: Any, message: tuple) -> None:

@@ -12,42 +12,13 @@ from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass
 from multiprocessing import shared_memory
 
-import numpy as np
+from common.shm import ArraySpec, Layout, forget_mapping
 
-ALIGN = 256
+__all__ = ["ALIGN", "ArraySpec", "Layout", "SharedBlock"]
 
-
-@dataclass(frozen=True)
-class ArraySpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # numpy dtype string, e.g. "uint8", "float32"
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
-
-class Layout:
-    """Aligned offsets of named arrays in one block."""
-
-    def __init__(self, specs: list[ArraySpec]):
-        self.specs = list(specs)
-        self.offsets, cursor = [], 0
-        for spec in self.specs:
-            cursor = -(-cursor // ALIGN) * ALIGN
-            self.offsets.append(cursor)
-            cursor += spec.nbytes
-        self.nbytes = max(cursor, 1)
-
-    def views(self, buf) -> dict[str, np.ndarray]:
-        return {
-            s.name: np.ndarray(s.shape, dtype=np.dtype(s.dtype), buffer=buf, offset=o)
-            for s, o in zip(self.specs, self.offsets)
-        }
+ALIGN = 256  # bytes: every array of an engine block starts aligned for any dtype
 
 
 class SharedBlock:
@@ -85,7 +56,7 @@ class SharedBlock:
             try:
                 shm.close()
             except BufferError:
-                _forget_mapping(shm)
+                forget_mapping(shm)
             try:
                 shm.unlink()
             except FileNotFoundError:
@@ -97,18 +68,3 @@ class SharedBlock:
                 mapping.close()
             except BufferError:
                 pass  # numpy/torch views still export it: unmapped when they are collected
-
-
-def _forget_mapping(shm: shared_memory.SharedMemory) -> None:
-    """Detach a SharedMemory from a mapping that views still export (CPython 3.10-3.13 internals),
-    so its close()/__del__ become no-ops; the mapping goes with the last view."""
-    shm._buf = None  # type: ignore[attr-defined]
-    shm._mmap = None  # type: ignore[attr-defined]
-    fd = getattr(shm, "_fd", -1)
-    if fd >= 0:
-        os.close(fd)
-        shm._fd = -1  # type: ignore[attr-defined]
-
-
-def segment_exists(name: str) -> bool:
-    return os.path.exists("/dev/shm/" + name.lstrip("/"))

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from common.shm import align_up
 from policies.loaders import ALIASES, EXPERT_HEAD, LLM, PALIGEMMA_HEAD, detect_format, key_rules, part_sizes
 
 ALIGN = 256  # bytes: every tensor of a bucket starts aligned (views of any dtype are valid)
@@ -305,7 +306,7 @@ def bucket_layout(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[Bucket
     a tensor is never split, one larger than a bucket gets a bucket of its own."""
     buckets, indices, offsets, cursor = [], [], [], 0
     for i, meta in enumerate(metas):
-        start = -(-cursor // ALIGN) * ALIGN
+        start = align_up(cursor, ALIGN)
         if indices and start + meta.nbytes > bucket_bytes:
             buckets.append(Bucket(indices, offsets, cursor))
             indices, offsets, start = [], [], 0

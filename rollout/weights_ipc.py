@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.shm import aligned_offsets
 from rollout.shm import SharedBlock
 from rollout.weights import ALIGN, TensorMeta, as_tensor_source
 
@@ -64,7 +65,7 @@ class IpcExporter:
             payload = _dump_cuda(source.tensors)
             self.handles = IpcHandles(uid, "cuda", self.metas, payload, os.getpid())
         else:
-            offsets, size = _layout(self.metas)
+            offsets, size = aligned_offsets((m.nbytes for m in self.metas), ALIGN)
             self._block = SharedBlock.create(size)
             views = _views(self._block.buf, self.metas, offsets)
             for view, tensor in zip(views, source.tensors):
@@ -119,15 +120,6 @@ def close_handles(uid: str | None = None) -> None:
 
 
 # ---------------------------------------------------------------------- helpers
-def _layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
-    offsets, cursor = [], 0
-    for meta in metas:
-        cursor = -(-cursor // ALIGN) * ALIGN
-        offsets.append(cursor)
-        cursor += meta.nbytes
-    return offsets, cursor
-
-
 def _views(buf, metas: list[TensorMeta], offsets: list[int]) -> list[Tensor]:
     flat = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
     return [flat[o : o + m.nbytes].view(m.dtype).view(m.shape) for m, o in zip(metas, offsets)]

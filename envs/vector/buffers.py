@@ -8,23 +8,16 @@ The in-process twin uses the same layout over a plain numpy buffer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import numpy as np
 
+from common.shm import ArraySpec, Layout, forget_mapping
 from envs.config import EnvConfig
 
 ALIGN = 64  # bytes; keeps every array cache-line aligned
 STATE_DIM = 8
 ACTION_DIM = 7
-
-
-@dataclass(frozen=True)
-class ArraySpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
 
 
 def buffer_specs(cfg: EnvConfig) -> list[ArraySpec]:
@@ -51,31 +44,17 @@ def buffer_specs(cfg: EnvConfig) -> list[ArraySpec]:
     return specs
 
 
-def _layout(specs: list[ArraySpec]) -> tuple[list[int], int]:
-    offsets, cursor = [], 0
-    for spec in specs:
-        cursor = -(-cursor // ALIGN) * ALIGN
-        offsets.append(cursor)
-        cursor += int(np.prod(spec.shape)) * spec.dtype.itemsize
-    return offsets, max(cursor, 1)
-
-
 class SharedBuffers:
     """Named numpy views over one buffer (shared memory, or private memory for the twin)."""
 
     def __init__(self, cfg: EnvConfig, buffer, shm: shared_memory.SharedMemory | None, owner: bool):
         self._shm = shm
         self._owner = owner
-        specs = buffer_specs(cfg)
-        offsets, _ = _layout(specs)
-        self.arrays: dict[str, np.ndarray] = {
-            spec.name: np.ndarray(spec.shape, dtype=spec.dtype, buffer=buffer, offset=offset)
-            for spec, offset in zip(specs, offsets, strict=True)
-        }
+        self.arrays: dict[str, np.ndarray] = Layout(buffer_specs(cfg), ALIGN).views(buffer)
 
     @staticmethod
     def nbytes(cfg: EnvConfig) -> int:
-        return _layout(buffer_specs(cfg))[1]
+        return Layout(buffer_specs(cfg), ALIGN).nbytes
 
     @classmethod
     def private(cls, cfg: EnvConfig) -> SharedBuffers:
@@ -120,22 +99,9 @@ class SharedBuffers:
             # A caller still holds a view (e.g. an observation array). Forget the mapping
             # instead: it is unmapped when the last view is garbage collected, and the name is
             # unlinked below regardless, so /dev/shm is clean now.
-            _forget_mapping(shm)
+            forget_mapping(shm)
         if self._owner:
             try:
                 shm.unlink()
             except FileNotFoundError:
                 pass
-
-
-def _forget_mapping(shm: shared_memory.SharedMemory) -> None:
-    """Detach a SharedMemory from a mapping that numpy views still export (CPython 3.10-3.13
-    internals: `_buf`, `_mmap`, `_fd`), so its own close()/__del__ become no-ops."""
-    import os
-
-    shm._buf = None  # type: ignore[attr-defined]
-    shm._mmap = None  # type: ignore[attr-defined]
-    fd = getattr(shm, "_fd", -1)
-    if fd >= 0:
-        os.close(fd)
-        shm._fd = -1  # type: ignore[attr-defined]
