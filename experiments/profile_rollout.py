@@ -3,12 +3,12 @@
     python -m experiments.profile_rollout                        # CPU: tiny policy, libero_10
     python -m experiments.profile_rollout policy=pi05 env.num_envs=64 env.num_workers=16 ...
 
-Each RL step: `weight_sync` (new weights copied into the policy in place, then its fast-path
-tables refreshed: what the engine's in-process sync does), then `rollout`: the envs are split
-into `rollout.stages` pipeline stages, each its own worker-process vector env; stage s's chunk
-runs in the env workers (`rollout/env_step`, recorded on the stage's own lane) while the driver
-predicts stage s+1 (`rollout/transfer` = observation -> policy batch, `rollout/predict`). There
-is no trainer yet (the GRPO issue), so steps have no advantages / actor_train phases.
+Each RL step: `weight_sync` (the current weights plus `rollout.weight_noise` x N(0, 1) pushed
+through `engine.update_weights`, which also refreshes the fast path's tables), then `rollout`:
+one epoch of the pipelined collector (rollout/collector.py) over `rollout.stages` stages of
+worker-process vector envs: stage s's chunk runs in the env workers (`rollout/env_step`, on the
+stage's own lane) while the driver predicts stage s+1 (`rollout/transfer`, `rollout/predict`).
+No trainer runs here, so steps have no advantages / actor_train phases (experiments.grpo has them).
 Writes RUN_DIR/trace, then the report, Perfetto trace, PNGs and an offline wandb run under
 RUN_DIR/profile (rebuild them with `python -m profiler.report RUN_DIR`). RUN_DIR is new for each
 run (`rollout.run_dir`, timestamped by default); one whose trace already holds spans is refused,
@@ -20,21 +20,23 @@ experiments/results.py: runs/profile_rollout/, or benchmarks/results/ with `roll
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from envs.config import EnvConfig, register_hydra_schema
 from experiments.results import write_result
-from policies import PolicyConfig, build_policy
+from policies import PolicyConfig
 from profiler import ProfilerConfig, make_timeline, write_meta
 from profiler.report import build_exports
 from profiler.trace import strict_json, trace_dir
+from rollout.collector import RolloutCollector
+from rollout.collector_config import CollectorConfig
+from rollout.config import EngineConfig
+from rollout.engine import PolicyEngine
 
 register_hydra_schema()
 
@@ -53,9 +55,6 @@ class RolloutProfileConfig:
         for key in ("steps", "chunks", "stages"):
             if getattr(self, key) < 1:
                 raise ValueError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")
-
-
-POLICY_KEYS = ("agentview_image", "wrist_image", "state", "prompt")
 
 
 def fresh_run_dir(path: str | Path) -> Path:
@@ -90,91 +89,58 @@ def result_summary(report, skip_first: int) -> dict:
     return summary
 
 
-def stage_configs(env_cfg: EnvConfig, stages: int) -> list[EnvConfig]:
-    if env_cfg.num_envs % stages or env_cfg.num_workers % stages:
-        raise ValueError(f"env.num_envs ({env_cfg.num_envs}) and env.num_workers ({env_cfg.num_workers}) "
-                         f"must be multiples of rollout.stages ({stages})")
-    per_stage = env_cfg.num_envs // stages
-    return [dataclasses.replace(env_cfg, num_envs=per_stage, num_workers=env_cfg.num_workers // stages,
-                                group_size=min(env_cfg.group_size, per_stage), show_progress=False)
-            for _ in range(stages)]
+def collector_config(env_cfg: EnvConfig, cfg: RolloutProfileConfig) -> CollectorConfig:
+    """rollout.stages stages of env.num_workers / stages workers each, rollout.chunks chunks per epoch."""
+    if env_cfg.num_workers % cfg.stages:
+        raise ValueError(f"env.num_workers ({env_cfg.num_workers}) must be a multiple of rollout.stages "
+                         f"({cfg.stages}): each stage gets its own workers")
+    return CollectorConfig(stages=cfg.stages, workers_per_stage=env_cfg.num_workers // cfg.stages,
+                           max_chunks=cfg.chunks)
 
 
-def weight_sync(policy, noise: float, generator: torch.Generator) -> None:
-    """A trainer's update arriving: new tensors copied into the parameters, tables refreshed."""
-    with torch.no_grad():
-        for p in policy.model.parameters():
-            p.copy_(p + noise * torch.randn(p.shape, generator=generator).to(p.device, p.dtype))
-    policy.refresh_weights()
-
-
-def rollout(timeline, env_lanes, policy, vecs, cfg: RolloutProfileConfig, step: int, chunk_len: int) -> float:
-    """Pipelined: stage s's env chunk runs (worker processes) while the driver predicts s+1."""
-    pool = ThreadPoolExecutor(max_workers=len(vecs))
-    with timeline.span("rollout/reset"):
-        obs = [vec.reset(seed=step * len(vecs) + s) for s, vec in enumerate(vecs)]
-    pending: list = [None] * len(vecs)
-    successes = []
-    try:
-        for chunk in range(cfg.chunks):
-            for s, vec in enumerate(vecs):
-                if pending[s] is not None:
-                    result = pending[s].result()
-                    obs[s] = result.obs
-                    successes.append(result.success)
-                with timeline.span("rollout/transfer", stage=s, chunk=chunk, step=step):
-                    batch = policy.make_batch({k: obs[s][k] for k in POLICY_KEYS})
-                with timeline.span("rollout/predict", stage=s, chunk=chunk, step=step, batch=vec.num_envs):
-                    out = policy.sample(batch, mode="train")
-                actions = np.clip(out.actions[:, :chunk_len].float().cpu().numpy(), -1.0, 1.0)
-                pending[s] = pool.submit(_env_chunk, env_lanes[s], vec, actions, s, chunk, step)
-        for s in range(len(vecs)):
-            successes.append(pending[s].result().success)
-    finally:
-        pool.shutdown(wait=True)
-    return float(np.mean(np.concatenate(successes))) if successes else 0.0
-
-
-def _env_chunk(lane, vec, actions, stage: int, chunk: int, step: int):
-    with lane.span("rollout/env_step", stage=stage, chunk=chunk, step=step):
-        return vec.step_chunk(actions)
+def perturbed_weights(engine: PolicyEngine, noise: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """A trainer's update arriving: the engine's weights plus noise x N(0, 1), in their dtypes."""
+    return {name: (p.float() + noise * torch.randn(p.shape, generator=generator)).to(p.dtype)
+            for name, p in engine.state_dict().items()}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="profile_rollout")
 def main(cfg: DictConfig) -> None:
-    from envs.vector import AsyncVectorEnv
-
     rcfg = RolloutProfileConfig(**OmegaConf.to_container(cfg.rollout, resolve=True))
     env_cfg = EnvConfig.from_mapping(cfg.env)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if rcfg.device == "auto" else rcfg.device
     pcfg = PolicyConfig.from_mapping(cfg.policy)
     if device == "cuda":
         pcfg = pcfg.replace(fast={"enabled": True})
+    ccfg = collector_config(env_cfg, rcfg)  # checked before the run directory exists
     run_dir = fresh_run_dir(rcfg.run_dir)
     prof = dataclasses.replace(ProfilerConfig.from_dict(cfg.profiler, logger=cfg.logger), out_dir=str(run_dir),
                                gpu_timing="sync" if device == "cuda" else "none")
-    policy = build_policy(pcfg, device=device)
     write_meta(run_dir, profiler_config=dataclasses.asdict(prof),
                workload=f"experiments.profile_rollout: {env_cfg.suite}, {env_cfg.num_envs} envs / "
                         f"{env_cfg.num_workers} workers in {rcfg.stages} stages, chunk {env_cfg.chunk_size}, "
                         f"{pcfg.name} policy on {device}, {rcfg.chunks} chunks x {rcfg.steps} steps")
     timeline = make_timeline(prof, rank=0, worker="driver", run_dir=run_dir)
     env_lanes = [make_timeline(prof, rank=0, worker=f"env_stage{s}", run_dir=run_dir) for s in range(rcfg.stages)]
-    vecs = []
     generator = torch.Generator().manual_seed(0)
+    engine = collector = None
     try:
-        vecs = [AsyncVectorEnv(c) for c in stage_configs(env_cfg, rcfg.stages)]
+        engine = PolicyEngine(EngineConfig(devices=device), pcfg)
+        collector = RolloutCollector(env_cfg, engine, ccfg, timeline=timeline, stage_timelines=env_lanes)
         for step in range(rcfg.steps):
+            new_weights = perturbed_weights(engine, rcfg.weight_noise, generator)  # the trainer's side: untimed
             with timeline.span("step", step=step):
                 with timeline.span("weight_sync"):
-                    weight_sync(policy, rcfg.weight_noise, generator)
+                    engine.update_weights(new_weights, version=step + 1)
                 with timeline.span("rollout"):
-                    success = rollout(timeline, env_lanes, policy, vecs, rcfg, step, env_cfg.chunk_size)
-            print(f"step {step}: success rate {success:.2f}")
+                    batch = collector.collect(seed=step, step=step)
+            print(f"step {step}: success rate {batch.success[~batch.lost].mean():.2f}")
             timeline.flush()
     finally:
-        for vec in vecs:
-            vec.close()
+        if collector is not None:
+            collector.close()
+        if engine is not None:
+            engine.close()
         for lane in env_lanes:
             lane.close()
         timeline.close()
