@@ -11,6 +11,7 @@ ATTENTION_CHOICES = ("auto", "sdpa", "flashinfer", "triton")
 BATCH_INVARIANT_ATTENTION = ("sdpa", "triton")
 FAST_DTYPES = ("bfloat16", "float32")
 PRECISIONS = ("bf16", "fp8")
+GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
 
 
 @dataclass
@@ -26,7 +27,10 @@ class FastConfig:
     for bit; needs `enabled` and a batch-invariant `attention` ("sdpa" or "triton").
     precision: "bf16" runs every GEMM in `dtype`; "fp8" runs the vision tower's and the prefix's
     GEMMs in FP8 e4m3 (per-channel weight and per-token activation scales, policies/fast/fp8.py),
-    the expert in `dtype`; needs dtype "bfloat16"."""
+    the expert in `dtype`; needs dtype "bfloat16".
+    gemm: the expert's projections in the denoise loop: "skinny" runs them through split-K Triton
+    kernels that stream the weights at the memory bound for few rows (policies/fast/skinny.py),
+    "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk)."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -37,6 +41,7 @@ class FastConfig:
     attention_profile_path: str | None = None
     consistent_recompute: bool = False
     precision: str = "bf16"
+    gemm: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate("policy.fast")
@@ -49,6 +54,8 @@ class FastConfig:
         if self.precision == "fp8" and self.dtype != "bfloat16":
             raise ValueError(f"{key}.precision=fp8 needs {key}.dtype=bfloat16 (FP8 GEMMs write bf16), "
                              f"got {key}.dtype={self.dtype!r}")
+        if self.gemm not in GEMM_CHOICES:
+            raise ValueError(f"{key}.gemm must be one of {GEMM_CHOICES}, got {self.gemm!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"{key}.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         for name in ("batch_buckets", "prompt_buckets"):

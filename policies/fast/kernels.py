@@ -106,7 +106,7 @@ def _triton_kernels():
     @triton.jit
     def add_norm_kernel(
         h_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, out_ptr, width, eps,
-        gate_row_stride, scale_row_stride, shift_row_stride,
+        gate_row_stride, scale_row_stride, shift_row_stride, y_splits, y_split_stride,
         HAS_Y: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, LAYER_NORM: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -116,6 +116,8 @@ def _triton_kernels():
         h = tl.load(h_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_Y:
             y = tl.load(y_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+            for split in range(1, y_splits):  # skinny.py's split-K partials, summed in split order
+                y += tl.load(y_ptr + split * y_split_stride + row * width + cols, mask=mask, other=0.0)
             if HAS_GATE:
                 y = y * tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
             h = (h + y).to(h_ptr.dtype.element_ty)
@@ -134,7 +136,7 @@ def _triton_kernels():
     @triton.jit
     def rope_scatter_kernel(
         qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
-        tokens_per_sample, cache_rows, num_heads, num_kv_heads,
+        tokens_per_sample, cache_rows, num_heads, num_kv_heads, splits, split_stride,
         HD: tl.constexpr, HALF: tl.constexpr,
     ):
         token = tl.program_id(0)  # flat (b * T + t)
@@ -145,6 +147,9 @@ def _triton_kernels():
         src = qkv_ptr + token * row_width + head * HD
         x1 = tl.load(src + d).to(tl.float32)
         x2 = tl.load(src + HALF + d).to(tl.float32)
+        for split in range(1, splits):  # skinny.py's split-K partials, summed in split order
+            x1 += tl.load(src + split * split_stride + d)
+            x2 += tl.load(src + split * split_stride + HALF + d)
         slot = tl.load(slot_ptr + token)
         if head < num_heads + num_kv_heads:
             c1 = tl.load(cos_ptr + token * HD + d).to(tl.float32)
@@ -214,7 +219,7 @@ def _row_stride(t: Tensor | None) -> int:
     return 0 if t is None or t.dim() == 1 else t.stride(0)
 
 
-def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool) -> tuple[Tensor, Tensor]:
+def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool, y_splits: int = 1) -> tuple[Tensor, Tensor]:
     kernel = _triton_kernels()[0]
     width = h.shape[-1]
     rows = h.numel() // width
@@ -223,7 +228,7 @@ def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool) -> tuple[T
     kernel[(rows,)](
         h, y if y is not None else h, gate if gate is not None else h, scale,
         shift if shift is not None else scale, out, width, eps,
-        _row_stride(gate), _row_stride(scale), _row_stride(shift),
+        _row_stride(gate), _row_stride(scale), _row_stride(shift), y_splits, rows * width,
         HAS_Y=y is not None, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None, LAYER_NORM=layer_norm,
         BLOCK=block, num_warps=8 if width >= 2048 else 4,
     )
@@ -249,11 +254,12 @@ def rope_scatter_qkv_triton(
     q_out: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
 ) -> None:
     kernel = _triton_kernels()[1]
-    b, t, _ = qkv.shape
+    b, t = cos.shape[:2]
     hd = cos.shape[-1]
+    splits = qkv.shape[0] if qkv.dim() == 4 else 1  # (splits, B, T, width) fp32 partials (skinny.py)
     kernel[(b * t, num_heads + 2 * num_kv_heads)](
         qkv, cos, sin, q_out, k_cache, v_cache, slots, t, k_cache.shape[1], num_heads, num_kv_heads,
-        HD=hd, HALF=hd // 2, num_warps=1,
+        splits, b * t * qkv.shape[-1], HD=hd, HALF=hd // 2, num_warps=1,
     )
 
 
@@ -309,9 +315,28 @@ def linear_gelu_tanh(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
 
 
 def rope_scatter_qkv(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots):
+    """qkv (B, T, width), or (splits, B, T, width) fp32 split-K partials (skinny.py) summed first."""
     if triton_usable(qkv) and qkv.is_contiguous():
         return rope_scatter_qkv_triton(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots)
+    if qkv.dim() == 4:
+        qkv = sum_partials(qkv)
     return rope_scatter_qkv_reference(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots)
+
+
+def add_rms_norm_partials(h, partials, gate, scale, shift, eps):
+    """add_rms_norm with y given as (splits, rows, W) fp32 split-K partials (skinny.py), summed in
+    split order in fp32 (not rounded to h's dtype before the gate, unlike a GEMM's bf16 output)."""
+    if triton_usable(h) and h.is_contiguous() and partials.is_contiguous():
+        return _add_norm_triton(h, partials, gate, scale, shift, eps, layer_norm=False, y_splits=partials.shape[0])
+    return add_rms_norm(h, sum_partials(partials), gate, scale, shift, eps)
+
+
+def sum_partials(partials: Tensor) -> Tensor:
+    """(splits, ...) fp32 -> (...) fp32, added in split order (the kernels' order)."""
+    total = partials[0].clone()
+    for part in partials[1:]:
+        total += part
+    return total
 
 
 def gelu_tanh_mul(gate_up: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import fp8
+from policies.fast import fp8, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -45,6 +45,7 @@ class Bucket:
     prefix_attn: object = None
     expert_attn: object = None
     graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    tiles: dict = field(default_factory=dict)  # expert projection -> skinny.SkinnyTile, or None: cuBLAS
     host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
     staged: object = None  # CUDA event recorded after the last copy out of host_pack
 
@@ -204,6 +205,7 @@ class FastSampler:
         tensors["suffix_slots"] = tensors["suffix_positions"] = pack[2 * batch * p:].view(batch, h)
         caches = [[z(batch, rows, kv, hd, dtype=self.dtype) for _ in range(cfg.expert.depth)] for _ in range(2)]
         bucket = Bucket(batch, prompt_len, tensors, caches[0], caches[1])
+        bucket.tiles = skinny.expert_tiles(self.fast.gemm, batch * h, self.w.expert[0], dev)
         bucket.host_pack = torch.empty(pack.numel(), dtype=torch.long, pin_memory=dev.type == "cuda")
         full = torch.full((batch,), p, dtype=torch.int32)
         heads = cfg.prefix.num_heads
@@ -309,18 +311,38 @@ class FastSampler:
         q = torch.empty(b, hlen, ecfg.num_heads, ecfg.head_dim, dtype=self.dtype, device=self.device)
         scale, shift, gate = w.modulation(step, 0)
         _, normed = K.add_rms_norm(h, None, None, scale, shift, ecfg.rms_norm_eps)
+        tiles = bk.tiles
         for i, lw in enumerate(w.expert):
-            qkv = F.linear(normed, lw["qkv"].weight).view(b, hlen, -1)
-            K.rope_scatter_qkv(qkv, cos, sin, ecfg.num_heads, ecfg.num_kv_heads, q, bk.k_cache[i], bk.v_cache[i],
-                               bk.tensors["suffix_slots"])
-            o = F.linear(bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1), lw["o"].weight)
+            qkv = _project(normed, lw["qkv"], tiles["qkv"])
+            K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], b, hlen, -1), cos, sin, ecfg.num_heads, ecfg.num_kv_heads,
+                               q, bk.k_cache[i], bk.v_cache[i], bk.tensors["suffix_slots"])
+            attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1)
+            o = _project(attn, lw["o"], tiles["o"])
             scale, shift, post_gate = w.modulation(step, 2 * i + 1)
-            h, normed = K.add_rms_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps)
-            mlp = F.linear(K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight)), lw["down"].weight)
+            h, normed = _add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps)
+            if tiles["gate_up"] is not None:  # projection and GeGLU in one kernel
+                act = skinny.skinny_linear(normed, lw["gate_up"].weight, tiles["gate_up"], gelu_mul=True)
+            else:
+                act = K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight))
+            mlp = _project(act, lw["down"], tiles["down"])
             scale, shift, gate = w.modulation(step, 2 * i + 2)  # next input norm, or the final norm
-            h, normed = K.add_rms_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps)
+            h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps)
         out = F.linear(normed.float(), w.action_out.weight.float(), w.action_out.bias.float())
         return out.view(b, hlen, d)
+
+
+def _project(x: Tensor, lw, tile) -> Tensor:
+    """x (M, K) @ W^T: cuBLAS (M, N) in x's dtype, or the skinny kernel's (splits, M, N) fp32 partials,
+    which the consumer (rope_scatter_qkv, _add_norm) sums."""
+    if tile is None:
+        return F.linear(x, lw.weight)
+    return skinny.skinny_linear(x, lw.weight, tile)
+
+
+def _add_norm(h: Tensor, y: Tensor, gate, scale, shift, eps):
+    if y.dim() == 3:  # split-K partials
+        return K.add_rms_norm_partials(h, y, gate, scale, shift, eps)
+    return K.add_rms_norm(h, y, gate, scale, shift, eps)
 
 
 def _drop_unused_cameras(inputs, image_masks: Tensor, cam_bits: int | None = None):

@@ -1,0 +1,229 @@
+"""Where the denoise loop's time goes, and which expert GEMM kernel to use at few rows.
+
+    python -m experiments.profile_denoise                 # GPU: pi05, PhyAI (chunk 50) and LIBERO (chunk 10) at b=1
+    python -m experiments.profile_denoise --policy tiny --rows 16 --sweep-limit 2   # CPU smoke (interpreter)
+
+One run, one JSON (runs/profile_denoise/, or --out-dir):
+1. `denoise`: per configuration and batch size, the denoise stage's CUDA-graph replay time (median
+   of `--iters`) with the expert's projections through cuBLAS (`policy.fast.gemm=cublas`) and
+   through the skinny split-K kernels (`gemm=skinny`), and how far the two samplers' chains differ.
+2. `kernels`: the same stage run eagerly under torch.profiler, device time per kernel name
+   (summed over the 10 x 18 layer-steps) for both GEMM choices: what is left to fuse.
+3. `gemm_sweep`: each expert projection shape at each row count, cuBLAS (F.linear) against every
+   skinny tile candidate, timed as 20 back-to-back calls captured in one CUDA graph (what the
+   denoise graph sees), with the bandwidth each reaches reading the weight once.
+The best tile per (N, K, GeGLU) at <= 64 rows is what skinny.TUNED should hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from collections import defaultdict
+
+import torch
+
+if not torch.cuda.is_available():  # the CPU smoke run's skinny kernels go through Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch.nn.functional as F  # noqa: E402
+
+from experiments import bench_predict_common as common
+from experiments.results import write_result
+from policies.config import PolicyConfig
+from policies.fast import kernels as K
+from policies.fast import skinny
+from policies.fast.config import FastConfig
+from policies.fast.runner import FastSampler
+from policies.lerobot_bridge import relative_l2
+from policies.policy import build_policy
+
+REPEATS = 20  # calls per captured graph in the GEMM sweep
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", default="pi05", help="PolicyConfig preset")
+    p.add_argument("--configurations", nargs="+", default=["phyai", "libero_rl"], choices=list(common.CONFIGURATIONS))
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--sweep-rows", type=int, default=50, help="row count (batch x chunk) of the full tile sweep")
+    p.add_argument("--rows", nargs="+", type=int, default=[10, 20, 100, 160, 320, 640],
+                   help="other row counts: cuBLAS against the sweep's best --top tiles")
+    p.add_argument("--top", type=int, default=4)
+    p.add_argument("--sweep-limit", type=int, default=0, help="at most this many tile candidates per shape (0: all)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--attention", default="sdpa")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    base = PolicyConfig.preset(args.policy)
+    record = {"args": vars(args), "denoise": [], "kernels": {}, "gemm_sweep": []}
+    shapes = None
+    for name in args.configurations:
+        spec = common.CONFIGURATIONS[name]
+        cfg = common.configuration_policy_cfg(base, spec, dtype)
+        policy = build_policy(cfg, device=device)
+        shapes = expert_shapes(policy)
+        for batch in args.batch_sizes:
+            row = profile_stage(policy, spec, batch, device, args)
+            row.update(configuration=name, batch=batch, rows=batch * spec["chunk_size"])
+            record["denoise"].append(row)
+            print(f"{name} b={batch}: denoise cublas {row['cublas_ms']:.3f} ms, skinny {row['skinny_ms']:.3f} ms "
+                  f"(chains rel diff {row['chains_rel_l2']:.2e})", flush=True)
+        if device.type == "cuda":
+            record["kernels"][name] = {g: kernel_breakdown(policy, spec, g, device, args) for g in ("cublas", "skinny")}
+        del policy
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    record["gemm_sweep"] = sweep(shapes, args, device)
+    best = best_tiles(record["gemm_sweep"], max_rows=skinny.AUTO_MAX_ROWS)
+    summary = {f"{r['configuration']}_b{r['batch']}_{g}_ms": r[f"{g}_ms"] for r in record["denoise"]
+               for g in ("cublas", "skinny")}
+    summary["best_tiles"] = best
+    write_result("profile_denoise", record, summary, out_dir=args.out_dir, commit=args.commit)
+
+
+def expert_shapes(policy) -> dict[str, tuple[int, int, bool]]:
+    layer = policy.model.expert.layers[0]
+    mods = {"qkv": layer.qkv, "o": layer.o_proj, "gate_up": layer.gate_up, "down": layer.down}
+    return {name: (*m.weight.shape, name == "gate_up") for name, m in mods.items()}
+
+
+def _sampler(policy, gemm: str, batch: int, prompt_len: int, args, graphs: bool = True) -> FastSampler:
+    return FastSampler(policy.model, FastConfig(enabled=True, dtype=policy.cfg.dtype, batch_buckets=[batch],
+                                                prompt_buckets=[prompt_len], attention=args.attention, gemm=gemm,
+                                                cuda_graphs=graphs))
+
+
+def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
+    """Denoise-stage replay time for both GEMM choices on the same inputs, and their chains' gap."""
+    inputs, noise = common.make_inputs(policy.cfg, batch, spec["prompt_len"], device, seed=batch)
+    stoch = torch.zeros(batch, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
+    out = {}
+    for gemm in ("cublas", "skinny"):
+        fast = _sampler(policy, gemm, batch, spec["prompt_len"], args)
+        chains, _ = fast.sample_chains(inputs, noise, None, stoch)
+        bucket = next(iter(fast.buckets.values()))
+        out[f"{gemm}_ms"] = common.timed_ms(lambda f=fast, b=bucket: f.run_stage(b, "denoise"), device, 3, args.iters)
+        out[f"{gemm}_tiles"] = {k: None if t is None else vars(t) for k, t in bucket.tiles.items()}
+        out[f"{gemm}_chains"] = chains[:, -1].float().cpu()
+    out["chains_rel_l2"] = relative_l2(out.pop("skinny_chains"), out.pop("cublas_chains"))
+    return out
+
+
+def kernel_breakdown(policy, spec: dict, gemm: str, device, args) -> dict:
+    """Device time per kernel name of one eager denoise stage (no graphs), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs, noise = common.make_inputs(policy.cfg, 1, spec["prompt_len"], device, seed=1)
+    stoch = torch.zeros(1, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
+    fast = _sampler(policy, gemm, 1, spec["prompt_len"], args, graphs=False)
+    fast.sample_chains(inputs, noise, None, stoch)
+    bucket = next(iter(fast.buckets.values()))
+    fast.run_stage(bucket, "denoise")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fast.run_stage(bucket, "denoise")
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            per_name[event.name].append(event.device_time_total if hasattr(event, "device_time_total")
+                                        else event.cuda_time_total)
+    rows = sorted(((n, sum(v) / 1e3, len(v)) for n, v in per_name.items()), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    return {"kernel_ms_total": total, "launches": sum(r[2] for r in rows),
+            "top": [{"kernel": n[:120], "ms": ms, "calls": c} for n, ms, c in rows[:25]]}
+
+
+def graph_time_us(fn, device, iters: int) -> float:
+    """Per-call time of fn, REPEATS calls captured back to back in one CUDA graph (eager on CPU)."""
+    if device.type != "cuda":
+        return common.timed_ms(fn, device, 1, 2) * 1e3
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPEATS):
+            fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / REPEATS)
+    return statistics.median(times)
+
+
+def sweep(shapes: dict, args, device) -> list[dict]:
+    """Every candidate tile at --sweep-rows rows; at the other row counts the --top best of those."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = []
+    for name, (n, k, gelu_mul) in shapes.items():
+        weight = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+        tiles = skinny.candidates(args.sweep_rows, n, k, gelu_mul)[: args.sweep_limit or None]
+        entry = time_shape(name, weight, gelu_mul, args.sweep_rows, tiles, args, device)
+        out.append(entry)
+        ranked = sorted((c for c in entry["candidates"] if "us" in c), key=lambda c: c["us"])[: args.top]
+        for rows in args.rows:
+            block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+            top = [skinny.SkinnyTile(**{**c["tile"], "block_m": block_m}) for c in ranked]
+            top = [t for t in top if t.fits(rows, n, k, gelu_mul) is None]
+            out.append(time_shape(name, weight, gelu_mul, rows, top, args, device))
+    return out
+
+
+def time_shape(name: str, weight, gelu_mul: bool, rows: int, tiles: list, args, device) -> dict:
+    n, k = weight.shape
+    x = torch.randn(rows, k, device=device, dtype=weight.dtype)
+    ref = (K.gelu_tanh_mul(F.linear(x, weight)) if gelu_mul else F.linear(x, weight)).float()
+    entry = {"projection": name, "n": n, "k": k, "gelu_mul": gelu_mul, "rows": rows,
+             "weight_mb": weight.numel() * weight.element_size() / 1e6, "candidates": []}
+    cublas = (lambda: K.gelu_tanh_mul(F.linear(x, weight))) if gelu_mul else (lambda: F.linear(x, weight))
+    entry["cublas_us"] = graph_time_us(cublas, device, args.iters)
+    for tile in tiles:
+        try:
+            got = skinny.skinny_linear(x, weight, tile, gelu_mul=gelu_mul)
+            got = got.float() if gelu_mul else K.sum_partials(got)
+            us = graph_time_us(lambda t=tile: skinny.skinny_linear(x, weight, t, gelu_mul=gelu_mul), device,
+                               args.iters)
+            entry["candidates"].append({"tile": vars(tile), "us": us, "rel_l2": relative_l2(got, ref),
+                                        "gb_s": entry["weight_mb"] / us * 1e3})
+        except Exception as exc:  # a tile the compiler refuses (shared memory, ...) is recorded, not fatal
+            entry["candidates"].append({"tile": vars(tile), "error": f"{type(exc).__name__}: {exc}"[:300]})
+    timed = [c for c in entry["candidates"] if "us" in c]
+    entry["cublas_gb_s"] = entry["weight_mb"] / entry["cublas_us"] * 1e3
+    if timed:
+        entry["best"] = min(timed, key=lambda c: c["us"])
+        entry["speedup_vs_cublas"] = entry["cublas_us"] / entry["best"]["us"]
+    best = entry.get("best", {})
+    print(f"{name} ({n}x{k}) rows {rows}: cublas {entry['cublas_us']:.1f} us, best skinny "
+          f"{best.get('us', float('nan')):.1f} us {best.get('tile')}", flush=True)
+    return entry
+
+
+def best_tiles(entries: list[dict], max_rows: int) -> dict:
+    """Per projection, the tile with the lowest total time over the swept row counts <= max_rows."""
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for e in entries:
+        if e["rows"] > max_rows:
+            continue
+        for c in e["candidates"]:
+            if "us" in c:
+                key = {k: v for k, v in c["tile"].items() if k != "block_m"}
+                totals[e["projection"]][repr(sorted(key.items()))] += c["us"]
+    return {proj: min(t.items(), key=lambda kv: kv[1])[0] for proj, t in totals.items()}
+
+
+if __name__ == "__main__":
+    main()

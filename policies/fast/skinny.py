@@ -1,0 +1,204 @@
+"""Skinny GEMMs for the denoise loop: few rows (M = batch x chunk, 10..128), weights streamed once.
+
+Why: at batch 1 the expert's projections are y = x W^T with M = 50 rows and W up to 8192 x 1024;
+each is bound by reading W from HBM once (the FLOPs are ~1% of the card). A GEMM library tiles the
+output (M x N) into 128-wide tiles, so the 1024-column projections (`o`, `down`) run on ~8 CTAs of
+132 SMs and read their weights at a fraction of the bandwidth. Here the reduction (K) is split
+too: each program reads a BN x (K / splits) slab of W, so there are (N / BN) x splits programs in
+flight, and writes fp32 partial sums (splits, M, N) that the next kernel, which reads the
+projection anyway (kernels.add_rms_norm, kernels.rope_scatter_qkv), adds up in a fixed order:
+no extra launch, no atomics, and every row's result depends only on that row (batch invariance:
+the consistent recompute re-runs rows at the rollout's bucket shapes and gets the same bits).
+
+`gelu_mul=True` is the GeGLU projection: each program reads the gate rows n and the up rows
+F + n of W = [gate; up] (F = N / 2), keeps both accumulators, and writes gelu_tanh(gate) * up
+in the activation dtype (one kernel for the projection and its activation; no split there,
+since the activation needs whole sums).
+
+`SkinnyTile` (block sizes, splits, warps, stages) per projection comes from `tiles.py`, chosen
+by `experiments/profile_denoise.py`'s sweep on the H200. Everything here is testable on CPU
+through TRITON_INTERPRET=1 against `skinny_linear_reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from policies.fast.config import GEMM_CHOICES
+
+
+@dataclass(frozen=True)
+class SkinnyTile:
+    """block_n x block_k weight tiles, `splits` slices of K (1 for gelu_mul), block_m rows per program."""
+
+    block_n: int = 32
+    block_k: int = 128
+    splits: int = 1
+    block_m: int = 64
+    warps: int = 4
+    stages: int = 4
+
+    def fits(self, m: int, n: int, k: int, gelu_mul: bool = False) -> str | None:
+        """Why this tile cannot run an (m, n, k) projection, or None when it can."""
+        cols = n // 2 if gelu_mul else n
+        if gelu_mul and (n % 2 or self.splits != 1):
+            return f"gelu_mul needs an even N ({n}) and splits=1 (got {self.splits})"
+        if k % (self.splits * self.block_k):
+            return f"K={k} is not a multiple of splits x block_k = {self.splits} x {self.block_k}"
+        if cols % self.block_n:
+            return f"N={cols} is not a multiple of block_n={self.block_n}"
+        if min(self.block_n, self.block_k, self.block_m) < 16:
+            return "tl.dot needs block sizes >= 16"
+        return None
+
+
+def skinny_linear_reference(x: Tensor, weight: Tensor, splits: int = 1, gelu_mul: bool = False) -> Tensor:
+    """What the kernel computes, in plain PyTorch fp32: x (M, K), weight (N, K) ->
+    partials (splits, M, N) fp32, or with gelu_mul gelu_tanh(x Wg^T) * (x Wu^T) (M, N/2) in x's dtype."""
+    xf, wf = x.float(), weight.float()
+    if gelu_mul:
+        gate, up = (xf @ wf.t()).chunk(2, dim=-1)
+        return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
+    k = x.shape[1] // splits
+    return torch.stack([xf[:, s * k:(s + 1) * k] @ wf[:, s * k:(s + 1) * k].t() for s in range(splits)])
+
+
+@functools.cache
+def _kernel():
+    """Compiled on first use, so CPU-only runs never import triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def skinny_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, k_per_split, stride_xm, stride_wn, pair_offset,
+                      GELU_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      UPCAST: tl.constexpr):
+        pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        ks = tl.arange(0, BK)
+        row_ok = rows < M
+        k0 = split * k_per_split
+        x_tile = x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :]
+        w_tile = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+        for _ in range(0, k_per_split, BK):
+            x = tl.load(x_tile, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_tile)
+            if UPCAST:  # the CPU interpreter's bf16 tl.dot returns garbage (Triton 3.x); fp32 there
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, w, acc)
+            if GELU_MUL:
+                w_up = tl.load(w_tile + pair_offset * stride_wn)
+                if UPCAST:
+                    w_up = w_up.to(tl.float32)
+                acc_up = tl.dot(x, w_up, acc_up)
+            x_tile += BK
+            w_tile += BK
+        if GELU_MUL:  # gelu_tanh(gate) * up; tanh as 1 - 2 / (1 + e^2u), exact at both tails
+            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            tanh = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * inner))
+            acc = 0.5 * acc * (1.0 + tanh) * acc_up
+        dst = out_ptr + split * M * N_OUT + rows[:, None] * N_OUT + cols[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    return skinny_kernel
+
+
+def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = False,
+                  out: Tensor | None = None) -> Tensor:
+    """x (M, K) (unit column stride), weight (N, K) contiguous -> partials (splits, M, N) fp32, or
+    (gelu_mul) the GeGLU activation (M, N/2) in x's dtype. `out` reuses a buffer of that shape."""
+    m, k = x.shape
+    n = weight.shape[0]
+    problem = tile.fits(m, n, k, gelu_mul)
+    if problem is not None:
+        raise ValueError(f"skinny tile {tile} cannot run x {tuple(x.shape)} @ W {tuple(weight.shape)}^T: {problem}")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError(f"skinny_linear needs x with unit column stride and a contiguous weight, "
+                         f"got strides {x.stride()} and {weight.stride()}")
+    cols = n // 2 if gelu_mul else n
+    shape = (m, cols) if gelu_mul else (tile.splits, m, n)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype if gelu_mul else torch.float32, device=x.device)
+    elif tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(f"skinny_linear out must be a contiguous {shape}, got {tuple(out.shape)}")
+    grid = (cols // tile.block_n, tile.splits, -(-m // tile.block_m))
+    _kernel()[grid](x, weight, out, m, cols, k // tile.splits, x.stride(0), weight.stride(0), cols,
+                    GELU_MUL=gelu_mul, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
+                    UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=tile.warps, num_stages=tile.stages)
+    return out
+
+
+# ----------------------------------------------------------------------------- choosing tiles
+
+# "auto" uses the skinny kernels up to this many rows (batch x chunk); above it cuBLAS's tiles are
+# full and it wins (experiments/profile_denoise.py measures the crossover).
+AUTO_MAX_ROWS = 64
+# Tiles measured best on the H200 per (N, K, gelu_mul) for <= 64 rows (profile_denoise.py's sweep).
+TUNED: dict[tuple[int, int, bool], SkinnyTile] = {}
+
+
+def default_tile(m: int, n: int, k: int, gelu_mul: bool) -> SkinnyTile:
+    """A tile that fits any projection whose dims are multiples of 16: 32-column slabs (16 when
+    N is not a multiple of 32) and K split until there are ~128 programs for 132 SMs."""
+    cols = n // 2 if gelu_mul else n
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 32 if cols % 32 == 0 else 16
+    block_k = next(b for b in (128, 64, 32, 16) if k % b == 0)
+    splits = 1
+    while (not gelu_mul and (cols // block_n) * splits < 128 and splits < 16
+           and k % (2 * splits * block_k) == 0):
+        splits *= 2
+    return SkinnyTile(block_n=block_n, block_k=block_k, splits=splits, block_m=block_m)
+
+
+def choose_tile(mode: str, m: int, n: int, k: int, gelu_mul: bool, device: torch.device) -> SkinnyTile | None:
+    """The skinny tile for an (m, n, k) projection, or None for cuBLAS (F.linear).
+    mode "auto": skinny on CUDA up to AUTO_MAX_ROWS rows; "skinny": always (where a tile fits);
+    "cublas": never."""
+    if mode not in GEMM_CHOICES:
+        raise ValueError(f"policy.fast.gemm must be one of {GEMM_CHOICES}, got {mode!r}")
+    if mode == "cublas" or (mode == "auto" and (device.type != "cuda" or m > AUTO_MAX_ROWS)):
+        return None
+    if n % 16 or k % 16:
+        return None
+    tuned = TUNED.get((n, k, gelu_mul))
+    tile = tuned if tuned is not None else default_tile(m, n, k, gelu_mul)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    tile = SkinnyTile(tile.block_n, tile.block_k, tile.splits, block_m, tile.warps, tile.stages)
+    return tile if tile.fits(m, n, k, gelu_mul) is None else None
+
+
+def expert_tiles(mode: str, rows: int, layer: dict, device: torch.device) -> dict[str, SkinnyTile | None]:
+    """Per expert projection ("qkv", "o", "gate_up", "down"; `layer` maps them to LinearW) the
+    skinny tile at `rows` rows, or None where cuBLAS runs it (also where it has a bias)."""
+    tiles = {}
+    for name, lw in layer.items():
+        n, k = lw.weight.shape
+        tiles[name] = None if lw.bias is not None else choose_tile(mode, rows, n, k, name == "gate_up", device)
+    return tiles
+
+
+def candidates(m: int, n: int, k: int, gelu_mul: bool) -> list[SkinnyTile]:
+    """The tiles profile_denoise.py sweeps for an (m, n, k) projection: every block_n / block_k /
+    splits combination that fits and puts 96..512 programs on the card's 132 SMs."""
+    cols = n // 2 if gelu_mul else n
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    out = []
+    for block_n in (16, 32, 64, 128):
+        for block_k in (64, 128, 256):
+            for splits in ((1,) if gelu_mul else (1, 2, 4, 8, 16)):
+                programs = (cols // block_n) * splits * -(-m // block_m)
+                tile = SkinnyTile(block_n, block_k, splits, block_m, warps=8 if block_n == 128 else 4)
+                if tile.fits(m, n, k, gelu_mul) is None and (64 if gelu_mul else 96) <= programs <= 512:
+                    out.append(tile)
+    if not out:  # tiny shapes (CPU smoke): whatever fits
+        out.append(default_tile(m, n, k, gelu_mul))
+    return out

@@ -1,0 +1,148 @@
+"""Skinny split-K GEMMs (policies/fast/skinny.py) and their partial-sum consumers against plain
+PyTorch on fresh random inputs: Triton's interpreter on CPU, compiled on a CUDA machine."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from policies.fast import kernels as K  # noqa: E402
+from policies.fast import skinny  # noqa: E402
+from policies.fast.skinny import SkinnyTile  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def _operands(m, n, k, seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k + 8, generator=g).to(DEVICE, dtype)[:, :k]  # a row stride wider than the row
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("m,splits,block_m", [(10, 1, 16), (50, 2, 64), (50, 4, 16), (70, 2, 32)])
+def test_split_partials_match_reference(m, splits, block_m):
+    x, w = _operands(m, 64, 128, seed=m + splits)
+    tile = SkinnyTile(block_n=32, block_k=32, splits=splits, block_m=block_m)
+    got = skinny.skinny_linear(x, w, tile)
+    want = skinny.skinny_linear_reference(x, w, splits)
+    assert got.shape == (splits, m, 64) and got.dtype == torch.float32
+    assert rel(got, want) < 1e-5
+    # the partials add up to the projection
+    assert rel(K.sum_partials(got), x.float() @ w.float().t()) < 1e-5
+
+
+@pytest.mark.parametrize("m", [10, 50])
+def test_gelu_mul_matches_geglu(m):
+    x, w = _operands(m, 2 * 48, 64, seed=3 * m)
+    got = skinny.skinny_linear(x, w, SkinnyTile(block_n=16, block_k=32, block_m=64), gelu_mul=True)
+    want = skinny.skinny_linear_reference(x, w, gelu_mul=True)
+    assert got.shape == (m, 48) and got.dtype == torch.bfloat16
+    assert rel(got, want) < 8e-3  # bf16 output rounding
+    # and what the cuBLAS path computes: the bf16 projection, then the GeGLU kernel's reference
+    cublas_path = K.gelu_tanh_mul_reference(torch.nn.functional.linear(x.float(), w.float()).to(x.dtype))
+    assert rel(got, cublas_path) < 2e-2
+
+
+def test_gelu_mul_tails_are_finite_and_exact():
+    """Large |gate| hits exp overflow/underflow inside the tanh: the result must be gate*up or 0."""
+    x = torch.zeros(16, 16, dtype=torch.float32, device=DEVICE)
+    x[:, 0] = torch.linspace(-200, 200, 16)
+    w = torch.zeros(32, 16, dtype=torch.float32, device=DEVICE)
+    w[:16, 0] = 1.0  # gate = x0
+    w[16:, 0] = 1.0  # up = x0
+    got = skinny.skinny_linear(x, w, SkinnyTile(block_n=16, block_k=16, block_m=16), gelu_mul=True)
+    want = skinny.skinny_linear_reference(x, w, gelu_mul=True)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tile_that_does_not_fit_names_the_problem():
+    x, w = _operands(50, 64, 96, seed=1)
+    with pytest.raises(ValueError, match="K=96 is not a multiple of splits x block_k"):
+        skinny.skinny_linear(x, w, SkinnyTile(block_n=32, block_k=64, splits=1))
+    with pytest.raises(ValueError, match="gelu_mul needs an even N"):
+        skinny.skinny_linear(x, w[:63], SkinnyTile(block_n=16, block_k=32), gelu_mul=True)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_add_rms_norm_reads_partials(splits):
+    g = torch.Generator().manual_seed(splits)
+    rows, width = 6, 48
+    r = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
+    h = r(rows, width).to(torch.bfloat16)
+    partials, gate, scale, shift = r(splits, rows, width), r(width), r(width), r(width)
+    want_h, want = K.add_rms_norm_reference(h.clone(), K.sum_partials(partials), gate, scale, shift, 1e-6)
+    got_h, got = K._add_norm_triton(h.clone(), partials, gate, scale, shift, 1e-6, layer_norm=False,
+                                    y_splits=splits)
+    assert torch.equal(got_h, want_h) or rel(got_h, want_h) < 1e-2
+    assert rel(got, want) < 1e-2
+
+
+def test_rope_scatter_reads_partials():
+    from policies.models.gemma import rope_cos_sin
+
+    g = torch.Generator().manual_seed(5)
+    splits, b, t, hd, heads, kv, rows = 3, 2, 5, 16, 2, 1, 9
+    partials = torch.randn(splits, b, t, (heads + 2 * kv) * hd, generator=g).to(DEVICE)
+    cos, sin = rope_cos_sin(torch.randint(0, 50, (b, t), generator=g).to(DEVICE), hd, 10000.0, torch.bfloat16)
+    slots = torch.stack([torch.randperm(rows, generator=g)[:t] for _ in range(b)]).to(DEVICE, torch.int32)
+    outs = []
+    for qkv, fn in ((K.sum_partials(partials), K.rope_scatter_qkv_reference), (partials, K.rope_scatter_qkv_triton)):
+        q = torch.zeros(b, t, heads, hd, dtype=torch.bfloat16, device=DEVICE)
+        kc, vc = (torch.zeros(b, rows, kv, hd, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+        fn(qkv, cos, sin, heads, kv, q, kc, vc, slots)
+        outs.append((q, kc, vc))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        assert rel(got, want) < 1e-2
+
+
+def test_sampler_with_skinny_gemms_matches_cublas_path():
+    """The whole denoise loop with every expert projection through the skinny kernels (fp32 tiny
+    policy; Triton interpreter on CPU) equals the F.linear path."""
+    from policies.config import PolicyConfig
+    from policies.fast.config import FastConfig
+    from policies.fast.runner import FastSampler
+    from policies.policy import build_policy
+
+    from .test_fast_sampler import random_inputs
+
+    policy = build_policy(PolicyConfig.preset("tiny"), device=DEVICE)
+    cfg = policy.cfg
+    inputs, noise, step_noise = random_inputs(cfg, 3, 13, seed=4)
+    inputs = type(inputs)(inputs.images.to(DEVICE), inputs.image_masks.to(DEVICE), inputs.tokens.to(DEVICE),
+                          inputs.token_mask.to(DEVICE))
+    noise, step_noise = noise.to(DEVICE), step_noise.to(DEVICE)
+    stoch = torch.zeros(3, cfg.sampling.num_steps, dtype=torch.bool, device=DEVICE)
+    stoch[:, 1] = True
+    outs = {}
+    for gemm in ("cublas", "skinny"):
+        fast = FastSampler(policy.model, FastConfig(dtype="float32", batch_buckets=[4], prompt_buckets=[16],
+                                                    gemm=gemm, cuda_graphs=False, attention="sdpa"))
+        outs[gemm] = fast.sample_chains(inputs, noise, step_noise, stoch)
+        tiles = next(iter(fast.buckets.values())).tiles
+        assert all((t is None) == (gemm == "cublas") for t in tiles.values()), tiles
+    for got, want in zip(outs["skinny"], outs["cublas"], strict=True):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_auto_keeps_cublas_on_cpu_and_above_the_row_limit():
+    from policies.fast.weights import LinearW
+
+    layer = {"qkv": LinearW(torch.zeros(2560, 1024), None), "down": LinearW(torch.zeros(1024, 4096), None)}
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert all(t is None for t in skinny.expert_tiles("auto", 50, layer, cpu).values())
+    assert all(t is not None for t in skinny.expert_tiles("auto", 50, layer, cuda).values())
+    assert all(t is None for t in skinny.expert_tiles("auto", skinny.AUTO_MAX_ROWS + 1, layer, cuda).values())
+    assert skinny.expert_tiles("skinny", 500, layer, cpu)["down"].block_m == 64
+    with pytest.raises(ValueError, match="policy.fast.gemm must be one of"):
+        skinny.choose_tile("fast", 50, 1024, 1024, False, cpu)
