@@ -1,7 +1,8 @@
 """Where the denoise loop's time goes, and which expert GEMM kernel to use at few rows.
 
-    python -m experiments.profile_denoise                 # GPU: pi05, PhyAI (chunk 50) and LIBERO (chunk 10) at b=1
-    python -m experiments.profile_denoise --policy tiny --rows 16 --sweep-limit 2   # CPU smoke (interpreter)
+    python -m experiments.profile_denoise [--sweep]        # GPU: pi05, PhyAI (chunk 50) and LIBERO (chunk 10)
+    python -m experiments.profile_denoise --policy tiny --sweep --rows 16 --sweep-limit 2 --variants \
+        cublas/sdpa/off skinny/sdpa/off --batch-sizes 1      # CPU smoke (Triton interpreter)
 
 One run, one JSON (runs/profile_denoise/, or --out-dir):
 1. `denoise`: per configuration and batch size, the denoise stage's CUDA-graph replay time (median
@@ -52,7 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=4)
     p.add_argument("--sweep-limit", type=int, default=0, help="at most this many tile candidates per shape (0: all)")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--attention", default="sdpa")
+    p.add_argument("--variants", nargs="+", default=["cublas/sdpa/off", "cublas/triton/off", "skinny/triton/off",
+                                                     "skinny/triton/on", "skinny/triton/early", "auto/auto/auto"],
+                   help="gemm/attention/pdl settings of policy.fast to time (the first is the chains' reference)")
+    p.add_argument("--breakdown", nargs="*", default=["cublas/sdpa", "skinny/triton"],
+                   help="gemm/attention settings profiled kernel by kernel (eager)")
+    p.add_argument("--sweep", action="store_true", help="also sweep the skinny tiles of every expert projection")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
     return p.parse_args(argv)
@@ -71,20 +77,22 @@ def main(argv=None) -> None:
         policy = build_policy(cfg, device=device)
         shapes = expert_shapes(policy)
         for batch in args.batch_sizes:
-            row = profile_stage(policy, spec, batch, device, args)
-            row.update(configuration=name, batch=batch, rows=batch * spec["chunk_size"])
-            record["denoise"].append(row)
-            print(f"{name} b={batch}: denoise cublas {row['cublas_ms']:.3f} ms, skinny {row['skinny_ms']:.3f} ms "
-                  f"(chains rel diff {row['chains_rel_l2']:.2e})", flush=True)
+            variants = profile_stage(policy, spec, batch, device, args)
+            record["denoise"].append({"configuration": name, "batch": batch, "rows": batch * spec["chunk_size"],
+                                      "variants": variants})
+            for variant, v in variants.items():
+                print(f"{name} b={batch} {variant:24s} denoise {v['ms']:.3f} ms  attention {v['attention']}  "
+                      f"rel {v['chains_rel_l2_vs_first']:.1e}  pdl-bits-equal {v.get('bit_equal_to_pdl_off', '-')}",
+                      flush=True)
         if device.type == "cuda":
-            record["kernels"][name] = {g: kernel_breakdown(policy, spec, g, device, args) for g in ("cublas", "skinny")}
+            record["kernels"][name] = {v: kernel_breakdown(policy, spec, v, device) for v in args.breakdown}
         del policy
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    record["gemm_sweep"] = sweep(shapes, args, device)
-    best = best_tiles(record["gemm_sweep"], max_rows=skinny.AUTO_MAX_ROWS)
-    summary = {f"{r['configuration']}_b{r['batch']}_{g}_ms": r[f"{g}_ms"] for r in record["denoise"]
-               for g in ("cublas", "skinny")}
-    summary["best_tiles"] = best
+    summary = {f"{r['configuration']}_b{r['batch']}_{variant}_ms": v["ms"] for r in record["denoise"]
+               for variant, v in r["variants"].items()}
+    if args.sweep:
+        record["gemm_sweep"] = sweep(shapes, args, device)
+        summary["best_tiles"] = best_tiles(record["gemm_sweep"], max_rows=64)
     write_result("profile_denoise", record, summary, out_dir=args.out_dir, commit=args.commit)
 
 
@@ -94,35 +102,42 @@ def expert_shapes(policy) -> dict[str, tuple[int, int, bool]]:
     return {name: (*m.weight.shape, name == "gate_up") for name, m in mods.items()}
 
 
-def _sampler(policy, gemm: str, batch: int, prompt_len: int, args, graphs: bool = True) -> FastSampler:
+def _sampler(policy, batch: int, prompt_len: int, graphs: bool = True, **fast) -> FastSampler:
     return FastSampler(policy.model, FastConfig(enabled=True, dtype=policy.cfg.dtype, batch_buckets=[batch],
-                                                prompt_buckets=[prompt_len], attention=args.attention, gemm=gemm,
-                                                cuda_graphs=graphs))
+                                                prompt_buckets=[prompt_len], cuda_graphs=graphs, **fast))
 
 
 def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
-    """Denoise-stage replay time for both GEMM choices on the same inputs, and their chains' gap."""
+    """Denoise-stage replay time of every variant on the same inputs; chains against the first
+    variant's, and whether variants that differ only in PDL give identical bits (they must)."""
     inputs, noise = common.make_inputs(policy.cfg, batch, spec["prompt_len"], device, seed=batch)
     stoch = torch.zeros(batch, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
-    out = {}
-    for gemm in ("cublas", "skinny"):
-        fast = _sampler(policy, gemm, batch, spec["prompt_len"], args)
-        chains, _ = fast.sample_chains(inputs, noise, None, stoch)
+    out, chains = {}, {}
+    for variant in args.variants:
+        gemm, attention, pdl_mode = variant.split("/")
+        fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode)
+        chains[variant] = fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
         bucket = next(iter(fast.buckets.values()))
-        out[f"{gemm}_ms"] = common.timed_ms(lambda f=fast, b=bucket: f.run_stage(b, "denoise"), device, 3, args.iters)
-        out[f"{gemm}_tiles"] = {k: None if t is None else vars(t) for k, t in bucket.tiles.items()}
-        out[f"{gemm}_chains"] = chains[:, -1].float().cpu()
-    out["chains_rel_l2"] = relative_l2(out.pop("skinny_chains"), out.pop("cublas_chains"))
+        ms = common.timed_ms(lambda f=fast, b=bucket: f.run_stage(b, "denoise"), device, 3, args.iters)
+        out[variant] = {"ms": ms, "pdl_code": fast.pdl, "attention": getattr(bucket.expert_attn, "name", "?"),
+                        "tiles": {k: None if t is None else vars(t) for k, t in bucket.tiles.items()},
+                        "chains_rel_l2_vs_first": relative_l2(chains[variant], chains[args.variants[0]])}
+        del fast
+    for variant in args.variants:
+        twin = variant.rsplit("/", 1)[0] + "/off"
+        if twin in chains and twin != variant:
+            out[variant]["bit_equal_to_pdl_off"] = bool(torch.equal(chains[variant], chains[twin]))
     return out
 
 
-def kernel_breakdown(policy, spec: dict, gemm: str, device, args) -> dict:
+def kernel_breakdown(policy, spec: dict, variant: str, device) -> dict:
     """Device time per kernel name of one eager denoise stage (no graphs), largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     inputs, noise = common.make_inputs(policy.cfg, 1, spec["prompt_len"], device, seed=1)
     stoch = torch.zeros(1, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
-    fast = _sampler(policy, gemm, 1, spec["prompt_len"], args, graphs=False)
+    gemm, attention = variant.split("/")[:2]
+    fast = _sampler(policy, 1, spec["prompt_len"], graphs=False, gemm=gemm, attention=attention)
     fast.sample_chains(inputs, noise, None, stoch)
     bucket = next(iter(fast.buckets.values()))
     fast.run_stage(bucket, "denoise")

@@ -12,6 +12,7 @@ BATCH_INVARIANT_ATTENTION = ("sdpa", "triton")
 FAST_DTYPES = ("bfloat16", "float32")
 PRECISIONS = ("bf16", "fp8")
 GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
+PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
 
 
 @dataclass
@@ -30,7 +31,9 @@ class FastConfig:
     the expert in `dtype`; needs dtype "bfloat16".
     gemm: the expert's projections in the denoise loop: "skinny" runs them through split-K Triton
     kernels that stream the weights at the memory bound for few rows (policies/fast/skinny.py),
-    "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk)."""
+    "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk).
+    pdl: programmatic dependent launch of the denoise graph's Triton kernels (policies/fast/pdl.py):
+    "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs)."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -42,6 +45,7 @@ class FastConfig:
     consistent_recompute: bool = False
     precision: str = "bf16"
     gemm: str = "auto"
+    pdl: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate("policy.fast")
@@ -56,6 +60,8 @@ class FastConfig:
                              f"got {key}.dtype={self.dtype!r}")
         if self.gemm not in GEMM_CHOICES:
             raise ValueError(f"{key}.gemm must be one of {GEMM_CHOICES}, got {self.gemm!r}")
+        if self.pdl not in PDL_CHOICES:
+            raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"{key}.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         for name in ("batch_buckets", "prompt_buckets"):

@@ -142,7 +142,8 @@ def _quantize_kernel():
             if ACT == 2:
                 v = v * tl.load(src + width + cols, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+        # IEEE divisions (Triton's `/` is approximate): bit-equal scales and quotients to PyTorch's
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
         tl.store(s_ptr + row, scale)
         dst = q_ptr + row * width
         for start in range(0, width, BLOCK):
@@ -154,7 +155,7 @@ def _quantize_kernel():
                 v = 0.5 * v * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
             if ACT == 2:
                 v = v * tl.load(src + width + cols, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
             tl.store(dst + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
     return quantize_rows_kernel

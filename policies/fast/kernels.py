@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from policies import flow
+from policies.fast.pdl import launch_kwargs
 
 # ----------------------------------------------------------------------------- references
 
@@ -108,8 +109,14 @@ def _triton_kernels():
         h_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, out_ptr, width, eps,
         gate_row_stride, scale_row_stride, shift_row_stride, y_splits, y_split_stride,
         HAS_Y: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, LAYER_NORM: tl.constexpr,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # pdl.py: wait for the predecessor before the first activation read
+            if PDL == 2:
+                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+            if PDL == 1:
+                tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < width
@@ -137,8 +144,14 @@ def _triton_kernels():
     def rope_scatter_kernel(
         qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
         tokens_per_sample, cache_rows, num_heads, num_kv_heads, splits, split_stride,
-        HD: tl.constexpr, HALF: tl.constexpr,
+        HD: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # pdl.py: wait for the predecessor before the first activation read
+            if PDL == 2:
+                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+            if PDL == 1:
+                tl.extra.cuda.gdc_launch_dependents()
         token = tl.program_id(0)  # flat (b * T + t)
         head = tl.program_id(1)  # 0..H-1 q heads, then KV k heads, then KV v heads
         sample = token // tokens_per_sample
@@ -219,7 +232,8 @@ def _row_stride(t: Tensor | None) -> int:
     return 0 if t is None or t.dim() == 1 else t.stride(0)
 
 
-def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool, y_splits: int = 1) -> tuple[Tensor, Tensor]:
+def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool, y_splits: int = 1,
+                     pdl: int = 0) -> tuple[Tensor, Tensor]:
     kernel = _triton_kernels()[0]
     width = h.shape[-1]
     rows = h.numel() // width
@@ -230,7 +244,7 @@ def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool, y_splits: 
         shift if shift is not None else scale, out, width, eps,
         _row_stride(gate), _row_stride(scale), _row_stride(shift), y_splits, rows * width,
         HAS_Y=y is not None, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None, LAYER_NORM=layer_norm,
-        BLOCK=block, num_warps=8 if width >= 2048 else 4,
+        BLOCK=block, PDL=pdl, num_warps=8 if width >= 2048 else 4, **launch_kwargs(pdl),
     )
     return h, out
 
@@ -251,7 +265,7 @@ def add_layer_norm_triton(
 
 def rope_scatter_qkv_triton(
     qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int,
-    q_out: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+    q_out: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, pdl: int = 0,
 ) -> None:
     kernel = _triton_kernels()[1]
     b, t = cos.shape[:2]
@@ -259,7 +273,7 @@ def rope_scatter_qkv_triton(
     splits = qkv.shape[0] if qkv.dim() == 4 else 1  # (splits, B, T, width) fp32 partials (skinny.py)
     kernel[(b * t, num_heads + 2 * num_kv_heads)](
         qkv, cos, sin, q_out, k_cache, v_cache, slots, t, k_cache.shape[1], num_heads, num_kv_heads,
-        splits, b * t * qkv.shape[-1], HD=hd, HALF=hd // 2, num_warps=1,
+        splits, b * t * qkv.shape[-1], HD=hd, HALF=hd // 2, PDL=pdl, num_warps=1, **launch_kwargs(pdl),
     )
 
 
@@ -287,9 +301,9 @@ def flow_step_triton(chains, v, step_noise, stochastic, logp, k, t, delta, sigma
 # ----------------------------------------------------------------------------- dispatch
 
 
-def add_rms_norm(h, y, gate, scale, shift, eps):
+def add_rms_norm(h, y, gate, scale, shift, eps, pdl: int = 0):
     if triton_usable(h) and h.is_contiguous():
-        return add_rms_norm_triton(h, y, gate, scale, shift, eps)
+        return _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm=False, pdl=pdl)
     new_h, normed = add_rms_norm_reference(h, y, gate, scale, shift, eps)
     if y is not None:
         h.copy_(new_h)
@@ -314,20 +328,22 @@ def linear_gelu_tanh(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     return torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias), approximate="tanh")
 
 
-def rope_scatter_qkv(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots):
-    """qkv (B, T, width), or (splits, B, T, width) fp32 split-K partials (skinny.py) summed first."""
+def rope_scatter_qkv(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots, pdl: int = 0):
+    """qkv (B, T, width), or (splits, B, T, width) fp32 split-K partials (skinny.py) summed first.
+    pdl: pdl.py's mode code (CUDA only)."""
     if triton_usable(qkv) and qkv.is_contiguous():
-        return rope_scatter_qkv_triton(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots)
+        return rope_scatter_qkv_triton(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots, pdl)
     if qkv.dim() == 4:
         qkv = sum_partials(qkv)
     return rope_scatter_qkv_reference(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots)
 
 
-def add_rms_norm_partials(h, partials, gate, scale, shift, eps):
+def add_rms_norm_partials(h, partials, gate, scale, shift, eps, pdl: int = 0):
     """add_rms_norm with y given as (splits, rows, W) fp32 split-K partials (skinny.py), summed in
     split order in fp32 (not rounded to h's dtype before the gate, unlike a GEMM's bf16 output)."""
     if triton_usable(h) and h.is_contiguous() and partials.is_contiguous():
-        return _add_norm_triton(h, partials, gate, scale, shift, eps, layer_norm=False, y_splits=partials.shape[0])
+        return _add_norm_triton(h, partials, gate, scale, shift, eps, layer_norm=False, y_splits=partials.shape[0],
+                                pdl=pdl)
     return add_rms_norm(h, sum_partials(partials), gate, scale, shift, eps)
 
 

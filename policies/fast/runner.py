@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import fp8, skinny
+from policies.fast import fp8, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -61,6 +61,9 @@ class FastSampler:
         self.selector = AttentionSelector(fast_cfg.attention, fast_cfg.attention_profile_path)
         self.buckets: dict[tuple[int, int], Bucket] = {}
         self.use_graphs = fast_cfg.cuda_graphs and self.device.type == "cuda"
+        # PDL (pdl.py) only inside graphs: eager launches are host-bound anyway, and the denoise
+        # graph is where ~1300 dependent kernels run back to back
+        self.pdl = pdl.mode_code(fast_cfg.pdl, self.device) if self.use_graphs else 0
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         grid = self.w.grid  # fixed per num_steps: baked into the graphs as constants
         deltas, sigmas = flow.step_deltas(grid), flow.sde_sigmas(grid, self.cfg.sampling.noise_level)
@@ -211,6 +214,8 @@ class FastSampler:
         heads = cfg.prefix.num_heads
         bucket.prefix_attn = self.selector.build("prefix", batch, p, rows, heads, kv, hd, self.dtype, dev, full)
         bucket.expert_attn = self.selector.build("expert", batch, h, rows, heads, kv, hd, self.dtype, dev, full)
+        if hasattr(bucket.expert_attn, "pdl"):
+            bucket.expert_attn.pdl = self.pdl
         self.buckets[key] = bucket
         return bucket
 
@@ -311,38 +316,38 @@ class FastSampler:
         q = torch.empty(b, hlen, ecfg.num_heads, ecfg.head_dim, dtype=self.dtype, device=self.device)
         scale, shift, gate = w.modulation(step, 0)
         _, normed = K.add_rms_norm(h, None, None, scale, shift, ecfg.rms_norm_eps)
-        tiles = bk.tiles
+        tiles, pdl_code = bk.tiles, self.pdl
         for i, lw in enumerate(w.expert):
-            qkv = _project(normed, lw["qkv"], tiles["qkv"])
+            qkv = _project(normed, lw["qkv"], tiles["qkv"], pdl_code)
             K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], b, hlen, -1), cos, sin, ecfg.num_heads, ecfg.num_kv_heads,
-                               q, bk.k_cache[i], bk.v_cache[i], bk.tensors["suffix_slots"])
+                               q, bk.k_cache[i], bk.v_cache[i], bk.tensors["suffix_slots"], pdl_code)
             attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1)
-            o = _project(attn, lw["o"], tiles["o"])
+            o = _project(attn, lw["o"], tiles["o"], pdl_code)
             scale, shift, post_gate = w.modulation(step, 2 * i + 1)
-            h, normed = _add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps)
+            h, normed = _add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
             if tiles["gate_up"] is not None:  # projection and GeGLU in one kernel
-                act = skinny.skinny_linear(normed, lw["gate_up"].weight, tiles["gate_up"], gelu_mul=True)
+                act = skinny.skinny_linear(normed, lw["gate_up"].weight, tiles["gate_up"], gelu_mul=True, pdl=pdl_code)
             else:
                 act = K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight))
-            mlp = _project(act, lw["down"], tiles["down"])
+            mlp = _project(act, lw["down"], tiles["down"], pdl_code)
             scale, shift, gate = w.modulation(step, 2 * i + 2)  # next input norm, or the final norm
-            h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps)
+            h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
         out = F.linear(normed.float(), w.action_out.weight.float(), w.action_out.bias.float())
         return out.view(b, hlen, d)
 
 
-def _project(x: Tensor, lw, tile) -> Tensor:
+def _project(x: Tensor, lw, tile, pdl_code: int = 0) -> Tensor:
     """x (M, K) @ W^T: cuBLAS (M, N) in x's dtype, or the skinny kernel's (splits, M, N) fp32 partials,
     which the consumer (rope_scatter_qkv, _add_norm) sums."""
     if tile is None:
         return F.linear(x, lw.weight)
-    return skinny.skinny_linear(x, lw.weight, tile)
+    return skinny.skinny_linear(x, lw.weight, tile, pdl=pdl_code)
 
 
-def _add_norm(h: Tensor, y: Tensor, gate, scale, shift, eps):
+def _add_norm(h: Tensor, y: Tensor, gate, scale, shift, eps, pdl_code: int = 0):
     if y.dim() == 3:  # split-K partials
-        return K.add_rms_norm_partials(h, y, gate, scale, shift, eps)
-    return K.add_rms_norm(h, y, gate, scale, shift, eps)
+        return K.add_rms_norm_partials(h, y, gate, scale, shift, eps, pdl_code)
+    return K.add_rms_norm(h, y, gate, scale, shift, eps, pdl_code)
 
 
 def _drop_unused_cameras(inputs, image_masks: Tensor, cam_bits: int | None = None):

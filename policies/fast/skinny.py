@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from policies.fast.config import GEMM_CHOICES
+from policies.fast.pdl import launch_kwargs
 
 
 @dataclass(frozen=True)
@@ -75,30 +76,49 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def skinny_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, k_per_split, stride_xm, stride_wn, pair_offset,
-                      GELU_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      UPCAST: tl.constexpr):
+    def skinny_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, stride_xm, stride_wn, pair_offset,
+                      K_SPLIT: tl.constexpr, GELU_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
         row_ok = rows < M
-        k0 = split * k_per_split
+        k0 = split * K_SPLIT
+        if PDL:  # the weights need nothing from the predecessor: pull this program's slab into L2 first
+            if PDL == 2:
+                tl.extra.cuda.gdc_launch_dependents()
+            lines = tl.arange(0, K_SPLIT // 64)  # 128-byte lines of one bf16 row segment
+            slab = w_ptr + cols[:, None].to(tl.int64) * stride_wn + k0 + lines[None, :] * 64
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [slab],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+            if GELU_MUL:
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                          [slab + pair_offset * stride_wn], dtype=tl.int32, is_pure=False, pack=1)
+            tl.extra.cuda.gdc_wait()  # the predecessor is done: its activations are visible
+            if PDL == 1:
+                tl.extra.cuda.gdc_launch_dependents()
         x_tile = x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :]
         w_tile = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-        for _ in range(0, k_per_split, BK):
+        for _ in range(0, K_SPLIT, BK):
             x = tl.load(x_tile, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_tile)
             if UPCAST:  # the CPU interpreter's bf16 tl.dot returns garbage (Triton 3.x); fp32 there
                 x, w = x.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(x, w, acc)
+            if IEEE:  # fp32 operands: full fp32 products, as cuBLAS without TF32
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
             if GELU_MUL:
                 w_up = tl.load(w_tile + pair_offset * stride_wn)
                 if UPCAST:
                     w_up = w_up.to(tl.float32)
-                acc_up = tl.dot(x, w_up, acc_up)
+                if IEEE:
+                    acc_up = tl.dot(x, w_up, acc_up, input_precision="ieee")
+                else:
+                    acc_up = tl.dot(x, w_up, acc_up)
             x_tile += BK
             w_tile += BK
         if GELU_MUL:  # gelu_tanh(gate) * up; tanh as 1 - 2 / (1 + e^2u), exact at both tails
@@ -112,9 +132,10 @@ def _kernel():
 
 
 def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = False,
-                  out: Tensor | None = None) -> Tensor:
+                  out: Tensor | None = None, pdl: int = 0) -> Tensor:
     """x (M, K) (unit column stride), weight (N, K) contiguous -> partials (splits, M, N) fp32, or
-    (gelu_mul) the GeGLU activation (M, N/2) in x's dtype. `out` reuses a buffer of that shape."""
+    (gelu_mul) the GeGLU activation (M, N/2) in x's dtype. `out` reuses a buffer of that shape.
+    pdl: pdl.py's mode code (bf16 weights only: the L2 prefetch counts 64-element lines)."""
     m, k = x.shape
     n = weight.shape[0]
     problem = tile.fits(m, n, k, gelu_mul)
@@ -129,10 +150,15 @@ def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = 
         out = torch.empty(shape, dtype=x.dtype if gelu_mul else torch.float32, device=x.device)
     elif tuple(out.shape) != shape or not out.is_contiguous():
         raise ValueError(f"skinny_linear out must be a contiguous {shape}, got {tuple(out.shape)}")
+    k_split = k // tile.splits
+    lines = k_split // 64
+    if pdl and (weight.element_size() != 2 or k_split % 64 or lines & (lines - 1)):
+        pdl = 0  # the prefetch walks a power-of-two count of 128-byte lines of bf16 rows
     grid = (cols // tile.block_n, tile.splits, -(-m // tile.block_m))
-    _kernel()[grid](x, weight, out, m, cols, k // tile.splits, x.stride(0), weight.stride(0), cols,
+    _kernel()[grid](x, weight, out, m, cols, x.stride(0), weight.stride(0), cols, K_SPLIT=k_split,
                     GELU_MUL=gelu_mul, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
-                    UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=tile.warps, num_stages=tile.stages)
+                    UPCAST=os.environ.get("TRITON_INTERPRET") == "1", IEEE=x.dtype == torch.float32, PDL=pdl,
+                    num_warps=tile.warps, num_stages=tile.stages, **launch_kwargs(pdl))
     return out
 
 
@@ -140,9 +166,16 @@ def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = 
 
 # "auto" uses the skinny kernels up to this many rows (batch x chunk); above it cuBLAS's tiles are
 # full and it wins (experiments/profile_denoise.py measures the crossover).
-AUTO_MAX_ROWS = 64
-# Tiles measured best on the H200 per (N, K, gelu_mul) for <= 64 rows (profile_denoise.py's sweep).
-TUNED: dict[tuple[int, int, bool], SkinnyTile] = {}
+AUTO_MAX_ROWS = 128
+# pi0.5 expert's projections: the fastest tiles of profile_denoise.py's sweep on the H200 at 50
+# rows (benchmarks/results/profile_denoise_nvidia-h200_20261201-140223.json), also fastest or
+# within 0.3 us at 10 and 20 rows; 1.2-3.2 TB/s against cuBLAS's 0.6-2.0 there.
+TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
+    (2560, 1024, False): SkinnyTile(block_n=64, block_k=64, splits=4),  # qkv
+    (1024, 2048, False): SkinnyTile(block_n=64, block_k=64, splits=8),  # o
+    (8192, 1024, True): SkinnyTile(block_n=32, block_k=64, splits=1),  # gate_up + GeGLU
+    (1024, 4096, False): SkinnyTile(block_n=64, block_k=64, splits=8),  # down
+}
 
 
 def default_tile(m: int, n: int, k: int, gelu_mul: bool) -> SkinnyTile:

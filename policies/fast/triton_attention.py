@@ -19,6 +19,8 @@ import math
 import torch
 from torch import Tensor
 
+from policies.fast.pdl import launch_kwargs
+
 
 @functools.cache
 def _kernels():
@@ -30,8 +32,14 @@ def _kernels():
         q_ptr, k_ptr, v_ptr, key_len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         sm_scale, T, S, NUM_SPLITS, SPLIT_ROWS,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr,
+        DIRECT: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # pdl.py: wait for the predecessor before the first activation read
+            if PDL == 2:
+                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+            if PDL == 1:
+                tl.extra.cuda.gdc_launch_dependents()
         group = H // KV
         bk = tl.program_id(0)  # b * KV + kv head
         row_tile = tl.program_id(1)
@@ -79,8 +87,14 @@ def _kernels():
     @triton.jit
     def merge_splits(
         part_o_ptr, part_lse_ptr, out_ptr, T, NUM_SPLITS,
-        H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, SPLITS_P2: tl.constexpr,
+        H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # pdl.py: wait for the predecessor before the first activation read
+            if PDL == 2:
+                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+            if PDL == 1:
+                tl.extra.cuda.gdc_launch_dependents()
         group = H // KV
         bk = tl.program_id(0)
         row = tl.program_id(1)
@@ -107,6 +121,7 @@ class TritonSplitKVAttention:
 
     name = "triton"
     BLOCK_M, BLOCK_N = 32, 64
+    pdl = 0  # pdl.py's mode code; the fast sampler sets it on the expert's backend
 
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, target_blocks: int | None = None):
@@ -144,12 +159,13 @@ class TritonSplitKVAttention:
         attend[(b * kv, self.row_tiles, self.num_splits)](
             q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5, t, k_cache.shape[1],
             self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
-            DIRECT=direct, num_warps=4, num_stages=2,
+            DIRECT=direct, PDL=self.pdl, num_warps=4, num_stages=2, **launch_kwargs(self.pdl),
         )
         if not direct:
             packed = t * (heads // kv)
             merge[(b * kv, packed)](
                 self.part_o, self.part_lse, out, t, self.num_splits, H=heads, KV=kv, HD=hd,
-                SPLITS_P2=max(2, 1 << (self.num_splits - 1).bit_length()), num_warps=4,
+                SPLITS_P2=max(2, 1 << (self.num_splits - 1).bit_length()), PDL=self.pdl, num_warps=4,
+                **launch_kwargs(self.pdl),
             )
         return out.view(b, t, heads * hd)
