@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--breakdown", nargs="*", default=["cublas/sdpa", "skinny/triton"],
                    help="gemm/attention settings profiled kernel by kernel (eager)")
     p.add_argument("--sweep", action="store_true", help="also sweep the skinny tiles of every expert projection")
+    p.add_argument("--attention-sweep", action="store_true",
+                   help="also sweep the Triton attention's blocks on the expert's shapes (b = --batch-sizes)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
     return p.parse_args(argv)
@@ -69,7 +71,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     base = PolicyConfig.preset(args.policy)
-    record = {"args": vars(args), "denoise": [], "kernels": {}, "gemm_sweep": []}
+    record = {"args": vars(args), "denoise": [], "kernels": {}, "gemm_sweep": [], "attention_sweep": {}}
     shapes = None
     for name in args.configurations:
         spec = common.CONFIGURATIONS[name]
@@ -86,6 +88,8 @@ def main(argv=None) -> None:
                       flush=True)
         if device.type == "cuda":
             record["kernels"][name] = {v: kernel_breakdown(policy, spec, v, device) for v in args.breakdown}
+        if args.attention_sweep:
+            record["attention_sweep"][name] = attention_sweep(policy.cfg, spec, device, args)
         del policy
         torch.cuda.empty_cache() if device.type == "cuda" else None
     summary = {f"{r['configuration']}_b{r['batch']}_{variant}_ms": v["ms"] for r in record["denoise"]
@@ -107,6 +111,25 @@ def _sampler(policy, batch: int, prompt_len: int, graphs: bool = True, **fast) -
                                                 prompt_buckets=[prompt_len], cuda_graphs=graphs, **fast))
 
 
+# Alternative skinny.TUNED sets (variant "skinny@<name>/..."): fewer K splits leave less for the
+# consuming kernels (add_rms_norm, rope_scatter) to add up, at some cost in the GEMM itself.
+T = skinny.SkinnyTile
+TILE_SETS = {
+    "s4": {"qkv": T(32, 64, 2), "o": T(32, 64, 4), "gate_up": T(32, 64, 1), "down": T(32, 64, 4)},
+    "s2": {"qkv": T(16, 64, 2), "o": T(16, 64, 2), "gate_up": T(32, 64, 1), "down": T(16, 128, 2)},
+}
+
+
+def tuned_for(policy, tile_set: str | None) -> dict:
+    """skinny.TUNED with `tile_set`'s tiles for this policy's expert shapes (None: unchanged)."""
+    if tile_set is None:
+        return dict(skinny.TUNED)
+    if tile_set not in TILE_SETS:
+        raise ValueError(f"unknown tile set {tile_set!r}; known: {sorted(TILE_SETS)}")
+    shapes = expert_shapes(policy)
+    return {**skinny.TUNED, **{shapes[name]: tile for name, tile in TILE_SETS[tile_set].items()}}
+
+
 def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     """Denoise-stage replay time of every variant on the same inputs; chains against the first
     variant's, and whether variants that differ only in PDL give identical bits (they must)."""
@@ -115,8 +138,13 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     out, chains = {}, {}
     for variant in args.variants:
         gemm, attention, pdl_mode = variant.split("/")
-        fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode)
-        chains[variant] = fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
+        gemm, _, tile_set = gemm.partition("@")
+        saved, skinny.TUNED = skinny.TUNED, tuned_for(policy, tile_set or None)
+        try:
+            fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode)
+            chains[variant] = fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
+        finally:
+            skinny.TUNED = saved
         bucket = next(iter(fast.buckets.values()))
         ms = common.timed_ms(lambda f=fast, b=bucket: f.run_stage(b, "denoise"), device, 3, args.iters)
         out[variant] = {"ms": ms, "pdl_code": fast.pdl, "attention": getattr(bucket.expert_attn, "name", "?"),
@@ -225,6 +253,61 @@ def time_shape(name: str, weight, gelu_mul: bool, rows: int, tiles: list, args, 
     print(f"{name} ({n}x{k}) rows {rows}: cublas {entry['cublas_us']:.1f} us, best skinny "
           f"{best.get('us', float('nan')):.1f} us {best.get('tile')}", flush=True)
     return entry
+
+
+def attention_sweep(cfg, spec: dict, device, args) -> list[dict]:
+    """The expert's attention (chunk queries x 8 heads against the prefix + chunk keys of one KV
+    head) per batch size: SDPA and every Triton block setting, timed in graphs, checked against
+    fp32 attention."""
+    from policies.fast.attention import SdpaAttention
+    from policies.fast.triton_attention import TritonSplitKVAttention
+
+    e = cfg.expert
+    queries = spec["chunk_size"]
+    rows = spec["cameras"] * cfg.vision.num_patches + spec["prompt_len"] + queries
+    out = []
+    for batch in args.batch_sizes:
+        g = torch.Generator(device="cpu").manual_seed(batch)
+        q = torch.randn(batch, queries, e.num_heads, e.head_dim, generator=g).to(device, torch.bfloat16)
+        kc, vc = (torch.randn(batch, rows, e.num_kv_heads, e.head_dim, generator=g).to(device, torch.bfloat16)
+                  for _ in range(2))
+        key_len = torch.full((batch,), rows, dtype=torch.int32)
+        sdpa = SdpaAttention(batch, rows, device)
+        sdpa.plan(key_len)
+        ref = SdpaAttention(batch, rows, device)
+        ref.plan(key_len)
+        want = ref(q.float(), kc.float(), vc.float())
+        entry = {"batch": batch, "queries": queries, "keys": rows, "sdpa_us": graph_time_us(lambda: sdpa(q, kc, vc),
+                                                                                            device, args.iters),
+                 "candidates": []}
+        for bm, bn, target, warps, stages in _attention_settings():
+            try:
+                att = TritonSplitKVAttention(batch, queries, rows, e.num_heads, e.num_kv_heads, e.head_dim, device,
+                                             target_blocks=target, block_m=bm, block_n=bn, warps=warps, stages=stages)
+                att.plan(key_len)
+                err = relative_l2(att(q, kc, vc).float(), want)
+                us = graph_time_us(lambda a=att: a(q, kc, vc), device, args.iters)
+                entry["candidates"].append({"block_m": bm, "block_n": bn, "target_blocks": target, "warps": warps,
+                                            "stages": stages, "splits": att.num_splits, "us": us, "rel_l2": err})
+            except Exception as exc:  # shared memory too large for a setting, ...: recorded
+                entry["candidates"].append({"block_m": bm, "block_n": bn, "target_blocks": target,
+                                            "error": f"{type(exc).__name__}: {exc}"[:200]})
+        timed = sorted((c for c in entry["candidates"] if "us" in c), key=lambda c: c["us"])
+        entry["best"] = timed[0] if timed else None
+        print(f"attention {spec['chunk_size']}q x {rows}k b={batch}: sdpa {entry['sdpa_us']:.1f} us, best triton "
+              f"{timed[0]['us'] if timed else float('nan'):.1f} us {timed[0] if timed else ''}", flush=True)
+        out.append(entry)
+    return out
+
+
+def _attention_settings():
+    for bm in (16, 32, 64):
+        for bn in (32, 64, 128):
+            for target in (132, 264, 528):
+                yield bm, bn, target, 4, 2
+    for bm, bn, target in ((32, 64, 132), (64, 64, 264), (16, 64, 264)):
+        yield bm, bn, target, 8, 2
+        yield bm, bn, target, 4, 3
 
 
 def best_tiles(entries: list[dict], max_rows: int) -> dict:

@@ -110,7 +110,9 @@ def activate(x: Tensor, act: str) -> Tensor:
 def quantize_rows_reference(x: Tensor, act: str = "none") -> tuple[Tensor, Tensor]:
     """x (M, K') -> (q (M, K) e4m3, scale (M, 1) fp32) of act(x), one scale per row."""
     v = activate(x, act)
-    scale = v.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
+    # amax times the fp32 reciprocal of 448 (what PyTorch's CUDA division by a Python scalar does,
+    # and what the Triton kernel does), then an IEEE division per element
+    scale = v.abs().amax(dim=-1, keepdim=True).clamp_min(MIN_AMAX) * (1.0 / FP8_MAX)
     return (v / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -142,8 +144,9 @@ def _quantize_kernel():
             if ACT == 2:
                 v = v * tl.load(src + width + cols, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        # IEEE divisions (Triton's `/` is approximate): bit-equal scales and quotients to PyTorch's
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
+        # the scale as amax * fp32(1/448) and an IEEE division per element (Triton's `/` is
+        # approximate), as quantize_rows_reference: bit-equal scales and quotients
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / 448.0)
         tl.store(s_ptr + row, scale)
         dst = q_ptr + row * width
         for start in range(0, width, BLOCK):

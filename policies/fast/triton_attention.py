@@ -123,10 +123,17 @@ class TritonSplitKVAttention:
     BLOCK_M, BLOCK_N = 32, 64
     pdl = 0  # pdl.py's mode code; the fast sampler sets it on the expert's backend
 
+    WARPS, STAGES = 4, 2
+
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
-                 device: torch.device, target_blocks: int | None = None):
+                 device: torch.device, target_blocks: int | None = None, block_m: int | None = None,
+                 block_n: int | None = None, warps: int | None = None, stages: int | None = None):
+        """block_m / block_n / warps / stages / target_blocks (programs aimed for; default: the SM
+        count) override the class defaults (experiments/profile_denoise.py sweeps them)."""
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
+        self.BLOCK_M, self.BLOCK_N = block_m or self.BLOCK_M, block_n or self.BLOCK_N
+        self.WARPS, self.STAGES = warps or self.WARPS, stages or self.STAGES
         self.shape = (batch, queries, rows, heads, kv_heads, head_dim)
         self.key_len = torch.full((batch,), rows, dtype=torch.int32, device=device)
         packed_rows = queries * (heads // kv_heads)
@@ -159,7 +166,7 @@ class TritonSplitKVAttention:
         attend[(b * kv, self.row_tiles, self.num_splits)](
             q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5, t, k_cache.shape[1],
             self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
-            DIRECT=direct, PDL=self.pdl, num_warps=4, num_stages=2, **launch_kwargs(self.pdl),
+            DIRECT=direct, PDL=self.pdl, num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl),
         )
         if not direct:
             packed = t * (heads // kv)
