@@ -174,6 +174,14 @@ class FastSampler:
         bucket.graphs[stage] = graph
         graph.replay()
 
+    def _pdl_for(self, bucket: Bucket) -> int:
+        """PDL's mode code in this bucket's graphs. "auto" turns it on at batch 1 only: on the H200 it
+        cut the denoise there by 10% in both configurations, but at batch 2 it gained 4% in one and
+        lost 10% in the other (profile_denoise_nvidia-h200_20261201-141251.json)."""
+        if self.fast.pdl == "auto" and bucket.batch > 1:
+            return 0
+        return self.pdl
+
     # ------------------------------------------------------------------ buffers
     def _bucket(self, batch: int, prompt_len: int, cams: int | None = None) -> Bucket:
         """The buffers, graphs and attention plans of one (batch, prompt, cameras) shape; `cams`
@@ -215,7 +223,7 @@ class FastSampler:
         bucket.prefix_attn = self.selector.build("prefix", batch, p, rows, heads, kv, hd, self.dtype, dev, full)
         bucket.expert_attn = self.selector.build("expert", batch, h, rows, heads, kv, hd, self.dtype, dev, full)
         if hasattr(bucket.expert_attn, "pdl"):
-            bucket.expert_attn.pdl = self.pdl
+            bucket.expert_attn.pdl = self._pdl_for(bucket)
         self.buckets[key] = bucket
         return bucket
 
@@ -316,7 +324,7 @@ class FastSampler:
         q = torch.empty(b, hlen, ecfg.num_heads, ecfg.head_dim, dtype=self.dtype, device=self.device)
         scale, shift, gate = w.modulation(step, 0)
         _, normed = K.add_rms_norm(h, None, None, scale, shift, ecfg.rms_norm_eps)
-        tiles, pdl_code = bk.tiles, self.pdl
+        tiles, pdl_code = bk.tiles, self._pdl_for(bk)
         for i, lw in enumerate(w.expert):
             qkv = _project(normed, lw["qkv"], tiles["qkv"], pdl_code)
             K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], b, hlen, -1), cos, sin, ecfg.num_heads, ecfg.num_kv_heads,

@@ -116,11 +116,20 @@ def _kernels():
     return split_kv_attention, merge_splits
 
 
+def default_blocks(batch: int, packed_rows: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) by the H200 sweep of the expert's attention (profile_denoise.py,
+    benchmarks/results/profile_denoise_nvidia-h200_20261201-141251.json): 16 x 64 for <= 128 packed
+    query rows (LIBERO's chunk 10 x 8 heads: 6.8 us against 7.8 with 32 x 64), 32 x 128 at batch 1
+    with more (PhyAI's chunk 50: 9.6 against 11.5 us), else 64 x 64 (13.2 against 15.1 at batch 2)."""
+    if packed_rows <= 128:
+        return 16, 64
+    return (32, 128) if batch == 1 else (64, 64)
+
+
 class TritonSplitKVAttention:
     """Backend with the `plan(key_len)` / `__call__(q, k_cache, v_cache)` interface of attention.py."""
 
     name = "triton"
-    BLOCK_M, BLOCK_N = 32, 64
     pdl = 0  # pdl.py's mode code; the fast sampler sets it on the expert's backend
 
     WARPS, STAGES = 4, 2
@@ -132,11 +141,12 @@ class TritonSplitKVAttention:
         count) override the class defaults (experiments/profile_denoise.py sweeps them)."""
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
-        self.BLOCK_M, self.BLOCK_N = block_m or self.BLOCK_M, block_n or self.BLOCK_N
+        packed_rows = queries * (heads // kv_heads)
+        default_m, default_n = default_blocks(batch, packed_rows)
+        self.BLOCK_M, self.BLOCK_N = block_m or default_m, block_n or default_n
         self.WARPS, self.STAGES = warps or self.WARPS, stages or self.STAGES
         self.shape = (batch, queries, rows, heads, kv_heads, head_dim)
         self.key_len = torch.full((batch,), rows, dtype=torch.int32, device=device)
-        packed_rows = queries * (heads // kv_heads)
         self.row_tiles = math.ceil(packed_rows / self.BLOCK_M)
         if target_blocks is None:
             cuda = device.type == "cuda"

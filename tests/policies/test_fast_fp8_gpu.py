@@ -29,13 +29,18 @@ def test_quantize_rows_triton_matches_reference(act, width):
     x[3] = 0.0
     q, scale = fp8.quantize_rows_triton(x, act)
     q_ref, scale_ref = fp8.quantize_rows_reference(x, act)
-    assert torch.allclose(scale, scale_ref, rtol=1e-5, atol=0)
+    if act == "none":  # no activation: bit-equal scales and codes
+        assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # The GELU's tanh differs in the last bits between Triton and PyTorch: a row's absolute max,
+    # hence its scale, may move by an ulp (and then every code of the row is compared against a
+    # slightly different grid), and a value next to a rounding boundary may land one e4m3 step away.
+    assert torch.allclose(scale, scale_ref, rtol=1e-6, atol=0)
     got, want = fp8.dequantize_rows(q, scale), fp8.dequantize_rows(q_ref, scale_ref)
-    # The GELU's exp differs in the last bits between Triton and PyTorch, so a value next to a
-    # rounding boundary may land one e4m3 step away (2^-3 relative, 2^-9 scale below normals).
     step = 2.0**-3 * want.abs() + 2.0**-9 * scale_ref
     assert bool(((got - want).abs() <= step * 1.001).all())
-    assert (got != want).float().mean().item() < 1e-2
+    # the quantisation itself: the reference's activation on the kernel's own scale grid
+    on_grid = fp8.dequantize_rows((fp8.activate(x, act) / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8), scale)
+    assert (got != on_grid).float().mean().item() < 1e-2
     assert bool((got[3] == 0).all())
 
 
