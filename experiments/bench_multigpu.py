@@ -1,4 +1,5 @@
-"""Multi-GPU benchmark (issue 13): data-parallel engine scaling and weight broadcast to every rank.
+"""Multi-GPU benchmark (issue 13): data-parallel engine scaling, weight broadcast to every rank, and the
+data-parallel actor update.
 
     python -m experiments.bench_multigpu                       # CPU smoke run (tiny policy, gloo, <= 2 ranks)
     python -m experiments.bench_multigpu policy=pi05 policy.fast.enabled=true bench.time_budget_s=540
@@ -16,7 +17,12 @@ Parts (bench.parts, in that order):
   cuda:0..N-1 predicts bench.batch_per_rank x N rows per call: warm-up calls, then timed calls
   (wall time of `engine.predict`, and the ranks' device-synchronised PolicyOutput.timings).
   samples/s = rows / median wall; scaling efficiency = samples/s(N) / (N x samples/s(1)); the
-  same observation rows for every N (LIBERO-like: 2 cameras, 8-dim state, libero_10 prompts).
+  same observation rows for every N (LIBERO-like: 2 cameras, 8-dim state, libero_10 prompts);
+- "actor": one GRPO actor update (bench.actor_rows rows the policy sampled itself) by the
+  single-process actor, then by DDP / FSDP2 over K = bench.actor_ranks ranks on cuda:0..K-1
+  (grpo.actor_parallel; spawned ranks, no torchrun): rows/s, efficiency, start and weight-gather
+  time, and the K-rank update's difference from the single-process one
+  (experiments/bench_multigpu_actor.py).
 A rank count beyond the visible GPUs (or bench.max_cpu_ranks on CPU) is skipped and recorded,
 unless bench.share_gpus places several ranks per GPU; a backend that cannot be imported (Ray on
 the GPU box) is recorded as such; past bench.time_budget_s the remaining measurements are
@@ -48,13 +54,14 @@ from common.config import (
     check_positive_int,
     reject_unknown_keys,
 )
+from experiments.bench_multigpu_actor import run_actor
 from experiments.bench_multigpu_sync import default_sync_receivers, goal_check, measure_sync, sync_devices
 from experiments.results import write_result
 from policies import PolicyConfig
 from rollout.config import EngineConfig
 from rollout.engine import PolicyEngine
 
-PARTS, BACKENDS = ("sync", "throughput"), ("local", "ray")
+PARTS, BACKENDS, ACTOR_MODES = ("sync", "throughput", "actor"), ("local", "ray"), ("ddp", "fsdp2")
 PROMPTS = [  # libero_10's task language
     "put both the alphabet soup and the tomato sauce in the basket",
     "put the black bowl in the bottom drawer of the cabinet and close it",
@@ -83,6 +90,17 @@ class BenchMultiGPUConfig:
     sync_iters: int = 5
     bucket_mb: float = 512.0
     dist_timeout_s: float = 300.0
+    # actor part: one GRPO actor update on K data-parallel ranks (cuda:0..K-1) vs one process
+    actor_ranks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    actor_modes: list[str] = field(default_factory=lambda: list(ACTOR_MODES))
+    actor_rows: int = 256  # stored transitions per update (trajectories of actor_chunks rows)
+    actor_chunks: int = 4  # rows per trajectory
+    actor_group_size: int = 8  # trajectories per GRPO group (ranks get whole groups)
+    actor_shard: str = "group"  # grpo.actor_parallel.shard
+    actor_micro_batch: int = 32
+    actor_update_epochs: int = 1
+    actor_lr: float = 1e-4  # above the parameters' fp32 spacing, so update_rel_diff means something
+    actor_iters: int = 2  # timed train calls after the first (compared with the single process)
     time_budget_s: float | None = None  # stop starting measurements past this (the JSON is still written)
     seed: int = 0
     out_dir: str | None = None
@@ -93,14 +111,19 @@ class BenchMultiGPUConfig:
             check_choice("bench.parts entries", part, PARTS)
         for backend in self.backends:
             check_choice("bench.backends entries", backend, BACKENDS)
-        for key in ("ranks", "sync_receivers"):
+        for mode in self.actor_modes:
+            check_choice("bench.actor_modes entries", mode, ACTOR_MODES)
+        check_choice("bench.actor_shard", self.actor_shard, ("group", "row"))
+        check_positive_float("bench.actor_lr", self.actor_lr)
+        for key in ("ranks", "sync_receivers", "actor_ranks"):
             values = getattr(self, key)
             if values is not None:
                 for v in values:
                     check_positive_int(f"bench.{key} entries", v)
                 setattr(self, key, [int(v) for v in values])
         for key in ("batch_per_rank", "image_size", "batches", "iters", "max_cpu_ranks", "torch_threads",
-                    "sync_iters"):
+                    "sync_iters", "actor_rows", "actor_chunks", "actor_group_size", "actor_micro_batch",
+                    "actor_update_epochs", "actor_iters"):
             check_positive_int(f"bench.{key}", getattr(self, key))
         check_nonnegative_int("bench.warmup", self.warmup)
         check_nonnegative_int("bench.sync_warmup", self.sync_warmup)
@@ -287,6 +310,12 @@ def summarise(results: dict[str, Any], policy_cfg: PolicyConfig) -> dict[str, An
             s[f"sync_{e['receivers']}_{which}_engine_s"] = e[which]["engine_s"]
         if e.get("goal_full_7_ranks_le_60ms") is not None:
             s["goal_full_7_ranks_le_60ms"] = e["goal_full_7_ranks_le_60ms"]
+    for e in results.get("actor", []):
+        tag = f"{e['mode']}_{e['ranks']}"
+        s[f"actor_rows_per_s_{tag}"] = e.get("rows_per_s")
+        for key in ("efficiency", "grad_norm_rel_diff", "update_rel_diff", "gather_s"):
+            if key in e:
+                s[f"actor_{key}_{tag}"] = e[key]
     return s
 
 
@@ -298,8 +327,9 @@ def run(bench: BenchMultiGPUConfig, policy_cfg: PolicyConfig) -> dict[str, Any]:
                                "gpus": [torch.cuda.get_device_name(i) for i in range(cuda_count)],
                                "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
     clock = Clock(bench.time_budget_s)
+    runners = {"sync": run_sync, "throughput": run_throughput, "actor": run_actor}
     for part in bench.parts:
-        results[part] = (run_sync if part == "sync" else run_throughput)(bench, policy_cfg, cuda_count, clock)
+        results[part] = runners[part](bench, policy_cfg, cuda_count, clock)
     results["elapsed_s"] = time.perf_counter() - clock.start
     return results
 
@@ -313,6 +343,14 @@ def print_table(results: dict[str, Any]) -> None:
             eff = e.get("efficiency")
             print(f"{e['backend']:>6} x{e['ranks']}: {e['samples_per_s']:8.1f} samples/s, efficiency "
                   f"{'-' if eff is None else f'{eff:.2f}'} (device {e.get('device_efficiency', 0):.2f})")
+    for e in results.get("actor", []):
+        if "skipped" in e or "error" in e:
+            why = f"skipped ({e['skipped']})" if "skipped" in e else "failed: " + e["error"].strip().splitlines()[-1]
+            print(f"actor {e['mode']} x{e['ranks']}: {why}")
+        else:
+            print(f"actor {e['mode']} x{e['ranks']}: {e['rows_per_s']:8.1f} rows/s, efficiency "
+                  f"{e.get('efficiency', float('nan')):.2f}, gather {e['gather_s'] * 1e3:.1f} ms, grad norm / update "
+                  f"rel diff {e.get('grad_norm_rel_diff', 0.0):.1e} / {e.get('update_rel_diff', 0.0):.1e}")
     for e in results.get("sync", []):
         if "skipped" in e or "error" in e:
             why = f"skipped ({e['skipped']})" if "skipped" in e else "failed: " + e["error"].strip().splitlines()[-1]

@@ -13,7 +13,8 @@ Per step:
    into global batches (one AdamW step each, gradient norm clipped) of micro-batches (one
    forward/backward each; gradients accumulate; row weights normalised per global batch).
 Only `policy.trainable_parameters()` are optimised (the expert with policy.train_expert_only);
-on CUDA the forward runs under bf16 autocast (grpo.autocast).
+on CUDA the forward runs under bf16 autocast (grpo.autocast). Data-parallel over several GPUs
+(grpo.actor_parallel): grpo/actor_group.py, same interface.
 """
 
 from __future__ import annotations
@@ -130,6 +131,17 @@ class Actor:
         metrics["train/lr"] = cfg.lr
         return metrics
 
+    # ----- what the trainer asks of any actor (the data-parallel ActorGroup answers the same) -----
+    def weights_for_push(self, full: bool) -> dict[str, Tensor]:
+        """Our parameter names -> tensors for the weight push: all of them, or only those trained."""
+        return {name: p.detach() for name, p in self.policy.model.named_parameters() if full or p.requires_grad}
+
+    def sync_loaded_state(self) -> None:
+        """After a checkpoint was loaded into this process's policy and optimizer: nothing to share."""
+
+    def close(self) -> None:
+        """Nothing to stop (the ActorGroup stops its worker ranks)."""
+
     def _micro_step(self, rows: Samples, old: Tensor, weights: Tensor, index: Tensor,
                     is_weight: Tensor | None, ref: Tensor | None) -> losses.LossTerms:
         cfg, dev = self.cfg, self.device
@@ -159,6 +171,9 @@ def gap_metrics(trainer_logprob: Tensor, rollout_logprob: Tensor, clip_low: floa
 
 class _Accumulator:
     """Weighted sums of the loss terms over an RL step's micro-batches."""
+
+    KEYS = ("train/loss", "train/policy_loss", "train/kl_ref", "train/entropy", "train/approx_kl",
+            "train/clip_active_frac", "train/clip_frac")  # what `add` sums (the DP actor reduces these)
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}

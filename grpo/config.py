@@ -24,6 +24,7 @@ from common.config import (
     reject_unknown_keys,
     to_container,
 )
+from grpo.distributed import ActorParallelConfig
 
 LOSS_AGGREGATIONS = ("token_mean", "trajectory_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -68,6 +69,8 @@ class GRPOConfig:
     micro_batch: int = 128  # rows per forward/backward (gradients accumulate over a global batch)
     autocast: str = "auto"  # auto: bf16 autocast on CUDA, none on CPU
     seed: int = 0  # shuffling of the rows (its RNG state is checkpointed)
+    # ----- data-parallel actor (grpo/distributed.py): mode none | ddp | fsdp2, world_size, devices -----
+    actor_parallel: ActorParallelConfig = field(default_factory=ActorParallelConfig)
 
     def __post_init__(self) -> None:
         for key in ("steps", "rollout_epochs", "update_epochs", "micro_batch"):
@@ -108,6 +111,7 @@ class GRPOConfig:
             check_positive_float(f"grpo.{key}", getattr(self, key))
         if self.tis and self.tis_cap < 1:
             raise ValueError(f"grpo.tis_cap must be >= 1 (1 would ignore the gap), got {self.tis_cap!r}")
+        self.actor_parallel = ActorParallelConfig.coerce(self.actor_parallel)
         self.betas = list(self.betas)
         if len(self.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in self.betas):
             raise ValueError(f"grpo.betas must be two numbers in [0, 1), got {self.betas!r}")

@@ -11,7 +11,9 @@ Per RL step s = 1..grpo.steps (weight version = s, the global step):
                  an init state), chunks until every episode ends (the collector records
                  rollout/reset, rollout/transfer, rollout/predict, rollout/env_step)
     advantages   group-normalised success over all epochs, filtered groups, chunk masks
-    actor_train  recompute old log-probs, clipped surrogate with truncated IS, AdamW steps
+    actor_train  recompute old log-probs, clipped surrogate with truncated IS, AdamW steps; in this
+                 process, or data-parallel over grpo.actor_parallel.world_size ranks (DDP / FSDP2,
+                 rank 0 here, the others spawned: grpo/actor_group.py)
 each a profiler span inside the "step" span; then one console line, metrics.jsonl + wandb,
 an evaluation every eval.every steps, a checkpoint every run.checkpoint_every steps. When the
 loop ends: report.json / trace.json / timeline.png / breakdown.png / success_rate.png and the
@@ -32,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo import checkpoint
-from grpo.actor import Actor
+from grpo.actor_group import build_actor, plan_actor_for_run
 from grpo.artifacts import write_profile
 from grpo.evaluate import Evaluator
 from grpo.reporting import MetricsLog, WandbRun, console_line, phase_metrics, plot_success_curve
@@ -117,6 +119,7 @@ class Trainer:
         resume_from = checkpoint.resolve(cfg.run.resume) if cfg.run.resume else None  # fail before building
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         self.placement = plan_placement(cfg.run.device, "run.device", cfg.rollout, cuda_count)  # before any process
+        self.actor_plan, self.placement = plan_actor_for_run(cfg, self.placement, cuda_count)  # grpo.actor_parallel
         self.device = torch.device(self.placement.trainer_device)
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
@@ -130,7 +133,7 @@ class Trainer:
         self._previous_timeline = set_timeline(self.timeline)
         self.lanes = [make_timeline(self.prof, rank=0, worker=f"env_stage{s}", run_dir=self.run_dir)
                       for s in range(cfg.collector.stages)]
-        self.engine = self.collector = self.evaluator = self.pusher = None
+        self.engine = self.collector = self.evaluator = self.pusher = self.actor = None
         try:
             self.policy = build_policy(trainer_policy_config(cfg.policy), self.device)
             with profiler_env(self.prof, self.run_dir):
@@ -138,7 +141,8 @@ class Trainer:
             self.pusher = make_pusher(self.engine, self.placement, cfg.rollout.weights)
             self.collector = RolloutCollector(cfg.env, self.engine, cfg.collector, policy_cfg=cfg.policy,
                                               timeline=self.timeline, stage_timelines=self.lanes)
-            self.actor = Actor(self.policy, cfg.grpo, show_progress=cfg.run.show_progress)
+            self.actor = build_actor(self.policy, cfg.grpo, self.actor_plan, cfg.env.group_size,
+                                     show_progress=cfg.run.show_progress)
             self.state = checkpoint.TrainState(step=1)
             self.first_step = 1
             if resume_from is not None:
@@ -155,9 +159,14 @@ class Trainer:
         c = self.cfg
         return (f"experiments.grpo: {c.env.env_type}/{c.env.suite} tasks {c.env.task_ids}, {c.env.num_envs} envs in "
                 f"groups of {c.env.group_size}, {c.collector.stages} stages, {c.policy.name} policy, "
-                f"{c.grpo.rollout_epochs} epochs x {c.grpo.steps} steps; trainer on {self.device}, engine "
-                f"{c.rollout.engine.backend} x{c.rollout.engine.num_ranks} on {self.placement.engine_devices}, "
+                f"{c.grpo.rollout_epochs} epochs x {c.grpo.steps} steps; trainer on {self.device}"
+                f"{self._actor_ranks()}, engine {c.rollout.engine.backend} x{c.rollout.engine.num_ranks} on "
+                f"{self.placement.engine_devices}, "
                 f"weights by {self.placement.why}")
+
+    def _actor_ranks(self) -> str:
+        plan = self.actor_plan
+        return "" if plan.mode == "none" else f" (actor {plan.mode} x{len(plan.devices)} on {plan.devices})"
 
     # ----- the loop -----
     def run(self) -> list[dict]:
@@ -183,7 +192,7 @@ class Trainer:
         with phase(tl, "step", step, times):
             with phase(tl, "weight_sync", step, times):
                 full = step == self.first_step
-                push = self.pusher.push(weight_source(self.policy, full), version=step, partial=not full)
+                push = self.pusher.push(self.actor.weights_for_push(full), version=step, partial=not full)
             with phase(tl, "rollout", step, times):
                 epochs, predict_s = [], 0.0
                 for _ in tqdm(range(cfg.grpo.rollout_epochs), desc=f"rollout (step {step})", leave=False,
@@ -229,6 +238,7 @@ class Trainer:
         self.policy.model.load_state_dict(payload["model"], strict=True)
         self.actor.optimizer.load_state_dict(payload["optimizer"])
         self.actor.updates = int(payload["actor_updates"])
+        self.actor.sync_loaded_state()  # data-parallel ranks take rank 0's loaded weights and optimiser state
         checkpoint.restore_rng(payload["rng"], self.actor.generator, self.engine.generator)
         restore_data_position(self.collector, payload["data"])
         self.state = checkpoint.TrainState(step=int(payload["step"]) + 1, history=list(payload["history"]),
@@ -264,6 +274,8 @@ class Trainer:
         if self.pusher is not None:
             self.pusher.close()
             self.pusher = None
+        if self.actor is not None:
+            self.actor.close()  # the data-parallel actor's worker ranks (idempotent)
         for part in (self.evaluator, self.collector, self.engine):
             if part is not None:
                 part.close()

@@ -34,8 +34,9 @@ POLICY = TINY.replace(chunk_size=10)
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run (gloo, CPU ranks)")
 def test_cpu_smoke_run_one_and_two_ranks_and_gloo_broadcast(tmp_path):
-    bench = BenchMultiGPUConfig(ranks=[1, 2, 4], backends=["local"], batch_per_rank=4, image_size=32, warmup=1,
-                                iters=2, sync_receivers=[2, 3], sync_warmup=1, sync_iters=2, out_dir=str(tmp_path))
+    bench = BenchMultiGPUConfig(parts=["sync", "throughput"], ranks=[1, 2, 4], backends=["local"], batch_per_rank=4,
+                                image_size=32, warmup=1, iters=2, sync_receivers=[2, 3], sync_warmup=1, sync_iters=2,
+                                out_dir=str(tmp_path))
     results = run(bench, POLICY)
     one, two, four = results["throughput"]
     assert (one["ranks"], one["rows"], len(one["calls"]), one["efficiency"]) == (1, 4, 2, 1.0)
@@ -125,6 +126,9 @@ def test_missing_backend_is_recorded_not_fatal():
     ({"backends": ["mpi"]}, "bench.backends entries must be one of"),
     ({"ranks": [1, 0]}, "bench.ranks entries must be a positive integer, got 0"),
     ({"sync_warmup": -1}, "bench.sync_warmup must be a non-negative integer"),
+    ({"actor_modes": ["zero"]}, "bench.actor_modes entries must be one of"),
+    ({"actor_ranks": [0]}, "bench.actor_ranks entries must be a positive integer, got 0"),
+    ({"actor_rows": 0}, "bench.actor_rows must be a positive integer"),
 ])
 def test_config_errors_name_the_key(kw, match):
     with pytest.raises(ValueError, match=match):
