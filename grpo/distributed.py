@@ -130,6 +130,12 @@ def plan_actor(cfg: ActorParallelConfig, trainer_device: str, cuda_count: int) -
         if len(set(devices)) != len(devices):
             raise ValueError(f"{KEY}.backend=nccl needs one GPU per rank (NCCL refuses two ranks on one GPU), "
                              f"got devices {devices}; use backend=gloo to share GPUs")
+    if cfg.mode == "fsdp2" and backend == "gloo" and any(on_gpu):
+        # measured: 2 FSDP2 ranks on one H200 with gloo died with a segfault in the first update
+        # (torch 2.11), while DDP with gloo ran there; FSDP2 on GPUs is meant for NCCL
+        raise ValueError(f"{KEY}.mode=fsdp2 with {KEY}.backend=gloo on GPU devices {devices} crashes (segfault in "
+                         f"the first update on the H200, torch 2.11): use one GPU per rank with backend=nccl, "
+                         f"or mode=ddp (which runs on gloo with shared GPUs)")
     return ActorPlan(cfg.mode, devices, backend)
 
 

@@ -48,12 +48,11 @@ def step_table(report, skip_first: int = 0):
     for col in ("step", "total", *names, *subs, "other", "predict % step", "predict % rollout",
                 "exposed predict"):
         table.add_column(col, justify="right")
-    rows = list(report.steps)
-    if len(rows) > 1:
-        rows.append(report.mean(skip_first))
-    for s in rows:
+    rows = [(str(s.step), s) for s in report.steps]
+    if len(rows) > 1:  # labelled as the mean even when it averages one step (skip_first = steps - 1)
         first = report.steps[min(skip_first, len(report.steps) - 1)].step
-        label = str(s.step) if s.step != "mean" else f"mean (from step {first})"
+        rows.append((f"mean (from step {first})", report.mean(skip_first)))
+    for label, s in rows:
         table.add_row(
             label, fmt_s(s.total_s), *[fmt_s(s.phases.get(n)) for n in names + subs],
             fmt_s(s.other_s), _pct(s.predict_share_step), _pct(s.predict_share_rollout),

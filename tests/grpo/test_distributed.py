@@ -60,6 +60,11 @@ def test_plan_places_ranks_from_the_trainer_device():
     assert (plan.devices, plan.backend) == (["cpu", "cpu"], "gloo")
     with pytest.raises(ValueError, match=r"world_size=4 from run.device=cuda:6 needs cuda:6..cuda:9, but only 8"):
         plan_actor(parallel(mode="ddp", world_size=4), "cuda:6", cuda_count=8)
+    with pytest.raises(ValueError, match=r"mode=fsdp2 with grpo.actor_parallel.backend=gloo on GPU devices"):
+        plan_actor(parallel(mode="fsdp2", world_size=2, devices=["cuda:0", "cuda:0"], backend="gloo"), "cuda:0",
+                   cuda_count=1)
+    assert plan_actor(parallel(mode="ddp", world_size=2, devices=["cuda:0", "cuda:0"], backend="gloo"), "cuda:0",
+                      cuda_count=1).backend == "gloo"
     with pytest.raises(ValueError, match=r"devices\[0\] is 'cuda:1', but rank 0 is the trainer's own process"):
         plan_actor(parallel(mode="ddp", world_size=2, devices=["cuda:1", "cuda:0"]), "cuda:0", cuda_count=2)
     with pytest.raises(ValueError, match="NCCL refuses two ranks on one GPU"):

@@ -134,3 +134,17 @@ def test_a_reused_run_directory_is_refused():
 def test_ranks_recording_the_same_step_are_one_step():
     report = StepReport.from_trace(pipelined_step(0, rank=0) + pipelined_step(0, rank=1))
     assert [s.step for s in report.steps] == [0]
+
+
+def test_console_table_labels_the_mean_row_even_over_one_step():
+    """Two steps with the first skipped: the mean averages step 1 alone, but its row says "mean"
+    (it used to repeat step 1's label, so the table showed step 1 twice)."""
+    from rich.console import Console
+
+    from profiler.console import step_table
+
+    report = StepReport.from_trace(pipelined_step(0) + pipelined_step(1))
+    console = Console(record=True, width=300)
+    console.print(step_table(report, skip_first=1))
+    labels = [line.split("│")[1].strip() for line in console.export_text().splitlines() if line.startswith("│")]
+    assert labels == ["0", "1", "mean (from step 1)"]
