@@ -13,6 +13,9 @@ RMSNorm is 6-8 kernels. Each function here is one kernel on CUDA:
 - `flow_step`: one ODE/SDE denoise update with its log-density (RLinf's flow-SDE, policies.flow).
 Each has a `*_reference` twin in plain PyTorch: the CPU path, and what the tests compare the
 Triton kernels against (on CPU through TRITON_INTERPRET=1).
+`add_rms_norm_partials` and `rope_scatter_qkv` also take the skinny GEMMs' fp32 split-K partials
+(skinny.py) and add them up first, in split order. The kernels of the denoise graph take a PDL
+mode (pdl.py): they wait for their predecessor before their first activation read.
 """
 
 from __future__ import annotations
