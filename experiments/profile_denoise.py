@@ -219,8 +219,7 @@ def sweep(shapes: dict, args, device) -> list[dict]:
         out.append(entry)
         ranked = sorted((c for c in entry["candidates"] if "us" in c), key=lambda c: c["us"])[: args.top]
         for rows in args.rows:
-            block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-            top = [skinny.SkinnyTile(**{**c["tile"], "block_m": block_m}) for c in ranked]
+            top = [skinny.SkinnyTile(**{**c["tile"], "block_m": skinny.rows_block(rows)}) for c in ranked]
             top = [t for t in top if t.fits(rows, n, k, gelu_mul) is None]
             out.append(time_shape(name, weight, gelu_mul, rows, top, args, device))
     return out

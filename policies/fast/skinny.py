@@ -15,8 +15,8 @@ F + n of W = [gate; up] (F = N / 2), keeps both accumulators, and writes gelu_ta
 in the activation dtype (one kernel for the projection and its activation; no split there,
 since the activation needs whole sums).
 
-`SkinnyTile` (block sizes, splits, warps, stages) per projection comes from `tiles.py`, chosen
-by `experiments/profile_denoise.py`'s sweep on the H200. Everything here is testable on CPU
+`SkinnyTile` (block sizes, splits, warps, stages) per projection shape comes from `TUNED`, the
+best of `experiments/profile_denoise.py --sweep` on the H200. Everything here is testable on CPU
 through TRITON_INTERPRET=1 against `skinny_linear_reference`.
 """
 
@@ -164,12 +164,12 @@ def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = 
 
 # ----------------------------------------------------------------------------- choosing tiles
 
-# "auto" uses the skinny kernels up to this many rows (batch x chunk); above it cuBLAS's tiles are
-# full and it wins (experiments/profile_denoise.py measures the crossover).
+# "auto" uses the skinny kernels up to this many rows (batch x chunk); above it cuBLAS's tiles fill
+# the card: the sweep measured a tie at 160 rows and cuBLAS 1.3-2x faster at 320.
 AUTO_MAX_ROWS = 128
 # pi0.5 expert's projections: the fastest tiles of profile_denoise.py's sweep on the H200 at 50
 # rows (benchmarks/results/profile_denoise_nvidia-h200_20261201-140223.json), also fastest or
-# within 0.3 us at 10 and 20 rows; 1.2-3.2 TB/s against cuBLAS's 0.6-2.0 there.
+# within 0.3 us at 10 and 20 rows; 1.2-3.2 TB/s against cuBLAS's 0.5-2.0 there.
 TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
     (2560, 1024, False): SkinnyTile(block_n=64, block_k=64, splits=4),  # qkv
     (1024, 2048, False): SkinnyTile(block_n=64, block_k=64, splits=8),  # o
@@ -178,11 +178,16 @@ TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
 }
 
 
+def rows_block(m: int) -> int:
+    """block_m for m rows: the smallest of 16 / 32 / 64 that holds them (more rows: several blocks)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
 def default_tile(m: int, n: int, k: int, gelu_mul: bool) -> SkinnyTile:
     """A tile that fits any projection whose dims are multiples of 16: 32-column slabs (16 when
     N is not a multiple of 32) and K split until there are ~128 programs for 132 SMs."""
     cols = n // 2 if gelu_mul else n
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_m = rows_block(m)
     block_n = 32 if cols % 32 == 0 else 16
     block_k = next(b for b in (128, 64, 32, 16) if k % b == 0)
     splits = 1
@@ -204,8 +209,7 @@ def choose_tile(mode: str, m: int, n: int, k: int, gelu_mul: bool, device: torch
         return None
     tuned = TUNED.get((n, k, gelu_mul))
     tile = tuned if tuned is not None else default_tile(m, n, k, gelu_mul)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    tile = SkinnyTile(tile.block_n, tile.block_k, tile.splits, block_m, tile.warps, tile.stages)
+    tile = SkinnyTile(tile.block_n, tile.block_k, tile.splits, rows_block(m), tile.warps, tile.stages)
     return tile if tile.fits(m, n, k, gelu_mul) is None else None
 
 
@@ -223,7 +227,7 @@ def candidates(m: int, n: int, k: int, gelu_mul: bool) -> list[SkinnyTile]:
     """The tiles profile_denoise.py sweeps for an (m, n, k) projection: every block_n / block_k /
     splits combination that fits and puts 96..512 programs on the card's 132 SMs."""
     cols = n // 2 if gelu_mul else n
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_m = rows_block(m)
     out = []
     for block_n in (16, 32, 64, 128):
         for block_k in (64, 128, 256):
