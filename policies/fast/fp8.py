@@ -38,6 +38,8 @@ from torch import Tensor
 
 from policies.fast import kernels as K
 
+C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # an all-zero row gets this amax: its scale stays finite and its values 0
@@ -123,8 +125,11 @@ def dequantize_rows(q: Tensor, scale: Tensor) -> Tensor:
 @functools.cache
 def _quantize_kernel():
     """Compiled on first use, so CPU-only runs never import triton."""
+    global C  # the kernels' shared device functions: a module global, which the interpreter also sees
     import triton
     import triton.language as tl
+
+    from policies.fast import triton_common as C
 
     @triton.jit
     def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, width, x_row_stride, ACT: tl.constexpr, BLOCK: tl.constexpr):
@@ -136,14 +141,7 @@ def _quantize_kernel():
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            mask = cols < width
-            v = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-            if ACT != 0:
-                inner = tl.minimum(tl.maximum(0.7978845608028654 * (v + 0.044715 * v * v * v), -15.0), 15.0)
-                v = 0.5 * v * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
-            if ACT == 2:
-                v = v * tl.load(src + width + cols, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(v))
+            amax = tl.maximum(amax, tl.abs(C.load_activated(src, cols, cols < width, width, ACT)))
         # the scale as amax * fp32(1/448) and an IEEE division per element (Triton's `/` is
         # approximate), as quantize_rows_reference: bit-equal scales and quotients
         scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / 448.0)
@@ -152,12 +150,7 @@ def _quantize_kernel():
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < width
-            v = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-            if ACT != 0:
-                inner = tl.minimum(tl.maximum(0.7978845608028654 * (v + 0.044715 * v * v * v), -15.0), 15.0)
-                v = 0.5 * v * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
-            if ACT == 2:
-                v = v * tl.load(src + width + cols, mask=mask, other=0.0).to(tl.float32)
+            v = C.load_activated(src, cols, mask, width, ACT)
             q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
             tl.store(dst + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 

@@ -29,6 +29,8 @@ from torch import Tensor
 from policies import flow
 from policies.fast.pdl import launch_kwargs
 
+C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
+
 # ----------------------------------------------------------------------------- references
 
 
@@ -104,8 +106,11 @@ def flow_step_reference(chains: Tensor, v: Tensor, step_noise: Tensor, stochasti
 @functools.cache
 def _triton_kernels():
     """Compile-on-import of the Triton kernels, deferred so CPU-only runs never import triton."""
+    global C  # the kernels' shared device functions: a module global, which the interpreter also sees
     import triton
     import triton.language as tl
+
+    from policies.fast import triton_common as C
 
     @triton.jit
     def add_norm_kernel(
@@ -114,12 +119,7 @@ def _triton_kernels():
         HAS_Y: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, LAYER_NORM: tl.constexpr,
         BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
-        if PDL:  # pdl.py: wait for the predecessor before the first activation read
-            if PDL == 2:
-                tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-            if PDL == 1:
-                tl.extra.cuda.gdc_launch_dependents()
+        C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < width
@@ -149,12 +149,7 @@ def _triton_kernels():
         tokens_per_sample, cache_rows, num_heads, num_kv_heads, splits, split_stride,
         HD: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
     ):
-        if PDL:  # pdl.py: wait for the predecessor before the first activation read
-            if PDL == 2:
-                tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-            if PDL == 1:
-                tl.extra.cuda.gdc_launch_dependents()
+        C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         token = tl.program_id(0)  # flat (b * T + t)
         head = tl.program_id(1)  # 0..H-1 q heads, then KV k heads, then KV v heads
         sample = token // tokens_per_sample
@@ -194,10 +189,7 @@ def _triton_kernels():
         mask = cols < width
         g = tl.load(gu_ptr + row * 2 * width + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * width + width + cols, mask=mask, other=0.0).to(tl.float32)
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh is +-1 there; avoids exp overflow
-        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
-        out = 0.5 * g * (1.0 + tanh) * u
+        out = C.gelu_tanh(g) * u
         tl.store(out_ptr + row * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit

@@ -32,6 +32,8 @@ from torch import Tensor
 from policies.fast.config import GEMM_CHOICES
 from policies.fast.pdl import launch_kwargs
 
+C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
+
 
 @dataclass(frozen=True)
 class SkinnyTile:
@@ -72,8 +74,11 @@ def skinny_linear_reference(x: Tensor, weight: Tensor, splits: int = 1, gelu_mul
 @functools.cache
 def _kernel():
     """Compiled on first use, so CPU-only runs never import triton."""
+    global C  # the kernels' shared device functions: a module global, which the interpreter also sees
     import triton
     import triton.language as tl
+
+    from policies.fast import triton_common as C
 
     @triton.jit
     def skinny_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, stride_xm, stride_wn, pair_offset,
@@ -85,9 +90,8 @@ def _kernel():
         ks = tl.arange(0, BK)
         row_ok = rows < M
         k0 = split * K_SPLIT
+        C.pdl_trigger_early(PDL)
         if PDL:  # the weights need nothing from the predecessor: pull this program's slab into L2 first
-            if PDL == 2:
-                tl.extra.cuda.gdc_launch_dependents()
             lines = tl.arange(0, K_SPLIT // 64)  # 128-byte lines of one bf16 row segment
             slab = w_ptr + cols[:, None].to(tl.int64) * stride_wn + k0 + lines[None, :] * 64
             tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [slab],
@@ -95,9 +99,7 @@ def _kernel():
             if GELU_MUL:
                 tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
                                           [slab + pair_offset * stride_wn], dtype=tl.int32, is_pure=False, pack=1)
-            tl.extra.cuda.gdc_wait()  # the predecessor is done: its activations are visible
-            if PDL == 1:
-                tl.extra.cuda.gdc_launch_dependents()
+        C.pdl_wait(PDL)  # the predecessor is done: its activations are visible
         x_tile = x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :]
         w_tile = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -121,10 +123,8 @@ def _kernel():
                     acc_up = tl.dot(x, w_up, acc_up)
             x_tile += BK
             w_tile += BK
-        if GELU_MUL:  # gelu_tanh(gate) * up; tanh as 1 - 2 / (1 + e^2u), exact at both tails
-            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-            tanh = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * inner))
-            acc = 0.5 * acc * (1.0 + tanh) * acc_up
+        if GELU_MUL:  # gelu_tanh(gate) * up, the GeGLU kernel's formula
+            acc = C.gelu_tanh(acc) * acc_up
         dst = out_ptr + split * M * N_OUT + rows[:, None] * N_OUT + cols[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 

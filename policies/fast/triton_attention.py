@@ -21,11 +21,16 @@ from torch import Tensor
 
 from policies.fast.pdl import launch_kwargs
 
+C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
+
 
 @functools.cache
 def _kernels():
+    global C  # the kernels' shared device functions: a module global, which the interpreter also sees
     import triton
     import triton.language as tl
+
+    from policies.fast import triton_common as C
 
     @triton.jit
     def split_kv_attention(
@@ -34,12 +39,7 @@ def _kernels():
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr, PDL: tl.constexpr,
     ):
-        if PDL:  # pdl.py: wait for the predecessor before the first activation read
-            if PDL == 2:
-                tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-            if PDL == 1:
-                tl.extra.cuda.gdc_launch_dependents()
+        C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         group = H // KV
         bk = tl.program_id(0)  # b * KV + kv head
         row_tile = tl.program_id(1)
@@ -89,12 +89,7 @@ def _kernels():
         part_o_ptr, part_lse_ptr, out_ptr, T, NUM_SPLITS,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
     ):
-        if PDL:  # pdl.py: wait for the predecessor before the first activation read
-            if PDL == 2:
-                tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-            if PDL == 1:
-                tl.extra.cuda.gdc_launch_dependents()
+        C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         group = H // KV
         bk = tl.program_id(0)
         row = tl.program_id(1)
