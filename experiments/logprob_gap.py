@@ -31,8 +31,9 @@ import torch
 from experiments.results import write_result
 from grpo.actor import Actor, gap_metrics
 from grpo.config import GRPOConfig
+from grpo.distributed import full_parameters
 from grpo.samples import Samples
-from grpo.trainer import trainer_policy_config, weight_source
+from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
 from rollout.config import EngineConfig
 from rollout.engine import PolicyEngine
@@ -116,7 +117,7 @@ def main() -> None:
     try:
         start = time.perf_counter()
         # the real path: the trainer's fp32 weights pushed into the engine (cast to its dtype)
-        engine.update_weights(weight_source(trainer_policy, full=True), version=1)
+        engine.update_weights(full_parameters(trainer_policy.model, full=True), version=1)
         rows = rollout_rows(engine, cfg, args.batch, args.calls, args.seed)
         rollout_s = time.perf_counter() - start
     finally:

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from grpo import losses
 from grpo.config import GRPOConfig
+from grpo.distributed import full_parameters
 from grpo.observations import observation_from_rows
 from grpo.samples import Samples
 from policies import flow
@@ -66,8 +67,12 @@ class Actor:
         """(R,) float32 chunk log-probs of the rows' stored transitions under `policy`."""
         obs = observation_from_rows(policy.cfg, rows.images, rows.states, rows.tokens, rows.token_mask, self.device)
         with self.autocast():
-            out = policy.log_prob(obs, rows.chains.to(self.device), rows.denoise_inds.to(self.device))
-        return out.chunk_logprob.float()
+            out = self._log_prob(policy, obs, rows.chains.to(self.device), rows.denoise_inds.to(self.device))
+        return out.float()
+
+    def _log_prob(self, policy, obs, chains: Tensor, denoise_inds: Tensor) -> Tensor:
+        """The forward itself (the data-parallel actor routes the trained policy through its wrapper)."""
+        return policy.log_prob(obs, chains, denoise_inds).chunk_logprob
 
     @torch.no_grad()
     def recompute(self, samples: Samples, policy=None) -> Tensor:
@@ -133,8 +138,10 @@ class Actor:
 
     # ----- what the trainer asks of any actor (the data-parallel ActorGroup answers the same) -----
     def weights_for_push(self, full: bool) -> dict[str, Tensor]:
-        """Our parameter names -> tensors for the weight push: all of them, or only those trained."""
-        return {name: p.detach() for name, p in self.policy.model.named_parameters() if full or p.requires_grad}
+        """Our parameter names -> tensors for the weight push: all of them, or only those trained.
+        On a data-parallel rank with FSDP2 the sharded ones are all-gathered: a collective every
+        rank runs (the result matters on rank 0 only)."""
+        return full_parameters(self.policy.model, full)
 
     def sync_loaded_state(self) -> None:
         """After a checkpoint was loaded into this process's policy and optimizer: nothing to share."""

@@ -37,13 +37,11 @@ from grpo.distributed import (
     RankSpec,
     all_reduce_sum,
     broadcast_module,
-    full_parameters,
     full_value,
     gather_rows,
     gradient_sync,
     wrap,
 )
-from grpo.observations import observation_from_rows
 from grpo.samples import Samples
 
 
@@ -82,13 +80,10 @@ class DistributedActor(Actor):
                                            weight_decay=cfg.weight_decay)
 
     # ----- forward through the wrapper -----
-    def chunk_logprob(self, policy, rows: Samples) -> Tensor:
+    def _log_prob(self, policy, obs, chains: Tensor, denoise_inds: Tensor) -> Tensor:
         if policy is not self.policy:  # the frozen reference: a plain local forward
-            return super().chunk_logprob(policy, rows)
-        obs = observation_from_rows(policy.cfg, rows.images, rows.states, rows.tokens, rows.token_mask, self.device)
-        with self.autocast():
-            out = self.module(obs, rows.chains.to(self.device), rows.denoise_inds.to(self.device))
-        return out.float()
+            return super()._log_prob(policy, obs, chains, denoise_inds)
+        return self.module(obs, chains, denoise_inds)
 
     def _micro_chunks(self, count: int, steps: int) -> list[Tensor | None]:
         """Local positions of each of `steps` micro-batches; None = a filler (no rows left here)."""
@@ -176,12 +171,7 @@ class DistributedActor(Actor):
         metrics["train/actor_ranks"] = self.spec.world_size
         return metrics
 
-    # ----- weights -----
-    def weights_for_push(self, full: bool) -> dict[str, Tensor]:
-        """Name -> full tensor (FSDP2: all-gathered, a collective every rank runs; the result
-        matters on rank 0 only)."""
-        return full_parameters(self.policy.model, full)
-
+    # ----- weights (weights_for_push: Actor's, which all-gathers FSDP2's shards) -----
     def receive_state(self, optimizer_state: dict | None) -> None:
         """After rank 0 loaded a checkpoint: its weights (a broadcast) and optimiser state here."""
         broadcast_module(self.policy.model, self.spec)

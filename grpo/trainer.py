@@ -73,11 +73,6 @@ def trainer_policy_config(cfg: PolicyConfig) -> PolicyConfig:
     return cfg.replace(dtype="float32", fast={"enabled": False, "consistent_recompute": False})
 
 
-def weight_source(policy, full: bool) -> dict[str, torch.Tensor]:
-    """Our parameter names -> tensors: all of them, or only those the actor updates."""
-    return {name: p.detach() for name, p in policy.model.named_parameters() if full or p.requires_grad}
-
-
 def data_position(collector) -> dict:
     """The collector's epoch counter and each stage env's reset counter (episode seeds derive from
     both)."""
