@@ -39,6 +39,7 @@ import torch
 import torch.multiprocessing as tmp
 from torch import Tensor
 
+from common.processes import send_quietly, stop_processes
 from grpo.actor import Actor
 from grpo.config import GRPOConfig
 from grpo.distributed import ActorPlan, RankSpec, cpu_state, init_group, leave_group, plan_actor, shard_rows
@@ -264,22 +265,8 @@ class ActorGroup:
 
     def close(self) -> None:
         """Stop every worker (close command, then terminate, then kill) and leave the group."""
-        for w in self.workers:
-            if w.process.is_alive() and self.broken is None:
-                try:
-                    w.conn.send(("close", None))
-                except (OSError, EOFError):
-                    pass
-        deadline = time.monotonic() + CLOSE_GRACE_S
-        for w in self.workers:
-            w.process.join(max(deadline - time.monotonic(), 0.1))
-            if w.process.is_alive():
-                w.process.terminate()
-                w.process.join(2.0)
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(1.0)
-            w.conn.close()
+        # a broken group's ranks may sit in a collective: no close request, straight to the deadline
+        stop_processes([(w.process, w.conn) for w in self.workers], CLOSE_GRACE_S, ask=self.broken is None)
         self.workers = []
         stuck = self._thread is not None and self._thread.is_alive()
         if self.joined and not stuck:  # a rank 0 thread stuck in a collective would hang the teardown
@@ -311,7 +298,8 @@ def worker_main(conn: Any, spec: RankSpec, policy_cfg: Any, cfg: GRPOConfig, tor
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         pass  # the parent went away: nobody to answer
     except BaseException:
-        _send(conn, ("error", f"actor rank {spec.rank} (pid {os.getpid()}, {spec.device}):\n{traceback.format_exc()}"))
+        where = f"actor rank {spec.rank} (pid {os.getpid()}, {spec.device})"
+        send_quietly(conn, ("error", f"{where}:\n{traceback.format_exc()}"))
     finally:
         try:
             if clean:
@@ -338,10 +326,3 @@ def _serve(conn: Any, actor) -> bool:
         else:
             raise ValueError(f"unknown actor command {command!r}")
         conn.send(("ok", reply))
-
-
-def _send(conn: Any, message: tuple) -> None:
-    try:
-        conn.send(message)
-    except (OSError, EOFError):
-        pass

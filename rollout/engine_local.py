@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as tmp
 
+from common.processes import stop_processes
 from policies import PolicyConfig
 from rollout.config import EngineConfig
 from rollout.engine_client import EngineClient, RankError, RankFailedError
@@ -243,22 +244,8 @@ def _numpy(value: Any) -> np.ndarray:
 
 def _shutdown(ranks: list[RankHandle], staging: list[SharedBlock]) -> None:
     """Stop every rank process and unlink every block (runs once: close(), GC or exit)."""
+    stop_processes([(h.process, h.conn) for h in ranks], CLOSE_GRACE_S)
     for h in ranks:
-        try:
-            if h.process.is_alive():
-                h.conn.send(("close", None))
-        except (OSError, EOFError):
-            pass
-    deadline = time.monotonic() + CLOSE_GRACE_S
-    for h in ranks:
-        h.process.join(max(0.0, deadline - time.monotonic()))
-        if h.process.is_alive():
-            h.process.terminate()
-            h.process.join(2.0)
-        if h.process.is_alive():
-            h.process.kill()
-            h.process.join(2.0)
-        h.conn.close()
         for block in h.blocks:
             block.close()
         h.blocks.clear()

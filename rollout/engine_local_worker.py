@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from common.processes import send_quietly
+
 
 @dataclass
 class PredictCommand:
@@ -58,7 +60,8 @@ def rank_main(conn: Any, rank: int, device: str, policy_cfg: Any, profiler_env: 
     except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         pass  # the parent went away: nobody to answer
     except BaseException:
-        _send(conn, ("error", f"rank {rank} (pid {os.getpid()}, {device}) failed to start:\n" + traceback.format_exc()))
+        where = f"rank {rank} (pid {os.getpid()}, {device})"
+        send_quietly(conn, ("error", f"{where} failed to start:\n" + traceback.format_exc()))
     finally:
         try:
             if server is not None:
@@ -181,10 +184,3 @@ def _attach(held, name: str, specs: list):
         held[0].close()
     block = SharedBlock.attach(name)
     return block, Layout(specs, ALIGN).views(block.buf)
-
-
-def _send(conn: Any, message: tuple) -> None:
-    try:
-        conn.send(message)
-    except (OSError, EOFError):
-        pass

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
 from typing import Any
 
+from common.processes import end_process
 from envs.config import EnvConfig
 from envs.vector.base import VectorEnvBase
 from envs.vector.buffers import SharedBuffers
@@ -373,12 +374,7 @@ def _stop_process(handle: WorkerHandle, graceful: bool) -> None:
         except (OSError, EOFError):
             pass
         process.join(timeout=CLOSE_GRACE_S)
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout=5.0)
-    if process.is_alive():
-        process.kill()
-        process.join(timeout=5.0)
+    end_process(process, 5.0)
     try:
         handle.conn.close()
     except OSError:

@@ -23,6 +23,8 @@ import signal
 import traceback
 from typing import Any
 
+from common.processes import send_quietly
+
 
 def worker_main(
     conn: Any, worker_index: int, env_ids: list, task_ids: list, cfg_dict: dict, shm_name: str,
@@ -58,7 +60,7 @@ def worker_main(
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent went away: nothing to report to
     except BaseException:
-        _send(conn, ("error", f"worker {worker_index} (pid {os.getpid()}) failed to start:\n"
+        send_quietly(conn, ("error", f"worker {worker_index} (pid {os.getpid()}) failed to start:\n"
                               + traceback.format_exc()))
     finally:
         try:
@@ -98,10 +100,3 @@ def _command_loop(conn: Any, runner: Any) -> None:
             conn.send(("error", traceback.format_exc()))
         else:
             conn.send(("ok", reply))
-
-
-def _send(conn: Any, message: tuple) -> None:
-    try:
-        conn.send(message)
-    except (OSError, EOFError):
-        pass

@@ -1,0 +1,42 @@
+"""Worker-process plumbing shared by the env workers, the engine's rank processes and the
+data-parallel actor's ranks: messages to a pipe whose other end may be gone, and stopping."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+
+def send_quietly(conn: Any, message: tuple) -> bool:
+    """conn.send(message); False instead of an error when the other end is gone."""
+    try:
+        conn.send(message)
+        return True
+    except (OSError, EOFError):
+        return False
+
+
+def end_process(process: Any, join_s: float) -> None:
+    """Terminate a process that is still alive, then kill it if that did not end it (join_s each)."""
+    if process.is_alive():
+        process.terminate()
+        process.join(join_s)
+    if process.is_alive():
+        process.kill()
+        process.join(join_s)
+
+
+def stop_processes(handles: Iterable[tuple[Any, Any]], grace_s: float, ask: bool = True, join_s: float = 2.0) -> None:
+    """Stop (process, conn) pairs: ask the live ones to ("close", None) (unless `ask` is False),
+    give them `grace_s` in all to exit, end what is left (`end_process`), close every pipe."""
+    handles = list(handles)
+    if ask:
+        for process, conn in handles:
+            if process.is_alive():
+                send_quietly(conn, ("close", None))
+    deadline = time.monotonic() + grace_s
+    for process, conn in handles:
+        process.join(max(deadline - time.monotonic(), 0.1))
+        end_process(process, join_s)
+        conn.close()
