@@ -334,10 +334,17 @@ def run(bench: BenchMultiGPUConfig, policy_cfg: PolicyConfig) -> dict[str, Any]:
     return results
 
 
+def _not_measured(entry: dict[str, Any]) -> str:
+    """Why an entry has no numbers: its skip reason or its error's last line."""
+    if "skipped" in entry:
+        return f"skipped ({entry['skipped']})"
+    return "failed: " + entry["error"].strip().splitlines()[-1]
+
+
 def print_table(results: dict[str, Any]) -> None:
     for e in results.get("throughput", []):
         if "skipped" in e or "error" in e:
-            why = f"skipped ({e['skipped']})" if "skipped" in e else "failed: " + e["error"].strip().splitlines()[-1]
+            why = _not_measured(e)
             print(f"{e['backend']:>6} x{e['ranks']}: {why}")
         else:
             eff = e.get("efficiency")
@@ -345,7 +352,7 @@ def print_table(results: dict[str, Any]) -> None:
                   f"{'-' if eff is None else f'{eff:.2f}'} (device {e.get('device_efficiency', 0):.2f})")
     for e in results.get("actor", []):
         if "skipped" in e or "error" in e:
-            why = f"skipped ({e['skipped']})" if "skipped" in e else "failed: " + e["error"].strip().splitlines()[-1]
+            why = _not_measured(e)
             print(f"actor {e['mode']} x{e['ranks']}: {why}")
         else:
             print(f"actor {e['mode']} x{e['ranks']}: {e['rows_per_s']:8.1f} rows/s, efficiency "
@@ -353,7 +360,7 @@ def print_table(results: dict[str, Any]) -> None:
                   f"rel diff {e.get('grad_norm_rel_diff', 0.0):.1e} / {e.get('update_rel_diff', 0.0):.1e}")
     for e in results.get("sync", []):
         if "skipped" in e or "error" in e:
-            why = f"skipped ({e['skipped']})" if "skipped" in e else "failed: " + e["error"].strip().splitlines()[-1]
+            why = _not_measured(e)
             print(f"sync to {e['receivers']}: {why}")
         else:
             print(f"sync to {e['receivers']} ({e['dist_backend']}): full {e['full']['send_s'] * 1e3:.2f} ms "
