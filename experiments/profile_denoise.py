@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 from collections import defaultdict
 
 import torch
@@ -34,6 +33,7 @@ from experiments.results import write_result
 from policies.config import PolicyConfig
 from policies.fast import kernels as K
 from policies.fast import skinny
+from policies.fast.attention import graph_call_ms
 from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
 from policies.lerobot_bridge import relative_l2
@@ -185,27 +185,11 @@ def kernel_breakdown(policy, spec: dict, variant: str, device) -> dict:
 
 
 def graph_time_us(fn, device, iters: int) -> float:
-    """Per-call time of fn, REPEATS calls captured back to back in one CUDA graph (eager on CPU)."""
+    """Per-call time of fn, REPEATS calls captured back to back in one CUDA graph (the attention
+    selector's protocol, attention.graph_call_ms; eager on CPU)."""
     if device.type != "cuda":
         return common.timed_ms(fn, device, 1, 2) * 1e3
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEATS):
-            fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / REPEATS)
-    return statistics.median(times)
+    return graph_call_ms(fn, calls=REPEATS, replays=iters) * 1e3
 
 
 def sweep(shapes: dict, args, device) -> list[dict]:

@@ -143,7 +143,7 @@ class AttentionSelector:
         k = torch.randn(batch, rows, kv_heads, head_dim, device=device, dtype=dtype)
         v = torch.randn_like(k)
         lengths = torch.randint(max(1, rows // 2), rows + 1, (batch,), dtype=torch.int32)
-        built, times, errors = self.measure(found, q, k, v, lengths, key_len, _median_cuda_ms)
+        built, times, errors = self.measure(found, q, k, v, lengths, key_len, graph_call_ms)
         best = self.choose(key, times, errors)
         return self._record(key, built[best], times, errors, "measured")
 
@@ -201,7 +201,7 @@ def triton_available() -> bool:
     return True
 
 
-def _median_cuda_ms(fn, calls: int = 10, replays: int = 10) -> float:
+def graph_call_ms(fn, calls: int = 10, replays: int = 10) -> float:
     """GPU time of one call as it runs inside a CUDA graph: `calls` back-to-back calls captured in
     one graph, median over replays, divided by `calls`. (Timing eager calls would measure the
     host's launch overhead, ~50 us, which the fast path's graphs do not pay.)"""
