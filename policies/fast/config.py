@@ -13,6 +13,9 @@ FAST_DTYPES = ("bfloat16", "float32")
 PRECISIONS = ("bf16", "fp8")
 GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
+# GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
+FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
+                   "prefix_gate_up", "prefix_down")
 
 
 @dataclass
@@ -29,6 +32,8 @@ class FastConfig:
     precision: "bf16" runs every GEMM in `dtype`; "fp8" runs the vision tower's and the prefix's
     GEMMs in FP8 e4m3 (per-channel weight and per-token activation scales, policies/fast/fp8.py),
     the expert in `dtype`; needs dtype "bfloat16".
+    fp8_gemms: with precision "fp8", the GEMM groups that run in FP8 (FP8_GEMM_GROUPS); the others
+    stay in `dtype`.
     gemm: the expert's projections in the denoise loop: "skinny" runs them through split-K Triton
     kernels that stream the weights at the memory bound for few rows (policies/fast/skinny.py),
     "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk).
@@ -46,6 +51,7 @@ class FastConfig:
     precision: str = "bf16"
     gemm: str = "auto"
     pdl: str = "auto"
+    fp8_gemms: list[str] = field(default_factory=lambda: list(FP8_GEMM_GROUPS))
 
     def __post_init__(self) -> None:
         self.validate("policy.fast")
@@ -58,6 +64,10 @@ class FastConfig:
         if self.precision == "fp8" and self.dtype != "bfloat16":
             raise ValueError(f"{key}.precision=fp8 needs {key}.dtype=bfloat16 (FP8 GEMMs write bf16), "
                              f"got {key}.dtype={self.dtype!r}")
+        unknown = [g for g in self.fp8_gemms if g not in FP8_GEMM_GROUPS]
+        if unknown or len(set(self.fp8_gemms)) != len(self.fp8_gemms):
+            raise ValueError(f"{key}.fp8_gemms must hold distinct groups of {FP8_GEMM_GROUPS}, "
+                             f"got {list(self.fp8_gemms)}")
         if self.gemm not in GEMM_CHOICES:
             raise ValueError(f"{key}.gemm must be one of {GEMM_CHOICES}, got {self.gemm!r}")
         if self.pdl not in PDL_CHOICES:

@@ -57,7 +57,7 @@ class FastSampler:
         self.device = model.action_in_proj.weight.device
         self.dtype = DTYPES[fast_cfg.dtype]
         self.num_steps = self.cfg.sampling.num_steps
-        self.w = FastWeights(model, self.dtype, self.num_steps, fast_cfg.precision)
+        self.w = FastWeights(model, self.dtype, self.num_steps, fast_cfg.precision, tuple(fast_cfg.fp8_gemms))
         self.selector = AttentionSelector(fast_cfg.attention, fast_cfg.attention_profile_path)
         self.buckets: dict[tuple[int, int], Bucket] = {}
         self.use_graphs = fast_cfg.cuda_graphs and self.device.type == "cuda"

@@ -8,7 +8,8 @@ copies them again. The AdaRMS modulation table of the fixed time grid depends on
 and t: it is computed outside any graph into a fixed buffer and refreshed in place, so a
 weight update never forces a graph re-capture.
 
-With precision "fp8" the vision tower's and the prefix's linear weights also get FP8 shadows
+With precision "fp8" the linear weights of the groups in `fp8_gemms` (vision tower and prefix
+projections, config.FP8_GEMM_GROUPS) also get FP8 shadows
 (policies/fast/fp8.py: e4m3 + one fp32 scale per output channel) in fixed buffers. `refresh()`
 re-quantises, in place, only those whose parameter changed since it was last quantised: the
 parameter's version counter, which every in-place write through the parameter or a `detach()`ed
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from policies import flow
+from policies.fast.config import FP8_GEMM_GROUPS
 from policies.fast.fp8 import Fp8Weight, make_fp8_weight, requantize_, supported
 
 
@@ -35,10 +37,11 @@ class LinearW:
 
 
 class FastWeights:
-    def __init__(self, model: nn.Module, dtype: torch.dtype, num_steps: int, precision: str = "bf16"):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, num_steps: int, precision: str = "bf16",
+                 fp8_gemms: tuple[str, ...] = FP8_GEMM_GROUPS):
         self.model = model
         self.dtype = dtype
-        self.quantize = precision == "fp8"
+        self.fp8_groups = frozenset(fp8_gemms) if precision == "fp8" else frozenset()
         self.fp8_weights: list[Fp8Weight] = []
         self.last_requantized = 0  # how many FP8 shadows the last refresh() re-quantised
         self._shadows: list[tuple[Tensor, Tensor]] = []
@@ -47,7 +50,7 @@ class FastWeights:
         self.vision = self._vision(model.vision)
         self.embed = self.cast(model.embed_tokens.weight)
         self.embed_scale = torch.tensor(cfg.prefix.width**0.5, dtype=torch.float32).to(self.embed.dtype).item()
-        self.prefix = [self._gemma_layer(layer, quantize=True) for layer in model.prefix.layers]
+        self.prefix = [self._gemma_layer(layer, "prefix_") for layer in model.prefix.layers]
         self.prefix_norms = [self.cast(layer.input_norm.weight) for layer in model.prefix.layers]
         self.prefix_post_norms = [self.cast(layer.post_norm.weight) for layer in model.prefix.layers]
         self.expert = [self._gemma_layer(layer) for layer in model.expert.layers]
@@ -66,29 +69,31 @@ class FastWeights:
         self._shadows.append((param, shadow))
         return shadow
 
-    def _linear(self, module: nn.Linear, quantize: bool = False) -> LinearW:
+    def _linear(self, module: nn.Linear, group: str | None = None) -> LinearW:
+        """The module's weights in the fast dtype, plus an FP8 shadow when `group` runs in FP8."""
         lw = LinearW(self.cast(module.weight), self.cast(module.bias) if module.bias is not None else None)
-        if quantize and self.quantize and supported(module.weight):
+        if group in self.fp8_groups and supported(module.weight):
             lw.fp8 = make_fp8_weight(module.weight)
             self.fp8_weights.append(lw.fp8)
         return lw
 
-    def _gemma_layer(self, layer, quantize: bool = False) -> dict:
-        return {name: self._linear(module, quantize) for name, module in
+    def _gemma_layer(self, layer, fp8_prefix: str | None = None) -> dict:
+        """`fp8_prefix` "prefix_": the prefix's layers, whose projections are FP8 groups; None: the expert."""
+        return {name: self._linear(module, fp8_prefix and fp8_prefix + name) for name, module in
                 (("qkv", layer.qkv), ("o", layer.o_proj), ("gate_up", layer.gate_up), ("down", layer.down))}
 
     def _vision(self, vision) -> dict:
         layers = []
         for block in vision.layers:
             layers.append({
-                "ln1": self._linear(block.ln1), "qkv": self._linear(block.qkv, quantize=True),
-                "out": self._linear(block.out_proj, quantize=True), "ln2": self._linear(block.ln2),
-                "fc1": self._linear(block.fc1, quantize=True), "fc2": self._linear(block.fc2, quantize=True),
+                "ln1": self._linear(block.ln1), "qkv": self._linear(block.qkv, "vision_attention"),
+                "out": self._linear(block.out_proj, "vision_attention"), "ln2": self._linear(block.ln2),
+                "fc1": self._linear(block.fc1, "vision_mlp"), "fc2": self._linear(block.fc2, "vision_mlp"),
             })
         return {
             "patch": self._linear(vision.patch_embed), "pos": self.cast(vision.position_embedding),
             "layers": layers, "post_ln": self._linear(vision.post_ln),
-            "proj": self._linear(vision.projector, quantize=True),
+            "proj": self._linear(vision.projector, "vision_projector"),
         }
 
     @torch.no_grad()

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from policies.config import PolicyConfig
 from policies.fast import fp8
-from policies.fast.config import FastConfig
+from policies.fast.config import FP8_GEMM_GROUPS, FastConfig
 from policies.fast.runner import FastSampler
 from policies.lerobot_bridge import relative_l2
 from policies.policy import build_policy
@@ -109,9 +109,40 @@ def test_precision_config_is_validated():
         FastConfig(precision="fp8", dtype="float32")
 
 
-def _sampler(model, precision: str, batch_buckets, prompt_buckets) -> FastSampler:
+def test_fp8_gemms_config_is_validated():
+    with pytest.raises(ValueError, match=r"policy.fast.fp8_gemms must hold distinct groups .*'prefix_mlp'"):
+        FastConfig(precision="fp8", fp8_gemms=["prefix_mlp"])
+    with pytest.raises(ValueError, match=r"policy.fast.fp8_gemms must hold distinct groups"):
+        FastConfig(precision="fp8", fp8_gemms=["prefix_o", "prefix_o"])
+    assert FastConfig(precision="fp8").fp8_gemms == list(FP8_GEMM_GROUPS)
+
+
+def _sampler(model, precision: str, batch_buckets, prompt_buckets, **fast) -> FastSampler:
     return FastSampler(model, FastConfig(dtype="bfloat16", precision=precision, batch_buckets=batch_buckets,
-                                         prompt_buckets=prompt_buckets))
+                                         prompt_buckets=prompt_buckets, **fast))
+
+
+@pytest.mark.parametrize("groups", [["prefix_gate_up"], ["prefix_down", "vision_mlp"], ["prefix_qkv", "prefix_o"]])
+def test_fp8_gemms_quantises_only_the_chosen_groups(groups):
+    """Each group's projections get FP8 shadows and no other's; a mixed MLP (one side FP8, the other
+    bf16) still computes the GeGLU / GELU between them: actions stay within FP8 error of bf16."""
+    cfg = PolicyConfig.preset("tiny")
+    policy = build_policy(cfg)
+    inputs, noise, step_noise = random_inputs(cfg, 2, 10, seed=3)
+    stochastic = torch.zeros(2, cfg.sampling.num_steps, dtype=torch.bool)
+    fast = _sampler(policy.model, "fp8", [2], [16], fp8_gemms=groups)
+    w = fast.w
+    named = {f"prefix_{n}": [layer[n] for layer in w.prefix] for n in ("qkv", "o", "gate_up", "down")}
+    named["vision_attention"] = [layer[n] for layer in w.vision["layers"] for n in ("qkv", "out")]
+    named["vision_mlp"] = [layer[n] for layer in w.vision["layers"] for n in ("fc1", "fc2")]
+    named["vision_projector"] = [w.vision["proj"]]
+    assert set(named) == set(FP8_GEMM_GROUPS)
+    for group, linears in named.items():
+        assert all((lw.fp8 is not None) == (group in groups) for lw in linears), group
+    assert len(w.fp8_weights) == sum(len(named[g]) for g in groups)
+    want, _ = _sampler(policy.model, "bf16", [2], [16]).sample_chains(inputs, noise, step_noise, stochastic)
+    got, _ = fast.sample_chains(inputs, noise, step_noise, stochastic)
+    assert 1e-4 < relative_l2(got[:, -1], want[:, -1]) < 8e-2
 
 
 @pytest.mark.parametrize("preset,batch,prompt_len,prompt_buckets", [("tiny", 3, 13, [16]), ("pi05_small", 2, 40, [64])])
