@@ -60,7 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="gemm/attention settings profiled kernel by kernel (eager)")
     p.add_argument("--sweep", action="store_true", help="also sweep the skinny tiles of every expert projection")
     p.add_argument("--attention-sweep", action="store_true",
-                   help="also sweep the Triton attention's blocks on the expert's shapes (b = --batch-sizes)")
+                   help="also sweep SDPA and the Triton attention's blocks (b = --batch-sizes)")
+    p.add_argument("--attention-stages", nargs="+", default=["expert"], choices=["expert", "prefix"],
+                   help="attention shapes the sweep times: the expert's (chunk queries) and/or the prefix's")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
     return p.parse_args(argv)
@@ -239,58 +241,77 @@ def time_shape(name: str, weight, gelu_mul: bool, rows: int, tiles: list, args, 
 
 
 def attention_sweep(cfg, spec: dict, device, args) -> list[dict]:
-    """The expert's attention (chunk queries x 8 heads against the prefix + chunk keys of one KV
-    head) per batch size: SDPA and every Triton block setting, timed in graphs, checked against
-    fp32 attention."""
+    """Per stage in --attention-stages and batch size: the expert's attention (chunk queries x 8
+    heads against the prefix + chunk keys of one KV head) or the prefix's (every prefix token
+    against the prefix): SDPA (K/V expanded to every head, and with enable_gqa) and every Triton
+    block setting, timed in graphs, checked against fp32 attention."""
     from policies.fast.attention import SdpaAttention
     from policies.fast.triton_attention import TritonSplitKVAttention
 
     e = cfg.expert
-    queries = spec["chunk_size"]
-    rows = spec["cameras"] * cfg.vision.num_patches + spec["prompt_len"] + queries
+    prefix_len = spec["cameras"] * cfg.vision.num_patches + spec["prompt_len"]
     out = []
-    for batch in args.batch_sizes:
-        g = torch.Generator(device="cpu").manual_seed(batch)
-        q = torch.randn(batch, queries, e.num_heads, e.head_dim, generator=g).to(device, torch.bfloat16)
-        kc, vc = (torch.randn(batch, rows, e.num_kv_heads, e.head_dim, generator=g).to(device, torch.bfloat16)
-                  for _ in range(2))
-        key_len = torch.full((batch,), rows, dtype=torch.int32)
-        sdpa = SdpaAttention(batch, rows, device)
-        sdpa.plan(key_len)
-        ref = SdpaAttention(batch, rows, device)
-        ref.plan(key_len)
-        want = ref(q.float(), kc.float(), vc.float())
-        entry = {"batch": batch, "queries": queries, "keys": rows, "sdpa_us": graph_time_us(lambda: sdpa(q, kc, vc),
-                                                                                            device, args.iters),
-                 "candidates": []}
-        for bm, bn, target, warps, stages in _attention_settings():
-            try:
-                att = TritonSplitKVAttention(batch, queries, rows, e.num_heads, e.num_kv_heads, e.head_dim, device,
-                                             target_blocks=target, block_m=bm, block_n=bn, warps=warps, stages=stages)
-                att.plan(key_len)
-                err = relative_l2(att(q, kc, vc).float(), want)
-                us = graph_time_us(lambda a=att: a(q, kc, vc), device, args.iters)
-                entry["candidates"].append({"block_m": bm, "block_n": bn, "target_blocks": target, "warps": warps,
-                                            "stages": stages, "splits": att.num_splits, "us": us, "rel_l2": err})
-            except Exception as exc:  # shared memory too large for a setting, ...: recorded
-                entry["candidates"].append({"block_m": bm, "block_n": bn, "target_blocks": target,
-                                            "error": f"{type(exc).__name__}: {exc}"[:200]})
-        timed = sorted((c for c in entry["candidates"] if "us" in c), key=lambda c: c["us"])
-        entry["best"] = timed[0] if timed else None
-        print(f"attention {spec['chunk_size']}q x {rows}k b={batch}: sdpa {entry['sdpa_us']:.1f} us, best triton "
-              f"{timed[0]['us'] if timed else float('nan'):.1f} us {timed[0] if timed else ''}", flush=True)
-        out.append(entry)
+    for stage in args.attention_stages:
+        queries = spec["chunk_size"] if stage == "expert" else prefix_len
+        rows = prefix_len + spec["chunk_size"]
+        for batch in args.batch_sizes:
+            g = torch.Generator(device="cpu").manual_seed(batch)
+            q = torch.randn(batch, queries, e.num_heads, e.head_dim, generator=g).to(device, torch.bfloat16)
+            kc, vc = (torch.randn(batch, rows, e.num_kv_heads, e.head_dim, generator=g).to(device, torch.bfloat16)
+                      for _ in range(2))
+            keys = rows if stage == "expert" else prefix_len
+            key_len = torch.full((batch,), keys, dtype=torch.int32)
+            ref = SdpaAttention(batch, rows, device)
+            ref.plan(key_len)
+            want = ref(q.float(), kc.float(), vc.float())
+            entry = {"stage": stage, "batch": batch, "queries": queries, "keys": keys, "candidates": []}
+            for gqa in (False, True):
+                sdpa = SdpaAttention(batch, rows, device, native_gqa=gqa)
+                sdpa.plan(key_len)
+                name = "sdpa_gqa" if gqa else "sdpa"
+                entry[f"{name}_rel_l2"] = relative_l2(sdpa(q, kc, vc).float(), want)
+                entry[f"{name}_us"] = graph_time_us(lambda a=sdpa: a(q, kc, vc), device, args.iters)
+            for bm, bn, target, warps, stages in _attention_settings(stage, batch):
+                try:
+                    att = TritonSplitKVAttention(batch, queries, rows, e.num_heads, e.num_kv_heads, e.head_dim,
+                                                 device, target_blocks=target, block_m=bm, block_n=bn, warps=warps,
+                                                 stages=stages)
+                    att.plan(key_len)
+                    err = relative_l2(att(q, kc, vc).float(), want)
+                    us = graph_time_us(lambda a=att: a(q, kc, vc), device, args.iters)
+                    entry["candidates"].append({"block_m": bm, "block_n": bn, "target_blocks": target,
+                                                "warps": warps, "stages": stages, "splits": att.num_splits,
+                                                "us": us, "rel_l2": err})
+                except Exception as exc:  # shared memory too large for a setting, ...: recorded
+                    entry["candidates"].append({"block_m": bm, "block_n": bn, "target_blocks": target,
+                                                "warps": warps, "stages": stages,
+                                                "error": f"{type(exc).__name__}: {exc}"[:200]})
+            timed = sorted((c for c in entry["candidates"] if "us" in c), key=lambda c: c["us"])
+            entry["best"] = timed[0] if timed else None
+            print(f"attention {stage} {queries}q x {keys}k b={batch}: sdpa {entry['sdpa_us']:.1f} us, sdpa gqa "
+                  f"{entry['sdpa_gqa_us']:.1f} us, best triton {timed[0]['us'] if timed else float('nan'):.1f} us "
+                  f"{timed[0] if timed else ''}", flush=True)
+            out.append(entry)
     return out
 
 
-def _attention_settings():
-    for bm in (16, 32, 64):
+def _attention_settings(stage: str, batch: int):
+    """Triton (block_m, block_n, target_blocks, warps, stages) to try: the batch-1/2 decode-like set for
+    the expert at small batch; larger row blocks with 8 warps for many query rows (prefix, large batch)."""
+    if stage == "expert" and batch <= 4:
+        for bm in (16, 32, 64):
+            for bn in (32, 64, 128):
+                for target in (132, 264, 528):
+                    yield bm, bn, target, 4, 2
+        for bm, bn, target in ((32, 64, 132), (64, 64, 264), (16, 64, 264)):
+            yield bm, bn, target, 8, 2
+            yield bm, bn, target, 4, 3
+        return
+    yield 64, 64, 132, 4, 2  # the large-batch default before this sweep
+    for bm in (64, 128):
         for bn in (32, 64, 128):
-            for target in (132, 264, 528):
-                yield bm, bn, target, 4, 2
-    for bm, bn, target in ((32, 64, 132), (64, 64, 264), (16, 64, 264)):
-        yield bm, bn, target, 8, 2
-        yield bm, bn, target, 4, 3
+            for stages in (2, 3):
+                yield bm, bn, 132, 8, stages
 
 
 def best_tiles(entries: list[dict], max_rows: int) -> dict:

@@ -29,11 +29,15 @@ BACKENDS = ("sdpa", "flashinfer", "triton")
 
 
 class SdpaAttention:
+    """`native_gqa`: pass the KV heads as they are (SDPA's enable_gqa) instead of expanding them to
+    every query head (a copy of K and V per call)."""
+
     name = "sdpa"
 
-    def __init__(self, batch: int, rows: int, device: torch.device):
+    def __init__(self, batch: int, rows: int, device: torch.device, native_gqa: bool = False):
         self.key_len = torch.zeros(batch, dtype=torch.int32, device=device)
         self.arange = torch.arange(rows, device=device)
+        self.native_gqa = native_gqa
 
     def plan(self, key_len: Tensor) -> None:
         self.key_len.copy_(key_len, non_blocking=True)
@@ -45,6 +49,9 @@ class SdpaAttention:
         mask = (self.arange[None, :] < self.key_len[:, None])[:, None, None, :]
         k = k_cache.transpose(1, 2)
         v = v_cache.transpose(1, 2)
+        if kv != heads and self.native_gqa:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)
+            return out.transpose(1, 2).reshape(b, t, heads * hd)
         if kv != heads:
             s = k.shape[2]
             k = k[:, :, None].expand(b, kv, heads // kv, s, hd).reshape(b, heads, s, hd)

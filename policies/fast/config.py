@@ -16,6 +16,11 @@ PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
+# The default: the prefix's MLP only. Measured on the H200 (profile_stages_nvidia-h200_20261201-155330):
+# FP8 in the prefix's qkv/o projections gained no time and doubled the actions' error; the vision
+# tower in FP8 was slower than in bf16 (K = 1152 GEMMs: the quantisation costs more than it saves)
+# and the largest error source.
+DEFAULT_FP8_GEMMS = ("prefix_gate_up", "prefix_down")
 
 
 @dataclass
@@ -29,11 +34,11 @@ class FastConfig:
     consistent_recompute: `Policy.log_prob` recomputes through the fast path's kernels at the
     rollout's bucket shapes (policies/fast/recompute.py), reproducing the rollout's log-probs bit
     for bit; needs `enabled` and a batch-invariant `attention` ("sdpa" or "triton").
-    precision: "bf16" runs every GEMM in `dtype`; "fp8" runs the vision tower's and the prefix's
-    GEMMs in FP8 e4m3 (per-channel weight and per-token activation scales, policies/fast/fp8.py),
-    the expert in `dtype`; needs dtype "bfloat16".
-    fp8_gemms: with precision "fp8", the GEMM groups that run in FP8 (FP8_GEMM_GROUPS); the others
-    stay in `dtype`.
+    precision: "bf16" runs every GEMM in `dtype`; "fp8" runs the GEMMs of `fp8_gemms` in FP8 e4m3
+    (per-channel weight and per-token activation scales, policies/fast/fp8.py), the expert always
+    in `dtype`; needs dtype "bfloat16".
+    fp8_gemms: with precision "fp8", the GEMM groups that run in FP8 (FP8_GEMM_GROUPS; default the
+    prefix's MLP, DEFAULT_FP8_GEMMS); the others stay in `dtype`.
     gemm: the expert's projections in the denoise loop: "skinny" runs them through split-K Triton
     kernels that stream the weights at the memory bound for few rows (policies/fast/skinny.py),
     "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk).
@@ -51,7 +56,7 @@ class FastConfig:
     precision: str = "bf16"
     gemm: str = "auto"
     pdl: str = "auto"
-    fp8_gemms: list[str] = field(default_factory=lambda: list(FP8_GEMM_GROUPS))
+    fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
 
     def __post_init__(self) -> None:
         self.validate("policy.fast")

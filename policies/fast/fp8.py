@@ -19,9 +19,10 @@ The activation quantisation can absorb the activation before it: `act` = "gelu_t
 fc2 input) or "gelu_tanh_mul" (GeGLU: gelu_tanh(gate) * up over a fused gate/up projection, the
 Gemma down projection's input), so the bf16 activation tensor is never written. On CUDA this is
 one Triton kernel per GEMM input (`quantize_rows_triton`, a row's absolute max then the scaled
-cast); elsewhere the PyTorch twin (`quantize_rows_reference`). The Triton kernel is tested on the
-GPU only: Triton 3.9's CPU interpreter rounds e4m3 casts wrongly when the mantissa carries into
-the exponent (126.2 -> 64 instead of 128, measured here).
+cast, from registers in one read for rows up to 16384 wide); elsewhere the PyTorch twin
+(`quantize_rows_reference`). The Triton kernel is tested on the GPU only: Triton 3.9's CPU
+interpreter rounds e4m3 casts wrongly when the mantissa carries into the exponent (126.2 -> 64
+instead of 128, measured here).
 
 `project(x, lw)` and `mlp(x, up, down, act)` are what the runner calls: FP8 where the LinearW
 carries an `Fp8Weight`, else exactly the bf16 calls the fast path made before FP8 existed.
@@ -45,6 +46,7 @@ FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # an all-zero row gets this amax: its scale stays finite and its values 0
 ACTIVATIONS = ("none", "gelu_tanh", "gelu_tanh_mul")
 ALIGN = 16  # _scaled_mm needs K and N divisible by 16
+ONE_PASS_MAX_WIDTH = 16384  # rows up to this wide are quantised from registers in one read (Gemma's GeGLU)
 
 
 @dataclass
@@ -132,27 +134,35 @@ def _quantize_kernel():
     from policies.fast import triton_common as C
 
     @triton.jit
-    def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, width, x_row_stride, ACT: tl.constexpr, BLOCK: tl.constexpr):
-        # One program per row, two passes over its columns: the row's absolute max of act(x),
-        # then act(x) / scale cast to e4m3. A row is at most 64 KiB, so the second pass mostly
-        # hits L2. ACT: 0 none, 1 gelu_tanh, 2 gelu_tanh(gate) * up with up `width` columns on.
+    def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, width, x_row_stride, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                             ONE_PASS: tl.constexpr):
+        # One program per row: the row's absolute max of act(x), then act(x) / scale cast to e4m3.
+        # ONE_PASS (BLOCK >= width): the activated row stays in registers between the two steps, so
+        # x is read once (the H200 profile_stages run: the two-pass version of the GeGLU input took
+        # as long as a third of the FP8 GEMMs at batch 32). Else two passes over BLOCK-wide slices,
+        # the second mostly from L2. ACT: 0 none, 1 gelu_tanh, 2 gelu_tanh(gate) * up with up
+        # `width` columns on.
         row = tl.program_id(0).to(tl.int64)
         src = x_ptr + row * x_row_stride
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, width, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(C.load_activated(src, cols, cols < width, width, ACT)))
-        # the scale as amax * fp32(1/448) and an IEEE division per element (Triton's `/` is
-        # approximate), as quantize_rows_reference: bit-equal scales and quotients
-        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) * (1.0 / 448.0)
-        tl.store(s_ptr + row, scale)
         dst = q_ptr + row * width
-        for start in range(0, width, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        if ONE_PASS:
+            cols = tl.arange(0, BLOCK)
             mask = cols < width
             v = C.load_activated(src, cols, mask, width, ACT)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
-            tl.store(dst + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+            scale = C.fp8_row_scale(tl.abs(v))
+            tl.store(s_ptr + row, scale)
+            tl.store(dst + cols, C.to_fp8(v, scale, q_ptr), mask=mask)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, width, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                amax = tl.maximum(amax, tl.abs(C.load_activated(src, cols, cols < width, width, ACT)))
+            scale = C.fp8_row_scale(amax)
+            tl.store(s_ptr + row, scale)
+            for start in range(0, width, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < width
+                tl.store(dst + cols, C.to_fp8(C.load_activated(src, cols, mask, width, ACT), scale, q_ptr), mask=mask)
 
     return quantize_rows_kernel
 
@@ -165,9 +175,13 @@ def quantize_rows_triton(x: Tensor, act: str = "none") -> tuple[Tensor, Tensor]:
     width = cols // 2 if act == "gelu_tanh_mul" else cols
     q = torch.empty(rows, width, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    block = min(2048, 1 << max(4, (width - 1).bit_length()))
+    whole = 1 << max(4, (width - 1).bit_length())  # the row's width rounded up to a power of two
+    one_pass = whole <= ONE_PASS_MAX_WIDTH
+    block = whole if one_pass else 2048
+    # one pass: ~32 activated values per thread (16384 columns: 16 warps); two passes: 2048-wide slices
+    warps = min(16, max(4, block // 1024)) if one_pass else 8
     _quantize_kernel()[(rows,)](x, q, scale, width, x.stride(0), ACT=ACTIVATIONS.index(act), BLOCK=block,
-                                num_warps=8 if block >= 2048 else 4)
+                                ONE_PASS=one_pass, num_warps=warps)
     return q, scale
 
 

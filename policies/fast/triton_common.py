@@ -50,3 +50,17 @@ def load_activated(src, cols, mask, width, ACT: tl.constexpr):
     if ACT == 2:
         v = v * tl.load(src + width + cols, mask=mask, other=0.0).to(tl.float32)
     return v
+
+
+@triton.jit
+def fp8_row_scale(abs_values):
+    """fp8.py's per-row scale: amax * fp32(1/448), as quantize_rows_reference (bit-equal scales)."""
+    return tl.maximum(tl.max(abs_values, axis=0), 1e-12) * (1.0 / 448.0)
+
+
+@triton.jit
+def to_fp8(v, scale, q_ptr):
+    """v / scale clamped to e4m3's range and cast to q_ptr's element type, with an IEEE division
+    per element (Triton's `/` is approximate), as quantize_rows_reference."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+    return q.to(q_ptr.dtype.element_ty)

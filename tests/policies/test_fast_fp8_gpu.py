@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from policies.fast import fp8
-from policies.fast.config import FastConfig
+from policies.fast.config import FP8_GEMM_GROUPS, FastConfig
 from policies.fast.runner import FastSampler
 from policies.lerobot_bridge import relative_l2
 from policies.policy import build_policy
@@ -20,7 +20,8 @@ from .test_fast_gpu import gpu_cfg, inputs_for
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("act,width", [("none", 1152), ("none", 100), ("gelu_tanh", 4304), ("gelu_tanh_mul", 16384)])
+@pytest.mark.parametrize("act,width", [("none", 1152), ("none", 100), ("gelu_tanh", 4304), ("gelu_tanh_mul", 16384),
+                                       ("none", 20000), ("gelu_tanh_mul", 16400)])  # the last two: two passes
 def test_quantize_rows_triton_matches_reference(act, width):
     g = torch.Generator().manual_seed(width)
     cols = 2 * width if act == "gelu_tanh_mul" else width
@@ -59,7 +60,8 @@ def test_scaled_mm_rowwise_with_bias_on_this_card():
 
 
 def _fp8(model, graphs: bool = True) -> FastSampler:
-    return FastSampler(model, FastConfig(precision="fp8", cuda_graphs=graphs, attention="sdpa"))
+    return FastSampler(model, FastConfig(precision="fp8", cuda_graphs=graphs, attention="sdpa",
+                                         fp8_gemms=list(FP8_GEMM_GROUPS)))
 
 
 def test_fp8_graphs_match_eager_and_stay_near_bf16():
