@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "actions compared with the bf16 run's")
     p.add_argument("--kernels-for", nargs="*", default=["bf16", "fp8:all"],
                    help="runs (bf16, fp8:<name>) also profiled kernel by kernel")
+    p.add_argument("--quant-sweep", action="store_true",
+                   help="also time the FP8 row quantisation kernel's settings on the prefix's GeGLU rows")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--top", type=int, default=20, help="kernels kept per stage")
     p.add_argument("--out-dir", default=None)
@@ -77,7 +79,34 @@ def main(argv=None) -> None:
         del policy
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if args.quant_sweep and device.type == "cuda":
+        record["quant_sweep"] = quant_sweep(base, args)
     write_result("profile_stages", record, summary, out_dir=args.out_dir, commit=args.commit)
+
+
+def quant_sweep(base: PolicyConfig, args) -> list[dict]:
+    """fp8.quantize_rows_triton on the prefix's GeGLU input (tokens x 2 * mlp_dim, act gelu_tanh_mul)
+    and its MLP input (tokens x width) at each configuration's batch: one and two passes, warps."""
+    from policies.fast import fp8
+    from policies.fast.attention import graph_call_ms
+
+    out = []
+    for name in args.configurations:
+        spec = common.CONFIGURATIONS[name]
+        for batch in args.batch_sizes or [DEFAULT_BATCHES[name]]:
+            tokens = batch * (spec["cameras"] * base.vision.num_patches + spec["prompt_len"])
+            for act, width in (("gelu_tanh_mul", 2 * base.prefix.mlp_dim), ("none", base.prefix.width)):
+                x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+                for one_pass, warps in ((False, 8), (True, 4), (True, 8), (True, 16), (True, 32)):
+                    call = lambda x=x, a=act, w=warps, o=one_pass: fp8.quantize_rows_triton(x, a, w, o)  # noqa: E731
+                    ms = graph_call_ms(call, calls=5, replays=5)
+                    gbytes = (x.numel() * 2 + x.numel() // (2 if act == "gelu_tanh_mul" else 1)) / 1e9
+                    out.append({"configuration": name, "batch": batch, "act": act, "rows": tokens, "width": width,
+                                "one_pass": one_pass, "warps": warps, "ms": ms, "tb_s": gbytes / ms})
+                    print(f"quant {name} b{batch} {act:14s} one_pass={one_pass!s:5s} warps={warps:2d}: "
+                          f"{ms:.3f} ms {gbytes / ms:.2f} TB/s", flush=True)
+                del x
+    return out
 
 
 def run_settings(args, dtype: str) -> list[tuple[str, dict]]:

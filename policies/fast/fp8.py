@@ -167,8 +167,10 @@ def _quantize_kernel():
     return quantize_rows_kernel
 
 
-def quantize_rows_triton(x: Tensor, act: str = "none") -> tuple[Tensor, Tensor]:
-    """The one-kernel version of `quantize_rows_reference` (x: 2-D, unit column stride)."""
+def quantize_rows_triton(x: Tensor, act: str = "none", num_warps: int | None = None,
+                         one_pass: bool | None = None) -> tuple[Tensor, Tensor]:
+    """The one-kernel version of `quantize_rows_reference` (x: 2-D, unit column stride).
+    num_warps / one_pass override the defaults (experiments/profile_stages.py --quant-sweep)."""
     if act not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {act!r}")
     rows, cols = x.shape
@@ -176,10 +178,10 @@ def quantize_rows_triton(x: Tensor, act: str = "none") -> tuple[Tensor, Tensor]:
     q = torch.empty(rows, width, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     whole = 1 << max(4, (width - 1).bit_length())  # the row's width rounded up to a power of two
-    one_pass = whole <= ONE_PASS_MAX_WIDTH
+    one_pass = whole <= ONE_PASS_MAX_WIDTH if one_pass is None else one_pass
     block = whole if one_pass else 2048
     # one pass: ~32 activated values per thread (16384 columns: 16 warps); two passes: 2048-wide slices
-    warps = min(16, max(4, block // 1024)) if one_pass else 8
+    warps = num_warps or (min(16, max(4, block // 1024)) if one_pass else 8)
     _quantize_kernel()[(rows,)](x, q, scale, width, x.stride(0), ACT=ACTIVATIONS.index(act), BLOCK=block,
                                 ONE_PASS=one_pass, num_warps=warps)
     return q, scale

@@ -266,11 +266,8 @@ class FastSampler:
     # ------------------------------------------------------------------ stages
     def _stage_vision(self, bk: Bucket) -> None:
         t, w, cfg = bk.tensors, self.w.vision, self.cfg.vision
-        imgs = t["images"].flatten(0, 1)
-        x = F.conv2d(imgs, w["patch"].weight, w["patch"].bias, stride=cfg.patch_size)
-        x = x.flatten(2).transpose(1, 2) + w["pos"]
-        n, tok, width = x.shape
-        h = x.reshape(n * tok, width).contiguous()  # residual stream, updated in place
+        h = _patch_embed(t["images"].flatten(0, 1), w["patch"], w["pos"], cfg.patch_size)  # residual stream
+        n, tok, width = t["images"].shape[0] * t["images"].shape[1], w["pos"].shape[0], w["pos"].shape[1]
         layers, eps = w["layers"], cfg.layer_norm_eps
         _, y = K.add_layer_norm(h, None, layers[0]["ln1"].weight, layers[0]["ln1"].bias, eps)
         for i, lw in enumerate(layers):
@@ -342,6 +339,17 @@ class FastSampler:
             h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
         out = F.linear(normed.float(), w.action_out.weight.float(), w.action_out.bias.float())
         return out.view(b, hlen, d)
+
+
+def _patch_embed(images: Tensor, patch, pos: Tensor, size: int) -> Tensor:
+    """SigLIP's patch embedding, (N, 3, R, R) -> (N * R*R/size^2, width) with the position embedding
+    added: the stride-`size` convolution as one GEMM over the unfolded patches (on the H200 cuDNN's
+    convolution plus its NCHW/NHWC layout kernels took ~2 ms at 128 images; the GEMM ~0.1 ms)."""
+    n, c, res, _ = images.shape
+    side = res // size
+    patches = images.view(n, c, side, size, side, size).permute(0, 2, 4, 1, 3, 5).reshape(n * side * side, -1)
+    x = F.linear(patches, patch.weight.view(patch.weight.shape[0], -1), patch.bias)
+    return x.view(n, side * side, -1).add_(pos).view(n * side * side, -1)
 
 
 def _project(x: Tensor, lw, tile, pdl_code: int = 0) -> Tensor:

@@ -111,14 +111,20 @@ def _kernels():
     return split_kv_attention, merge_splits
 
 
-def default_blocks(batch: int, packed_rows: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) by the H200 sweep of the expert's attention (profile_denoise.py,
-    benchmarks/results/profile_denoise_nvidia-h200_20261201-141251.json): 16 x 64 for <= 128 packed
-    query rows (LIBERO's chunk 10 x 8 heads: 6.8 us against 7.8 with 32 x 64), 32 x 128 at batch 1
-    with more (PhyAI's chunk 50: 9.6 against 11.5 us), else 64 x 64 (13.2 against 15.1 at batch 2)."""
+def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) by the H200 sweeps of profile_denoise.py:
+    - <= 128 packed query rows (LIBERO's chunk 10 x 8 heads): 16 x 64, 4 warps (6.8 us against 7.8
+      with 32 x 64 at batch 1, profile_denoise_nvidia-h200_20261201-141251.json);
+    - batch 1 with more (PhyAI's chunk 50): 32 x 128, 4 warps (9.6 against 11.5 us);
+    - batch >= 16 with more (PhyAI's expert at batch 32/64, every prefix): 128 x 64, 8 warps
+      (profile_denoise_nvidia-h200_20261201-160805.json: PhyAI's expert at b32 79 against 88 us with
+      64 x 64, the prefix 767 against 1245 us and SDPA's 892; LIBERO's prefix at b64 531 against 736);
+    - else 64 x 64, 4 warps (13.2 against 15.1 us at batch 2)."""
     if packed_rows <= 128:
-        return 16, 64
-    return (32, 128) if batch == 1 else (64, 64)
+        return 16, 64, 4, 2
+    if batch == 1:
+        return 32, 128, 4, 2
+    return (128, 64, 8, 2) if batch >= 16 else (64, 64, 4, 2)
 
 
 class TritonSplitKVAttention:
@@ -126,8 +132,6 @@ class TritonSplitKVAttention:
 
     name = "triton"
     pdl = 0  # pdl.py's mode code; the fast sampler sets it on the expert's backend
-
-    WARPS, STAGES = 4, 2
 
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, target_blocks: int | None = None, block_m: int | None = None,
@@ -137,9 +141,9 @@ class TritonSplitKVAttention:
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
         packed_rows = queries * (heads // kv_heads)
-        default_m, default_n = default_blocks(batch, packed_rows)
+        default_m, default_n, default_warps, default_stages = default_blocks(batch, packed_rows)
         self.BLOCK_M, self.BLOCK_N = block_m or default_m, block_n or default_n
-        self.WARPS, self.STAGES = warps or self.WARPS, stages or self.STAGES
+        self.WARPS, self.STAGES = warps or default_warps, stages or default_stages
         self.shape = (batch, queries, rows, heads, kv_heads, head_dim)
         self.key_len = torch.full((batch,), rows, dtype=torch.int32, device=device)
         self.row_tiles = math.ceil(packed_rows / self.BLOCK_M)

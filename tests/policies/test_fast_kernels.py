@@ -43,10 +43,10 @@ def test_add_rms_norm_matches_reference(dtype, variant):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads", [(2, 1), (4, 2)])
-def test_rope_scatter_matches_reference(dtype, heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,t", [(2, 1, 5), (4, 2, 5), (2, 1, 91)])  # 3 x 91 tokens: token blocks
+def test_rope_scatter_matches_reference(dtype, heads, kv_heads, t):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    b, t, hd, rows = 3, 5, 16, 9
+    b, hd, rows = 3, 16, t + 4
     qkv = torch.randn(b, t, (heads + 2 * kv_heads) * hd, generator=g).to(DEVICE, dtype)
     positions = torch.randint(0, 50, (b, t), generator=g).to(DEVICE)
     from policies.models.gemma import rope_cos_sin
@@ -146,6 +146,26 @@ def test_split_kv_attention_matches_masked_sdpa(dtype, heads, kv_heads, target_b
     assert got.shape == (b, t, heads * hd) and got.dtype == dtype
     fp32_tol = 2e-3 if DEVICE == "cuda" else 1e-5  # Triton's fp32 tl.dot uses TF32 on the GPU
     assert rel(got, want) < (fp32_tol if dtype == torch.float32 else 1e-2)
+
+
+def test_split_kv_attention_large_batch_blocks_match_masked_sdpa():
+    """Batch >= 16 with > 128 packed query rows (the prefix, PhyAI's expert at large batch) runs
+    default_blocks' 128 x 64 blocks with 8 warps; a row block straddles several query tokens."""
+    from policies.fast.attention import SdpaAttention
+    from policies.fast.triton_attention import TritonSplitKVAttention, default_blocks
+
+    g = torch.Generator().manual_seed(16)
+    b, t, heads, rows, hd = 16, 37, 4, 90, 16
+    assert default_blocks(b, t * heads) == (128, 64, 8, 2)
+    q = torch.randn(b, t, heads, hd, generator=g).to(DEVICE)
+    k, v = (torch.randn(b, rows, 1, hd, generator=g).to(DEVICE) for _ in range(2))
+    key_len = torch.randint(1, rows + 1, (b,), generator=g, dtype=torch.int32)
+    attention = TritonSplitKVAttention(b, t, rows, heads, 1, hd, torch.device(DEVICE))
+    assert (attention.BLOCK_M, attention.BLOCK_N, attention.WARPS) == (128, 64, 8)
+    attention.plan(key_len.to(DEVICE))
+    exact = SdpaAttention(b, rows, torch.device(DEVICE))
+    exact.plan(key_len.to(DEVICE))
+    assert rel(attention(q, k, v), exact(q, k, v)) < (2e-3 if DEVICE == "cuda" else 1e-5)
 
 
 def test_flow_step_matches_reference():
