@@ -162,6 +162,11 @@ def test_split_kv_attention_large_batch_blocks_match_masked_sdpa():
     key_len = torch.randint(1, rows + 1, (b,), generator=g, dtype=torch.int32)
     attention = TritonSplitKVAttention(b, t, rows, heads, 1, hd, torch.device(DEVICE))
     assert (attention.BLOCK_M, attention.BLOCK_N, attention.WARPS) == (128, 64, 8)
+    # the KV is split only while the unsplit blocks leave a quarter of the target idle (SPLIT_FREE_FILL)
+    expert = dict(queries=50, rows=1018, heads=8, kv_heads=1, head_dim=256, device=torch.device("cpu"),
+                  target_blocks=132)
+    assert TritonSplitKVAttention(32, **expert).num_splits == 1  # 32 x 4 row blocks = 128 of 132
+    assert TritonSplitKVAttention(8, **expert).num_splits == 3  # 8 x 7 blocks of 64 rows: ceil(132 / 56)
     attention.plan(key_len.to(DEVICE))
     exact = SdpaAttention(b, rows, torch.device(DEVICE))
     exact.plan(key_len.to(DEVICE))
