@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from policies import PolicyConfig
 from policies.models.pi05 import PI05Model
@@ -20,7 +19,10 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 def test_presets_and_yaml(name):
     cfg = PolicyConfig.preset(name)
     assert cfg.name == name
-    from_yaml = PolicyConfig.from_mapping(OmegaConf.load(ROOT / "conf" / "policy" / f"{name}.yaml"))
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):  # the group's defaults too
+        from_yaml = PolicyConfig.from_mapping(compose(config_name=f"policy/{name}").policy)
     assert (
         from_yaml.vision == cfg.vision
         and from_yaml.prefix == cfg.prefix
@@ -178,3 +180,21 @@ def test_hydra_overrides_are_partial():
     policy = PolicyConfig.from_mapping(cfg.policy)
     assert (policy.expert.width, policy.expert.mlp_dim, policy.expert.depth) == (1024, 4096, 2)
     assert (policy.sampling.noise_level, policy.sampling.num_steps) == (0.25, 10)
+
+
+def test_policy_yaml_fast_block_lists_fast_config_defaults():
+    """conf/policy/fast/default.yaml lists every FastConfig key with its default (so Hydra
+    overrides like `policy.fast.precision=fp8` need no `+`), and every policy preset includes it."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from policies.fast.config import FastConfig
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "policy"
+    listed = yaml.safe_load((conf / "fast" / "default.yaml").read_text())
+    defaults = dataclasses.asdict(FastConfig())
+    assert listed == defaults
+    for preset in conf.glob("*.yaml"):
+        assert {"fast": "default"} in yaml.safe_load(preset.read_text())["defaults"], preset.name
