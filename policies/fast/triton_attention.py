@@ -115,16 +115,20 @@ def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) by the H200 sweeps of profile_denoise.py:
     - <= 128 packed query rows (LIBERO's chunk 10 x 8 heads): 16 x 64, 4 warps (6.8 us against 7.8
       with 32 x 64 at batch 1, profile_denoise_nvidia-h200_20261201-141251.json);
-    - batch 1 with more (PhyAI's chunk 50): 32 x 128, 4 warps (9.6 against 11.5 us);
-    - batch >= 16 with more (PhyAI's expert at batch 32/64, every prefix): 128 x 64, 8 warps
-      (profile_denoise_nvidia-h200_20261201-160805.json: PhyAI's expert at b32 79 against 88 us with
-      64 x 64, the prefix 767 against 1245 us and SDPA's 892; LIBERO's prefix at b64 531 against 736);
-    - else 64 x 64, 4 warps (13.2 against 15.1 us at batch 2)."""
+    - batch >= 16, or >= 16384 packed rows in all (the prefix from batch 4, PhyAI's expert at batch
+      32/64): 128 x 64, 8 warps (profile_denoise_nvidia-h200_20261201-160805.json: PhyAI's expert at
+      b32 79 against 88 us with 64 x 64, the prefix 767 against 1245 us and SDPA's 892; LIBERO's
+      prefix at b64 531 against 736; ..._164645.json: PhyAI's prefix at b4 94 against 146 us);
+    - batch 1 with < 1024 rows (PhyAI's chunk 50 in the expert): 32 x 128, 4 warps (9.6 against 11.5 us);
+    - else 64 x 64, 4 warps (the expert at batch 2: 13.2 against 15.1 us; the prefix at batch 1,
+      ..._164645.json: PhyAI 39 us against 57 with 32 x 128, LIBERO 29 against 35)."""
     if packed_rows <= 128:
         return 16, 64, 4, 2
-    if batch == 1:
+    if batch >= 16 or batch * packed_rows >= 16384:
+        return 128, 64, 8, 2
+    if batch == 1 and packed_rows < 1024:
         return 32, 128, 4, 2
-    return (128, 64, 8, 2) if batch >= 16 else (64, 64, 4, 2)
+    return 64, 64, 4, 2
 
 
 # No KV split once the unsplit blocks fill this share of the target: on the H200 (profile_stages,
