@@ -10,7 +10,9 @@
   pools included, see `memory_since`);
 - `Budget`: the run's wall-time budget; a measurement that would overrun it is skipped and
   recorded, never shortened;
-- `run_bounded`: a subprocess killed (its whole process group) at a deadline.
+- `run_bounded`: a subprocess killed (its whole process group) at a deadline;
+- `kernel_table`: device time per kernel name of one call under torch.profiler (profile_denoise,
+  profile_stages).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import signal
 import statistics
 import subprocess
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +38,12 @@ CONFIGURATIONS = {
     "phyai": {"cameras": 3, "prompt_len": 200, "chunk_size": 50, "num_steps": 10},
     "libero_rl": {"cameras": 2, "prompt_len": 48, "chunk_size": 10, "num_steps": 4},
 }
+
+
+def run_device_and_dtype() -> tuple[torch.device, str]:
+    """The GPU in bf16 where there is one, else the CPU in fp32 (the scripts' smoke runs)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device, "bfloat16" if device.type == "cuda" else "float32"
 
 
 def configuration_policy_cfg(base: PolicyConfig, spec: dict, dtype: str) -> PolicyConfig:
@@ -216,3 +225,29 @@ def tail(path: str | os.PathLike, chars: int = 2000) -> str:
             return f.read()[-chars:]
     except OSError:
         return ""
+
+
+# --------------------------------------------------------------------------- kernel profile
+
+
+def kernel_table(fn: Callable[[], object], device: torch.device, top: int) -> dict:
+    """Device time per kernel name of one call of fn (top-level CPU op time on the CPU), largest
+    first, after one unprofiled call: {"kernel_ms_total", "launches", "top": [{kernel, ms, calls,
+    share}]}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    fn()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        fn()
+        _sync(device)
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if (event.device_type.name == "CUDA") == on_gpu and (on_gpu or event.cpu_parent is None):
+            per_name[event.name].append((event.device_time_total if on_gpu else event.cpu_time_total) / 1e3)
+    rows = sorted(((n, sum(v), len(v)) for n, v in per_name.items()), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    return {"kernel_ms_total": total, "launches": sum(r[2] for r in rows),
+            "top": [{"kernel": n[:140], "ms": ms, "calls": c, "share": ms / total if total else 0.0}
+                    for n, ms, c in rows[:top]]}

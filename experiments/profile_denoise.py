@@ -70,8 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    device, dtype = common.run_device_and_dtype()
     base = PolicyConfig.preset(args.policy)
     record = {"args": vars(args), "denoise": [], "kernels": {}, "gemm_sweep": [], "attention_sweep": {}}
     shapes = None
@@ -162,28 +161,13 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
 
 def kernel_breakdown(policy, spec: dict, variant: str, device) -> dict:
     """Device time per kernel name of one eager denoise stage (no graphs), largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
     inputs, noise = common.make_inputs(policy.cfg, 1, spec["prompt_len"], device, seed=1)
     stoch = torch.zeros(1, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
     gemm, attention = variant.split("/")[:2]
     fast = _sampler(policy, 1, spec["prompt_len"], graphs=False, gemm=gemm, attention=attention)
     fast.sample_chains(inputs, noise, None, stoch)
     bucket = next(iter(fast.buckets.values()))
-    fast.run_stage(bucket, "denoise")
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fast.run_stage(bucket, "denoise")
-        torch.cuda.synchronize()
-    per_name: dict[str, list[float]] = defaultdict(list)
-    for event in prof.events():
-        if event.device_type.name == "CUDA":
-            per_name[event.name].append(event.device_time_total if hasattr(event, "device_time_total")
-                                        else event.cuda_time_total)
-    rows = sorted(((n, sum(v) / 1e3, len(v)) for n, v in per_name.items()), key=lambda r: -r[1])
-    total = sum(r[1] for r in rows)
-    return {"kernel_ms_total": total, "launches": sum(r[2] for r in rows),
-            "top": [{"kernel": n[:120], "ms": ms, "calls": c} for n, ms, c in rows[:25]]}
+    return common.kernel_table(lambda: fast.run_stage(bucket, "denoise"), device, top=25)
 
 
 def graph_time_us(fn, device, iters: int) -> float:

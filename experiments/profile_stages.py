@@ -17,7 +17,6 @@ per (configuration, batch, run):
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 import torch
 
@@ -54,8 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    device, dtype = common.run_device_and_dtype()
     base = PolicyConfig.preset(args.policy)
     record, summary = {"args": vars(args), "runs": []}, {}
     for name in args.configurations:
@@ -142,33 +140,11 @@ def profile(policy, spec: dict, batch: int, fast_overrides: dict, kernels: bool,
             if graphs:
                 out["stage_ms"][stage] = common.timed_ms(run_stage, device, 2, args.iters)
             else:
-                out["kernels"][stage] = kernel_table(run_stage, device, args.top)
+                out["kernels"][stage] = common.kernel_table(run_stage, device, args.top)
         out.setdefault("attention", {"prefix": getattr(bucket.prefix_attn, "name", "?"),
                                      "expert": getattr(bucket.expert_attn, "name", "?")})
         del fast, bucket
     return out
-
-
-def kernel_table(fn, device, top: int) -> dict:
-    """Device time per kernel name of one call of fn (CPU op time on the CPU), largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    on_gpu = device.type == "cuda"
-    fn()
-    common.timed_ms(fn, device, 0, 1)  # synchronises
-    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
-        fn()
-        if on_gpu:
-            torch.cuda.synchronize(device)
-    per_name: dict[str, list[float]] = defaultdict(list)
-    for event in prof.events():
-        if (event.device_type.name == "CUDA") == on_gpu and (on_gpu or event.cpu_parent is None):
-            per_name[event.name].append((event.device_time_total if on_gpu else event.cpu_time_total) / 1e3)
-    rows = sorted(((n, sum(v), len(v)) for n, v in per_name.items()), key=lambda r: -r[1])
-    total = sum(r[1] for r in rows)
-    return {"kernel_ms_total": total, "launches": sum(r[2] for r in rows),
-            "top": [{"kernel": n[:140], "ms": ms, "calls": c, "share": ms / total if total else 0.0}
-                    for n, ms, c in rows[:top]]}
 
 
 def print_run(key: str, run: dict) -> None:
