@@ -266,8 +266,9 @@ class FastSampler:
     # ------------------------------------------------------------------ stages
     def _stage_vision(self, bk: Bucket) -> None:
         t, w, cfg = bk.tensors, self.w.vision, self.cfg.vision
-        h = _patch_embed(t["images"].flatten(0, 1), w["patch"], w["pos"], cfg.patch_size)  # residual stream
-        n, tok, width = t["images"].shape[0] * t["images"].shape[1], w["pos"].shape[0], w["pos"].shape[1]
+        imgs = t["images"].flatten(0, 1)
+        h = _patch_embed(imgs, w["patch"], w["pos"], cfg.patch_size)  # residual stream, updated in place
+        n, (tok, width) = imgs.shape[0], w["pos"].shape
         layers, eps = w["layers"], cfg.layer_norm_eps
         _, y = K.add_layer_norm(h, None, layers[0]["ln1"].weight, layers[0]["ln1"].bias, eps)
         for i, lw in enumerate(layers):

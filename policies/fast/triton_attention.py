@@ -162,9 +162,10 @@ class TritonSplitKVAttention:
             target_blocks = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
         base_blocks = batch * kv_heads * self.row_tiles
         max_splits = math.ceil(rows / self.BLOCK_N)
-        self.num_splits = max(1, min(max_splits, math.ceil(target_blocks / base_blocks)))
         if base_blocks >= SPLIT_FREE_FILL * target_blocks:
             self.num_splits = 1
+        else:
+            self.num_splits = max(1, min(max_splits, math.ceil(target_blocks / base_blocks)))
         # split length: whole BLOCK_N multiples so no block straddles two splits
         self.split_rows = math.ceil(math.ceil(rows / self.num_splits) / self.BLOCK_N) * self.BLOCK_N
         if self.num_splits > 1:
