@@ -21,6 +21,7 @@ from torch import Tensor
 
 from policies.fast.pdl import launch_kwargs
 
+LOG2_E = 1.4426950408889634  # scores are scaled into log2 units so the softmax runs on exp2
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
 
 
@@ -35,7 +36,7 @@ def _kernels():
     @triton.jit
     def split_kv_attention(
         q_ptr, k_ptr, v_ptr, key_len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-        sm_scale, T, S, NUM_SPLITS, SPLIT_ROWS,
+        qk_scale, T, S, NUM_SPLITS, SPLIT_ROWS,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr, PDL: tl.constexpr,
     ):
@@ -64,11 +65,11 @@ def _kernels():
             n_ok = n < end
             kv_off = ((b * S + n) * KV + kvh) * HD
             k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * sm_scale
+            scores = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units: exp2 below is one MUFU op
             scores = tl.where(n_ok[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -77,9 +78,9 @@ def _kernels():
             out = acc / l_i[:, None]
             o_off = ((b * T + t) * H + head) * HD
             tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        else:  # partial result of this split and its log-sum-exp (-inf for an empty split)
+        else:  # partial result of this split and its log-sum-exp in log2 units (-inf for an empty split)
             safe_l = tl.where(l_i > 0, l_i, 1.0)
-            lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
+            lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
             part = (bk * NUM_SPLITS + split) * (T * group) + rows
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
             tl.store(part_o_ptr + part[:, None] * HD + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
@@ -100,7 +101,7 @@ def _kernels():
         part = (bk * NUM_SPLITS + s) * (T * group) + row
         lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
         m = tl.max(lse, axis=0)
-        w = tl.where(s_ok, tl.exp(lse - m), 0.0)
+        w = tl.where(s_ok, tl.exp2(lse - m), 0.0)
         d = tl.arange(0, HD)
         o = tl.load(part_o_ptr + part[:, None] * HD + d[None, :], mask=s_ok[:, None], other=0.0)
         out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
@@ -186,7 +187,7 @@ class TritonSplitKVAttention:
         part_o = out if direct else self.part_o
         part_lse = out if direct else self.part_lse
         attend[(b * kv, self.row_tiles, self.num_splits)](
-            q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5, t, k_cache.shape[1],
+            q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5 * LOG2_E, t, k_cache.shape[1],
             self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
             DIRECT=direct, PDL=self.pdl, num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl),
         )

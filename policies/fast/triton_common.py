@@ -34,10 +34,11 @@ def pdl_enter(PDL: tl.constexpr):
 
 @triton.jit
 def gelu_tanh(x):
-    """gelu_tanh(x) in fp32, tanh as 2 / (1 + e^-2u) - 1 with u clamped to +-15 (tanh is +-1 there
-    in fp32; the clamp keeps exp finite)."""
-    inner = tl.minimum(tl.maximum(0.7978845608028654 * (x + 0.044715 * x * x * x), -15.0), 15.0)
-    return 0.5 * x * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+    """gelu_tanh(x) in fp32 as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the same function
+    as 0.5 x (1 + tanh(u)) in one exp2 and one division (no 1 + (tanh - 1) cancellation for
+    negative x). The exponent is capped at 126 so 1 + e^-2u stays finite; the result there is ~0."""
+    neg_two_u_log2e = x * (-2.3022081981 - 0.1029432396 * x * x)  # -2u * log2(e), constants folded
+    return x / (1.0 + tl.exp2(tl.minimum(neg_two_u_log2e, 126.0)))
 
 
 @triton.jit
@@ -60,7 +61,8 @@ def fp8_row_scale(abs_values):
 
 @triton.jit
 def to_fp8(v, scale, q_ptr):
-    """v / scale clamped to e4m3's range and cast to q_ptr's element type, with an IEEE division
-    per element (Triton's `/` is approximate), as quantize_rows_reference."""
-    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+    """v times the row's reciprocal scale (one IEEE division per row, then a multiply per element,
+    as quantize_rows_reference), clamped to e4m3's range and cast to q_ptr's element type."""
+    inverse = tl.math.div_rn(1.0, scale)
+    q = tl.minimum(tl.maximum(v * inverse, -448.0), 448.0)
     return q.to(q_ptr.dtype.element_ty)
