@@ -50,7 +50,7 @@ class FastConfig:
     dtype: str = "bfloat16"
     attention: str = "auto"
     batch_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    prompt_buckets: list[int] = field(default_factory=lambda: [32, 64, 128, 200])
+    prompt_buckets: list[int] = field(default_factory=lambda: [32, 48, 64, 128, 200])
     attention_profile_path: str | None = None
     consistent_recompute: bool = False
     precision: str = "bf16"
