@@ -29,7 +29,8 @@ from torch import Tensor
 from policies import flow
 from policies.fast.pdl import launch_kwargs
 
-# rope_scatter_qkv's tokens per program above ROPE_TOKENS_PER_PROGRAM_FROM tokens (one below: latency)
+# rope_scatter_qkv's tokens per program (each with all its heads) above ROPE_TOKENS_PER_PROGRAM_FROM tokens
+# (one token and one head per program below: latency)
 ROPE_TOKENS_PER_PROGRAM, ROPE_TOKENS_PER_PROGRAM_FROM = 8, 256
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
 
@@ -148,45 +149,32 @@ def _triton_kernels():
     @triton.jit
     def rope_scatter_kernel(
         qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
-        num_tokens, tokens_per_sample, cache_rows, num_heads, num_kv_heads, splits, split_stride,
-        HD: tl.constexpr, HALF: tl.constexpr, TOKENS: tl.constexpr, PDL: tl.constexpr,
+        num_tokens, tokens_per_sample, cache_rows, splits, split_stride,
+        H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, TOKENS: tl.constexpr,
+        ALL_HEADS: tl.constexpr, PDL: tl.constexpr,
     ):
         C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
-        # One program per (TOKENS tokens, head): 0..H-1 q heads, then KV k heads, then KV v heads.
-        # TOKENS > 1 at many tokens (the prefix): one warp per token-head pair left ~300k tiny
-        # programs per prefix layer, at ~40% of the copy bandwidth on the H200.
+        # One program per TOKENS tokens and one head (0..H-1 q heads, then KV k heads, then KV v
+        # heads), or with ALL_HEADS every head of its tokens, the RoPE tables read once for all of
+        # them (the prefix: per-head programs re-read cos/sin for each of its 10 heads, twice the
+        # bytes of the projection itself, and ran at ~half the copy bandwidth on the H200).
         token = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)[:, None]  # flat (b * T + t), (TOKENS, 1)
-        head = tl.program_id(1)
         ok = token < num_tokens
-        sample = token // tokens_per_sample
         d = tl.arange(0, HALF)[None, :]
-        row_width = (num_heads + 2 * num_kv_heads) * HD
-        src = qkv_ptr + token.to(tl.int64) * row_width + head * HD
-        x1 = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + d, mask=ok, other=0.0).to(tl.float32)
-        for split in range(1, splits):  # skinny.py's split-K partials, summed in split order
-            x1 += tl.load(src + split * split_stride + d, mask=ok, other=0.0)
-            x2 += tl.load(src + split * split_stride + HALF + d, mask=ok, other=0.0)
         slot = tl.load(slot_ptr + token, mask=ok, other=0).to(tl.int64)
-        cache_row = sample.to(tl.int64) * cache_rows + slot
-        if head < num_heads + num_kv_heads:
-            trig = token.to(tl.int64) * HD
-            c1 = tl.load(cos_ptr + trig + d, mask=ok, other=0.0).to(tl.float32)
-            c2 = tl.load(cos_ptr + trig + HALF + d, mask=ok, other=0.0).to(tl.float32)
-            s1 = tl.load(sin_ptr + trig + d, mask=ok, other=0.0).to(tl.float32)
-            s2 = tl.load(sin_ptr + trig + HALF + d, mask=ok, other=0.0).to(tl.float32)
-            o1 = x1 * c1 - x2 * s1
-            o2 = x2 * c2 + x1 * s2
-            if head < num_heads:
-                dst = q_ptr + (token.to(tl.int64) * num_heads + head) * HD
-            else:
-                dst = k_ptr + (cache_row * num_kv_heads + head - num_heads) * HD
-            tl.store(dst + d, o1.to(dst.dtype.element_ty), mask=ok)
-            tl.store(dst + HALF + d, o2.to(dst.dtype.element_ty), mask=ok)
+        cache_row = (token // tokens_per_sample).to(tl.int64) * cache_rows + slot
+        trig = token.to(tl.int64) * HD
+        c1 = tl.load(cos_ptr + trig + d, mask=ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + trig + HALF + d, mask=ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + trig + d, mask=ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + trig + HALF + d, mask=ok, other=0.0).to(tl.float32)
+        if ALL_HEADS:
+            for head in tl.static_range(H + 2 * KV):
+                C.rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c1, c2, s1, s2,
+                                splits, split_stride, H, KV, HD, HALF)
         else:
-            dst = v_ptr + (cache_row * num_kv_heads + head - num_heads - num_kv_heads) * HD
-            tl.store(dst + d, x1.to(dst.dtype.element_ty), mask=ok)
-            tl.store(dst + HALF + d, x2.to(dst.dtype.element_ty), mask=ok)
+            C.rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, tl.program_id(1), cache_row, c1, c2, s1,
+                            s2, splits, split_stride, H, KV, HD, HALF)
 
     @triton.jit
     def gelu_tanh_mul_kernel(gu_ptr, out_ptr, width, BLOCK: tl.constexpr):
@@ -272,12 +260,14 @@ def rope_scatter_qkv_triton(
     b, t = cos.shape[:2]
     hd = cos.shape[-1]
     splits = qkv.shape[0] if qkv.dim() == 4 else 1  # (splits, B, T, width) fp32 partials (skinny.py)
-    # a token per program where there are few (the denoise loop at small batch: latency), else a block
-    tokens = 1 if b * t <= ROPE_TOKENS_PER_PROGRAM_FROM else ROPE_TOKENS_PER_PROGRAM
-    kernel[(math.ceil(b * t / tokens), num_heads + 2 * num_kv_heads)](
-        qkv, cos, sin, q_out, k_cache, v_cache, slots, b * t, t, k_cache.shape[1], num_heads, num_kv_heads,
-        splits, b * t * qkv.shape[-1], HD=hd, HALF=hd // 2, TOKENS=tokens, PDL=pdl,
-        num_warps=1 if tokens == 1 else 4, **launch_kwargs(pdl),
+    # a token and a head per program where there are few tokens (the denoise loop at small batch:
+    # latency), else a block of tokens with all their heads
+    many = b * t > ROPE_TOKENS_PER_PROGRAM_FROM
+    tokens = ROPE_TOKENS_PER_PROGRAM if many else 1
+    kernel[(math.ceil(b * t / tokens), 1 if many else num_heads + 2 * num_kv_heads)](
+        qkv, cos, sin, q_out, k_cache, v_cache, slots, b * t, t, k_cache.shape[1], splits, b * t * qkv.shape[-1],
+        H=num_heads, KV=num_kv_heads, HD=hd, HALF=hd // 2, TOKENS=tokens, ALL_HEADS=many, PDL=pdl,
+        num_warps=4 if many else 1, **launch_kwargs(pdl),
     )
 
 

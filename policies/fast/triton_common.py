@@ -66,3 +66,30 @@ def to_fp8(v, scale, q_ptr):
     inverse = tl.math.div_rn(1.0, scale)
     q = tl.minimum(tl.maximum(v * inverse, -448.0), 448.0)
     return q.to(q_ptr.dtype.element_ty)
+
+
+@triton.jit
+def rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c1, c2, s1, s2,
+                  splits, split_stride, H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr,
+                  HALF: tl.constexpr):
+    """kernels.py rope_scatter_kernel's work for one head of its tokens: RoPE'd q to q_ptr, RoPE'd k
+    and plain v to their cache rows."""
+    src = qkv_ptr + token.to(tl.int64) * ((H + 2 * KV) * HD) + head * HD
+    x1 = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + d, mask=ok, other=0.0).to(tl.float32)
+    for split in range(1, splits):  # skinny.py's split-K partials, summed in split order
+        x1 += tl.load(src + split * split_stride + d, mask=ok, other=0.0)
+        x2 += tl.load(src + split * split_stride + HALF + d, mask=ok, other=0.0)
+    if head < H + KV:
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+        if head < H:
+            dst = q_ptr + (token.to(tl.int64) * H + head) * HD
+        else:
+            dst = k_ptr + (cache_row * KV + head - H) * HD
+        tl.store(dst + d, o1.to(dst.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF + d, o2.to(dst.dtype.element_ty), mask=ok)
+    else:
+        dst = v_ptr + (cache_row * KV + head - H - KV) * HD
+        tl.store(dst + d, x1.to(dst.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF + d, x2.to(dst.dtype.element_ty), mask=ok)

@@ -43,7 +43,7 @@ def test_add_rms_norm_matches_reference(dtype, variant):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,t", [(2, 1, 5), (4, 2, 5), (2, 1, 91)])  # 3 x 91 tokens: token blocks
+@pytest.mark.parametrize("heads,kv_heads,t", [(2, 1, 5), (4, 2, 5), (2, 1, 91), (4, 2, 91)])  # 3 x 91: token blocks
 def test_rope_scatter_matches_reference(dtype, heads, kv_heads, t):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     b, hd, rows = 3, 16, t + 4

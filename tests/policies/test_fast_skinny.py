@@ -88,11 +88,12 @@ def test_add_rms_norm_reads_partials(splits):
     assert rel(got, want) < 1e-2
 
 
-def test_rope_scatter_reads_partials():
+@pytest.mark.parametrize("t", [5, 150])  # 2 x 150 tokens: blocks of tokens with all their heads
+def test_rope_scatter_reads_partials(t):
     from policies.models.gemma import rope_cos_sin
 
     g = torch.Generator().manual_seed(5)
-    splits, b, t, hd, heads, kv, rows = 3, 2, 5, 16, 2, 1, 9
+    splits, b, hd, heads, kv, rows = 3, 2, 16, 2, 1, t + 4
     partials = torch.randn(splits, b, t, (heads + 2 * kv) * hd, generator=g).to(DEVICE)
     cos, sin = rope_cos_sin(torch.randint(0, 50, (b, t), generator=g).to(DEVICE), hd, 10000.0, torch.bfloat16)
     slots = torch.stack([torch.randperm(rows, generator=g)[:t] for _ in range(b)]).to(DEVICE, torch.int32)
