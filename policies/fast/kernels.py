@@ -29,9 +29,13 @@ from torch import Tensor
 from policies import flow
 from policies.fast.pdl import launch_kwargs
 
-# rope_scatter_qkv's tokens per program (each with all its heads) above ROPE_TOKENS_PER_PROGRAM_FROM tokens
-# (one token and one head per program below: latency)
-ROPE_TOKENS_PER_PROGRAM, ROPE_TOKENS_PER_PROGRAM_FROM = 8, 256
+# rope_scatter_qkv's programs: one token and one head each up to ROPE_TOKENS_PER_PROGRAM_FROM tokens
+# (latency), ROPE_TOKENS_PER_PROGRAM tokens and one head above, and those tokens with all their heads
+# from ROPE_ALL_HEADS_FROM tokens. H200, profile_stages_nvidia-h200_20261201-180641.json: all heads
+# per program took the prefix's scatter from 2.52 to 1.53 ms at PhyAI b32 (30976 tokens) and from
+# 2.94 to 1.79 at LIBERO b64, but slowed the denoise loop's (1600 and 640 tokens: 200 and 80
+# programs) from 0.94 to 1.09 ms and 0.22 to 0.36.
+ROPE_TOKENS_PER_PROGRAM, ROPE_TOKENS_PER_PROGRAM_FROM, ROPE_ALL_HEADS_FROM = 8, 256, 4096
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
 
 # ----------------------------------------------------------------------------- references
@@ -260,14 +264,12 @@ def rope_scatter_qkv_triton(
     b, t = cos.shape[:2]
     hd = cos.shape[-1]
     splits = qkv.shape[0] if qkv.dim() == 4 else 1  # (splits, B, T, width) fp32 partials (skinny.py)
-    # a token and a head per program where there are few tokens (the denoise loop at small batch:
-    # latency), else a block of tokens with all their heads
-    many = b * t > ROPE_TOKENS_PER_PROGRAM_FROM
-    tokens = ROPE_TOKENS_PER_PROGRAM if many else 1
-    kernel[(math.ceil(b * t / tokens), 1 if many else num_heads + 2 * num_kv_heads)](
+    tokens = 1 if b * t <= ROPE_TOKENS_PER_PROGRAM_FROM else ROPE_TOKENS_PER_PROGRAM
+    all_heads = b * t >= ROPE_ALL_HEADS_FROM
+    kernel[(math.ceil(b * t / tokens), 1 if all_heads else num_heads + 2 * num_kv_heads)](
         qkv, cos, sin, q_out, k_cache, v_cache, slots, b * t, t, k_cache.shape[1], splits, b * t * qkv.shape[-1],
-        H=num_heads, KV=num_kv_heads, HD=hd, HALF=hd // 2, TOKENS=tokens, ALL_HEADS=many, PDL=pdl,
-        num_warps=4 if many else 1, **launch_kwargs(pdl),
+        H=num_heads, KV=num_kv_heads, HD=hd, HALF=hd // 2, TOKENS=tokens, ALL_HEADS=all_heads, PDL=pdl,
+        num_warps=1 if tokens == 1 else 4, **launch_kwargs(pdl),
     )
 
 

@@ -44,7 +44,9 @@ def test_add_rms_norm_matches_reference(dtype, variant):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,t", [(2, 1, 5), (4, 2, 5), (2, 1, 91), (4, 2, 91)])  # 3 x 91: token blocks
-def test_rope_scatter_matches_reference(dtype, heads, kv_heads, t):
+@pytest.mark.parametrize("all_heads", [False, True])  # programs of one head, or of all heads of their tokens
+def test_rope_scatter_matches_reference(dtype, heads, kv_heads, t, all_heads, monkeypatch):
+    monkeypatch.setattr(K, "ROPE_ALL_HEADS_FROM", 0 if all_heads else 10**9)
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     b, hd, rows = 3, 16, t + 4
     qkv = torch.randn(b, t, (heads + 2 * kv_heads) * hd, generator=g).to(DEVICE, dtype)

@@ -88,8 +88,9 @@ def test_add_rms_norm_reads_partials(splits):
     assert rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("t", [5, 150])  # 2 x 150 tokens: blocks of tokens with all their heads
-def test_rope_scatter_reads_partials(t):
+@pytest.mark.parametrize("t,all_heads", [(5, False), (150, False), (150, True)])  # 2 x 150 tokens: token blocks
+def test_rope_scatter_reads_partials(t, all_heads, monkeypatch):
+    monkeypatch.setattr(K, "ROPE_ALL_HEADS_FROM", 0 if all_heads else 10**9)
     from policies.models.gemma import rope_cos_sin
 
     g = torch.Generator().manual_seed(5)
