@@ -10,7 +10,8 @@ contiguous run of keys per sample: [0, n_b) for the prefix, [0, n_b + H) for the
 - `TritonSplitKVAttention` (triton_attention.py): GQA-packed split-KV flash-decoding kernels.
 - `FlashInferAttention`: flashinfer's paged prefill with one page per sample (page size S,
   last-page length = the run's length): no mask, MQA/GQA native. `plan()` runs on the host
-  before each call or graph replay; the kernel reads the plan from fixed buffers.
+  before a call or graph replay whose lengths differ from the last planned ones (the fast sampler
+  re-plans when a call's masks change); the kernel reads the plan from fixed buffers.
 Which is fastest depends on shape and device; `AttentionSelector` checks each against fp32
 attention, times the correct ones on the real shapes and records times, errors and the choice.
 """

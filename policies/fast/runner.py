@@ -48,6 +48,7 @@ class Bucket:
     tiles: dict = field(default_factory=dict)  # expert projection -> skinny.SkinnyTile, or None: cuBLAS
     host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
     staged: object = None  # CUDA event recorded after the last copy out of host_pack
+    layout_key: tuple | None = None  # the masks whose token layout index_pack and the attention plans hold
 
 
 class FastSampler:
@@ -147,9 +148,8 @@ class FastSampler:
                              f"policy.fast.prompt_buckets={self.fast.prompt_buckets}")
         bucket = self._bucket(key[0], key[1], cams=image_masks.shape[1])
         bucket.cam_bits = cam_bits
-        n_valid = self._fill(bucket, inputs, image_masks, token_mask, noise, step_noise, stochastic)
-        bucket.prefix_attn.plan(n_valid)
-        bucket.expert_attn.plan(n_valid + self.cfg.chunk_size)
+        self._upload_layout(bucket, image_masks, token_mask)
+        self._fill(bucket, inputs, noise, step_noise, stochastic)
         return bucket
 
     def run_stage(self, bucket: Bucket, stage: str, fn=None) -> None:
@@ -227,11 +227,15 @@ class FastSampler:
         self.buckets[key] = bucket
         return bucket
 
-    def _fill(self, bucket: Bucket, inputs, image_masks: Tensor, token_mask: Tensor, noise, step_noise,
-              stochastic) -> Tensor:
-        """Copy inputs into the bucket's buffers; returns the host (bucket rows,) valid prefix lengths."""
-        t, b, rows = bucket.tensors, inputs.batch_size, bucket.batch
-        prompt_len = bucket.prompt_len
+    def _upload_layout(self, bucket: Bucket, image_masks: Tensor, token_mask: Tensor) -> None:
+        """The token layout of this call's masks (valid tokens first, RoPE positions, suffix slots)
+        into the bucket's index buffer, and the attention planned for its lengths: skipped when the
+        masks are the ones the bucket holds already (a rollout's prompts repeat from call to call;
+        at batch 1 this host work is a visible share of the call, the GPU waiting on it)."""
+        masks_key = (token_mask.shape, token_mask.numpy().tobytes(), image_masks.numpy().tobytes())
+        if bucket.layout_key == masks_key:
+            return
+        rows, prompt_len = bucket.batch, bucket.prompt_len
         mask = F.pad(token_mask[:, :prompt_len], (0, prompt_len - min(token_mask.shape[1], prompt_len)))
         image_pad = image_masks[:, :, None].expand(-1, -1, self.cfg.vision.num_patches).flatten(1)
         valid = _pad_rows(torch.cat([image_pad, mask], dim=1), rows)  # (rows, P) host bool
@@ -243,10 +247,18 @@ class FastSampler:
         if bucket.staged is not None:
             bucket.staged.synchronize()  # the previous call's copy out of the staging buffer is done
         bucket.host_pack.copy_(packed)
-        t["index_pack"].copy_(bucket.host_pack, non_blocking=True)
+        bucket.tensors["index_pack"].copy_(bucket.host_pack, non_blocking=True)
         if self.device.type == "cuda":
             bucket.staged = torch.cuda.Event()
             bucket.staged.record()
+        n_valid = n_valid.to(torch.int32)
+        bucket.prefix_attn.plan(n_valid)
+        bucket.expert_attn.plan(n_valid + self.cfg.chunk_size)
+        bucket.layout_key = masks_key
+
+    def _fill(self, bucket: Bucket, inputs, noise, step_noise, stochastic) -> None:
+        """Copy this call's images, tokens and noise into the bucket's buffers."""
+        t, b, rows = bucket.tensors, inputs.batch_size, bucket.batch
         tokens = inputs.tokens[:, : bucket.prompt_len]
         copies = {"images": inputs.images, "tokens": tokens, "noise": noise, "stochastic": stochastic}
         if step_noise is not None:
@@ -261,7 +273,6 @@ class FastSampler:
                 buf[b:].copy_(buf[:1].expand_as(buf[b:]))
         if step_noise is None:
             t["step_noise"].normal_()
-        return n_valid.to(torch.int32)
 
     # ------------------------------------------------------------------ stages
     def _stage_vision(self, bk: Bucket) -> None:

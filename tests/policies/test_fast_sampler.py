@@ -73,6 +73,31 @@ def test_prompt_bucket_and_reuse(policy):
     assert list(fast.buckets) == [(4, 16)]
 
 
+def test_token_layout_is_reuploaded_only_when_the_masks_change(policy, monkeypatch):
+    """Calls with the masks the bucket already holds skip the layout upload and the attention plans;
+    calls with other masks redo them: every call stays per-call correct against the plain
+    reference, in an order that returns to earlier masks."""
+    from policies.fast.attention import SdpaAttention
+
+    plans, plan = [], SdpaAttention.plan
+    monkeypatch.setattr(SdpaAttention, "plan", lambda self, lens: plans.append(lens.clone()) or plan(self, lens))
+    cfg = policy.cfg
+    fast = FastSampler(policy.model, FastConfig(dtype="float32", batch_buckets=[4], prompt_buckets=[16],
+                                                attention="sdpa"))
+    ode = torch.zeros(3, cfg.sampling.num_steps, dtype=torch.bool)
+    first, noise, step_noise = random_inputs(cfg, 3, 16, seed=3)
+    other, _, _ = random_inputs(cfg, 3, 16, seed=4)
+    assert not torch.equal(first.token_mask, other.token_mask)
+    planned = []
+    for inputs in (first, first, other, first, first):
+        before = len(plans)
+        ref = policy.sample(inputs, mode="ode", noise=noise, denoise_inds=torch.full((3, cfg.sampling.num_steps), -1))
+        chains, _ = fast.sample_chains(inputs, noise, step_noise, ode)
+        assert torch.allclose(chains, ref.chains, atol=2e-5, rtol=1e-5)
+        planned.append(len(plans) > before)
+    assert planned == [True, False, True, True, False]  # prefix and expert planned on a change only
+
+
 def test_weight_update_is_seen_after_refresh(policy):
     """In-place weight updates reach the fast path; weight-derived tables are refreshed."""
     cfg = PolicyConfig.preset("tiny")
