@@ -44,9 +44,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="runs (bf16, fp8:<name>) also profiled kernel by kernel")
     p.add_argument("--quant-sweep", action="store_true",
                    help="also time the FP8 row quantisation kernel's settings on the prefix's GeGLU rows")
-    p.add_argument("--geglu-sweep", action="store_true",
-                   help="also time the prefix's GeGLU (gate_up GEMM + activation): cuBLAS + the GeGLU kernel "
-                        "against policies/fast/geglu.py's one-GEMM tiles")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--top", type=int, default=20, help="kernels kept per stage")
     p.add_argument("--out-dir", default=None)
@@ -82,10 +79,6 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
     if args.quant_sweep and device.type == "cuda":
         record["quant_sweep"] = quant_sweep(base, args)
-    if args.geglu_sweep and device.type == "cuda":
-        record["geglu_sweep"] = geglu_sweep(base, args)
-        summary.update({f"geglu_{r['configuration']}_b{r['batch']}_{r['path']}_ms": r["ms"]
-                        for r in record["geglu_sweep"] if r.get("best")})
     write_result("profile_stages", record, summary, out_dir=args.out_dir, commit=args.commit)
 
 
@@ -111,48 +104,6 @@ def quant_sweep(base: PolicyConfig, args) -> list[dict]:
                     print(f"quant {name} b{batch} {act:14s} one_pass={one_pass!s:5s} warps={warps:2d}: "
                           f"{ms:.3f} ms {gbytes / ms:.2f} TB/s", flush=True)
                 del x
-    return out
-
-
-def geglu_sweep(base: PolicyConfig, args) -> list[dict]:
-    """The prefix's GeGLU, x (tokens, width) -> gelu_tanh(x Wg^T) * (x Wu^T), at each configuration's
-    batch: cuBLAS's gate_up GEMM + kernels.gelu_tanh_mul (the bf16 path) against each of
-    geglu.candidates(); each row's error is against fp32 on the first 512 rows. The fastest
-    one-GEMM tile and the cuBLAS path are marked `best`."""
-    from policies.fast import geglu
-    from policies.fast import kernels as K
-    from policies.fast.attention import graph_call_ms
-
-    out = []
-    for name in args.configurations:
-        spec = common.CONFIGURATIONS[name]
-        for batch in args.batch_sizes or [DEFAULT_BATCHES[name]]:
-            tokens = batch * (spec["cameras"] * base.vision.num_patches + spec["prompt_len"])
-            g = torch.Generator(device="cuda").manual_seed(batch)
-            x = torch.randn(tokens, base.prefix.width, device="cuda", generator=g).to(torch.bfloat16)
-            w = (torch.randn(2 * base.prefix.mlp_dim, base.prefix.width, device="cuda", generator=g)
-                 / base.prefix.width**0.5).to(torch.bfloat16)
-            want = geglu.geglu_linear_reference(x[:512], w).float()
-            paths = {"cublas": lambda x=x, w=w: K.gelu_tanh_mul(torch.nn.functional.linear(x, w))}
-            paths.update({f"{'tma' if t.tma else 'triton'}:{t.block_m}x{t.block_n}x{t.block_k}/w{t.warps}/s{t.stages}":
-                          (lambda t=t, x=x, w=w: geglu.geglu_linear(x, w, t)) for t in geglu.candidates()})
-            rows = []
-            for path, call in paths.items():
-                row = {"configuration": name, "batch": batch, "rows": tokens, "path": path}
-                try:
-                    row["ms"] = graph_call_ms(call, calls=3, replays=5)
-                    row["tflops"] = 2 * tokens * w.shape[0] * w.shape[1] / row["ms"] / 1e9
-                    row["rel_l2"] = relative_l2(call()[:512].float(), want)
-                except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit is a result
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                rows.append(row)
-                print(f"geglu {name} b{batch} {path:28s} " + (f"{row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s "
-                      f"rel {row['rel_l2']:.1e}" if "ms" in row else row["error"]), flush=True)
-            timed = [r for r in rows if "ms" in r and r["path"] != "cublas"]
-            for r in [rows[0]] + ([min(timed, key=lambda r: r["ms"])] if timed else []):
-                r["best"] = True
-            out += rows
-            del x, w
     return out
 
 

@@ -12,7 +12,6 @@ BATCH_INVARIANT_ATTENTION = ("sdpa", "triton")
 FAST_DTYPES = ("bfloat16", "float32")
 PRECISIONS = ("bf16", "fp8")
 GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
-GEGLU_CHOICES = ("auto", "cublas", "triton")  # policies/fast/geglu.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
@@ -43,9 +42,6 @@ class FastConfig:
     gemm: the expert's projections in the denoise loop: "skinny" runs them through split-K Triton
     kernels that stream the weights at the memory bound for few rows (policies/fast/skinny.py),
     "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk).
-    geglu_gemm: the prefix's GeGLU (bf16): "triton" runs the gate_up GEMM and its activation as one
-    Triton GEMM (policies/fast/geglu.py), "cublas" as cuBLAS's GEMM then the GeGLU kernel, "auto"
-    triton on CUDA from geglu.AUTO_MIN_ROWS rows (batch x prefix tokens) on.
     pdl: programmatic dependent launch of the denoise graph's Triton kernels (policies/fast/pdl.py):
     "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs)."""
 
@@ -59,7 +55,6 @@ class FastConfig:
     consistent_recompute: bool = False
     precision: str = "bf16"
     gemm: str = "auto"
-    geglu_gemm: str = "auto"
     pdl: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
 
@@ -80,8 +75,6 @@ class FastConfig:
                              f"got {list(self.fp8_gemms)}")
         if self.gemm not in GEMM_CHOICES:
             raise ValueError(f"{key}.gemm must be one of {GEMM_CHOICES}, got {self.gemm!r}")
-        if self.geglu_gemm not in GEGLU_CHOICES:
-            raise ValueError(f"{key}.geglu_gemm must be one of {GEGLU_CHOICES}, got {self.geglu_gemm!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
         if self.attention not in ATTENTION_CHOICES:

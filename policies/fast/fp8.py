@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from policies.fast import geglu
 from policies.fast import kernels as K
 
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
@@ -250,15 +249,12 @@ def project(x: Tensor, lw, act: str = "none") -> Tensor:
     return F.linear(x, lw.weight, lw.bias)
 
 
-def mlp(x: Tensor, up, down, act: str, geglu_tile=None) -> Tensor:
+def mlp(x: Tensor, up, down, act: str) -> Tensor:
     """down(act(up(x))): SigLIP's MLP (act "gelu_tanh") or Gemma's GeGLU ("gelu_tanh_mul").
     In bf16 these are the calls the fast path always made (SigLIP's GELU in fc1's cuBLASLt
-    epilogue; GeGLU as one Triton GEMM when `geglu_tile` is given, geglu.py); in FP8 the
-    activation moves into the down projection's input quantisation."""
+    epilogue); in FP8 the activation moves into the down projection's input quantisation."""
     if up.fp8 is None and down.fp8 is None:
         if act == "gelu_tanh":
             return F.linear(K.linear_gelu_tanh(x, up.weight, up.bias), down.weight, down.bias)
-        if geglu_tile is not None and up.bias is None:
-            return F.linear(geglu.geglu_linear(x, up.weight, geglu_tile), down.weight, down.bias)
         return F.linear(K.gelu_tanh_mul(F.linear(x, up.weight, up.bias)), down.weight, down.bias)
     return project(project(x, up), down, act)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import fp8, geglu, pdl, skinny
+from policies.fast import fp8, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -46,7 +46,6 @@ class Bucket:
     expert_attn: object = None
     graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
     tiles: dict = field(default_factory=dict)  # expert projection -> skinny.SkinnyTile, or None: cuBLAS
-    geglu_tile: object = None  # the prefix's GeGLU as one Triton GEMM (geglu.GegluTile), or None: cuBLAS
     host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
     staged: object = None  # CUDA event recorded after the last copy out of host_pack
     layout_key: tuple | None = None  # the masks whose token layout index_pack and the attention plans hold
@@ -218,8 +217,6 @@ class FastSampler:
         caches = [[z(batch, rows, kv, hd, dtype=self.dtype) for _ in range(cfg.expert.depth)] for _ in range(2)]
         bucket = Bucket(batch, prompt_len, tensors, caches[0], caches[1])
         bucket.tiles = skinny.expert_tiles(self.fast.gemm, batch * h, self.w.expert[0], dev)
-        gate_up = self.w.prefix[0]["gate_up"].weight
-        bucket.geglu_tile = geglu.choose_tile(self.fast.geglu_gemm, batch * p, *gate_up.shape, dev)
         bucket.host_pack = torch.empty(pack.numel(), dtype=torch.long, pin_memory=dev.type == "cuda")
         full = torch.full((batch,), p, dtype=torch.int32)
         heads = cfg.prefix.num_heads
@@ -316,7 +313,7 @@ class FastSampler:
             attn = bk.prefix_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * p, -1)
             o = fp8.project(attn, lw["o"])
             h, normed = K.add_rms_norm(h, o, None, self.w.prefix_post_norms[i], None, pcfg.rms_norm_eps)
-            mlp = fp8.mlp(normed, lw["gate_up"], lw["down"], "gelu_tanh_mul", bk.geglu_tile)
+            mlp = fp8.mlp(normed, lw["gate_up"], lw["down"], "gelu_tanh_mul")
             h, normed = K.add_rms_norm(h, mlp, None, self.w.prefix_norms[i + 1], None, pcfg.rms_norm_eps)
 
     def _stage_denoise(self, bk: Bucket) -> None:
