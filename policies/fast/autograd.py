@@ -3,7 +3,7 @@
 `ConsistentStep.apply(run, table, *weights)` returns the element-wise log-density of the stored
 transitions chains[:, k] -> chains[:, k+1] of some rows of a bucket:
 - forward: `run.forward()`, the fast path's own expert velocity (`FastSampler._velocity`: the
-  same GEMM calls on the same weights, Triton add_rms_norm / rope_scatter / gelu_tanh_mul / small_linear,
+  same F.linear calls on the same weights, Triton add_rms_norm / rope_scatter / gelu_tanh_mul,
   the bucket's attention backend) and flow_logprob.py's twin of the rollout's flow_step, at the
   rollout's bucket shapes: the rollout's numbers bit for bit;
 - backward: `run.reference(table, weights)`, the plain model's `velocity` (policies/models/pi05.py)

@@ -27,7 +27,6 @@ from policies.fast import fp8, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
-from policies.fast.small_linear import small_linear
 from policies.fast.weights import FastWeights
 from policies.models.gemma import rope_cos_sin
 
@@ -330,7 +329,7 @@ class FastSampler:
     def _velocity(self, bk: Bucket, x: Tensor, step: int, cos: Tensor, sin: Tensor) -> Tensor:
         ecfg, w = self.cfg.expert, self.w
         b, hlen, d = x.shape
-        h = small_linear(x, w.action_in.weight, w.action_in.bias, self.dtype)  # fp32 GEMM, cast: (b * hlen, W)
+        h = F.linear(x, w.action_in.weight, w.action_in.bias).to(self.dtype).reshape(b * hlen, -1)
         q = torch.empty(b, hlen, ecfg.num_heads, ecfg.head_dim, dtype=self.dtype, device=self.device)
         scale, shift, gate = w.modulation(step, 0)
         _, normed = K.add_rms_norm(h, None, None, scale, shift, ecfg.rms_norm_eps)
@@ -350,7 +349,8 @@ class FastSampler:
             mlp = _project(act, lw["down"], tiles["down"], pdl_code)
             scale, shift, gate = w.modulation(step, 2 * i + 2)  # next input norm, or the final norm
             h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
-        return small_linear(normed, w.action_out.weight, w.action_out.bias, torch.float32).view(b, hlen, d)
+        out = F.linear(normed.float(), w.action_out.weight.float(), w.action_out.bias.float())
+        return out.view(b, hlen, d)
 
 
 def _patch_embed(images: Tensor, patch, pos: Tensor, size: int) -> Tensor:
