@@ -1,0 +1,205 @@
+"""Side-by-side timings of the large-batch alternatives for one layer's ops, on the real shapes.
+
+    python -m experiments.sweep_large_batch                 # GPU: PhyAI b32 and LIBERO b64
+    python -m experiments.sweep_large_batch --tiny          # CPU smoke (small shapes, wall clock)
+
+profile_stages says where a stage's time goes; this times the candidate replacements of the ops
+left after its GEMMs, each on the shapes of one layer at the throughput goals' batch sizes, one JSON:
+- `vision_attention`: SigLIP's attention (72-wide heads) through SDPA as the runner calls it, SDPA
+  with each backend forced, and vision_attention.py's Triton kernel with several block sizes;
+- `residual`: the output projections (vision o / fc2, prefix o / down) as GEMM + add-norm kernel
+  (today) against the residual added in the GEMM's epilogue (addmm, beta = 1) + a norm-only kernel;
+- `vision_mlp`: fc1 (GELU epilogue) and fc2 with mlp_dim 4304 against zero-padded 4352 (a 128 multiple);
+- `gate_up`: the prefix's gate/up GEMM with the weight as (N, K) (F.linear) and as (K, N).
+Each row: ms per call (CUDA-graph replay median on the GPU) and, where two ways compute the same
+thing, the relative L2 distance between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import torch
+import torch.nn.functional as F
+
+from experiments import bench_predict_common as common
+from experiments.results import write_result
+from policies.config import PolicyConfig
+from policies.fast import kernels as K
+from policies.fast import vision_attention as VA
+from policies.lerobot_bridge import relative_l2
+
+DEFAULT_BATCHES = {"phyai": 32, "libero_rl": 64}
+TRITON_BLOCKS = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2)]
+SDPA_BACKENDS = ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", default="pi05", help="PolicyConfig preset")
+    p.add_argument("--configurations", nargs="+", default=["phyai", "libero_rl"], choices=list(common.CONFIGURATIONS))
+    p.add_argument("--tiny", action="store_true", help="CPU smoke: small shapes, wall-clock timing")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
+    return p.parse_args(argv)
+
+
+def time_ms(fn) -> float:
+    if torch.cuda.is_available():
+        from policies.fast.attention import graph_call_ms
+
+        return graph_call_ms(fn, calls=5, replays=7)
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device, dtype_name = common.run_device_and_dtype()
+    dtype = getattr(torch, dtype_name)
+    cfg = PolicyConfig.preset(args.policy)
+    record, summary = {"args": vars(args), "runs": []}, {}
+    for name in args.configurations:
+        spec = common.CONFIGURATIONS[name]
+        batch = 1 if args.tiny else DEFAULT_BATCHES[name]
+        images = batch * spec["cameras"]
+        tokens = batch * (spec["cameras"] * cfg.vision.num_patches + spec["prompt_len"])
+        if args.tiny:
+            images, tokens = 2, 64
+        shapes = dict(images=images, prefix_tokens=tokens, device=device, dtype=dtype, cfg=cfg)
+        run = {"configuration": name, "batch": batch, "images": images, "prefix_tokens": tokens,
+               "vision_attention": vision_attention_rows(**shapes, tiny=args.tiny),
+               "residual": residual_rows(**shapes),
+               "vision_mlp": vision_mlp_rows(**shapes),
+               "gate_up": gate_up_rows(**shapes)}
+        record["runs"].append(run)
+        for section in ("vision_attention", "residual", "vision_mlp", "gate_up"):
+            for row in run[section]:
+                if "ms" in row:
+                    summary[f"{name}_b{batch}_{section}_{row['variant']}_ms"] = row["ms"]
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    write_result("sweep_large_batch", record, summary, out_dir=args.out_dir, commit=args.commit)
+
+
+def _row(section: str, variant: str, fn, reference=None) -> dict:
+    row = {"variant": variant}
+    try:
+        out = fn()
+        row["ms"] = time_ms(fn)
+        if reference is not None:
+            row["rel_l2_vs_first"] = relative_l2(out.float(), reference.float())
+    except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape is a result too
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    shown = f"{row['ms']:.3f} ms" if "ms" in row else row["error"]
+    print(f"  {section:16s} {variant:32s} {shown} {row.get('rel_l2_vs_first', '')}", flush=True)
+    return row
+
+
+def vision_attention_rows(images, prefix_tokens, device, dtype, cfg, tiny) -> list[dict]:
+    v = cfg.vision
+    tokens = v.num_patches if not tiny else 16
+    heads, hd = v.num_heads, v.width // v.num_heads
+    qkv = torch.randn(images * tokens, 3 * v.width, device=device, dtype=dtype)
+
+    def sdpa():  # as runner._stage_vision calls it
+        q, k, val = qkv.view(images, tokens, 3, heads, hd).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, val).transpose(1, 2).reshape(images * tokens, v.width)
+
+    reference = sdpa()
+    rows = [_row("vision_attn", "sdpa_auto", sdpa)]
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def forced(backend):
+            with sdpa_kernel(backend):
+                return sdpa()
+
+        for backend in SDPA_BACKENDS:
+            call = functools.partial(forced, getattr(SDPBackend, backend))
+            rows.append(_row("vision_attn", f"sdpa_{backend.lower()}", call, reference))
+        for blocks in TRITON_BLOCKS:
+            call = lambda b=blocks: VA.vision_attention_triton(qkv, images, heads, b)  # noqa: E731
+            rows.append(_row("vision_attn", "triton_{}x{}_w{}_s{}".format(*blocks), call, reference))
+    return rows
+
+
+def residual_rows(images, prefix_tokens, device, dtype, cfg, **_) -> list[dict]:
+    """GEMM + add-norm (today) against addmm into the residual + norm only, per projection."""
+    v, p = cfg.vision, cfg.prefix
+    cases = [("vision_o", images * v.num_patches, v.width, v.width, True),
+             ("vision_fc2", images * v.num_patches, v.mlp_dim, v.width, True),
+             ("prefix_o", prefix_tokens, p.num_heads * p.head_dim, p.width, False),
+             ("prefix_down", prefix_tokens, p.mlp_dim, p.width, False)]
+    rows = []
+    for label, m, k, n, layer_norm in cases:
+        rows += _residual_case(label, min(m, 256) if device.type == "cpu" else m, k, n, layer_norm, device, dtype)
+    return rows
+
+
+def _residual_case(label, m, k, n, layer_norm, device, dtype) -> list[dict]:
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
+    h0 = torch.randn(m, n, device=device, dtype=dtype)
+    h = h0.clone()
+    ones, zeros = torch.ones(n, device=device, dtype=dtype), torch.zeros(n, device=device, dtype=dtype)
+
+    def norm(hh, y):
+        if layer_norm:
+            return K.add_layer_norm(hh, y, ones, zeros, 1e-6)
+        return K.add_rms_norm(hh, y, None, zeros, None, 1e-6)
+
+    def today():
+        h.copy_(h0)  # the same copy in every variant; copy_only times it alone
+        return norm(h, F.linear(x, w))[1]
+
+    def epilogue():
+        h.copy_(h0)
+        h.addmm_(x, w.t())
+        return norm(h, None)[1]
+
+    reference = today()
+    return [_row("residual", f"{label}_linear_add_norm", today),
+            _row("residual", f"{label}_addmm_norm", epilogue, reference),
+            _row("residual", f"{label}_copy_only", lambda: h.copy_(h0))]
+
+
+def vision_mlp_rows(images, prefix_tokens, device, dtype, cfg, **_) -> list[dict]:
+    v = cfg.vision
+    m = images * v.num_patches if device.type == "cuda" else 64
+    padded = -(-v.mlp_dim // 128) * 128
+    x = torch.randn(m, v.width, device=device, dtype=dtype)
+    w1 = torch.randn(padded, v.width, device=device, dtype=dtype) * v.width ** -0.5
+    b1 = torch.randn(padded, device=device, dtype=dtype) * 0.1
+    w1[v.mlp_dim:], b1[v.mlp_dim:] = 0, 0
+    w2 = torch.randn(v.width, padded, device=device, dtype=dtype) * v.mlp_dim ** -0.5
+    w2[:, v.mlp_dim:] = 0
+    b2 = torch.zeros(v.width, device=device, dtype=dtype)
+    w1s, b1s, w2s = w1[: v.mlp_dim].contiguous(), b1[: v.mlp_dim].contiguous(), w2[:, : v.mlp_dim].contiguous()
+    act = K.linear_gelu_tanh(x, w1s, b1s)
+    act_padded = K.linear_gelu_tanh(x, w1, b1)
+    return [
+        _row("vision_mlp", f"fc1_{v.mlp_dim}", lambda: K.linear_gelu_tanh(x, w1s, b1s)),
+        _row("vision_mlp", f"fc1_{padded}", lambda: K.linear_gelu_tanh(x, w1, b1)[:, : v.mlp_dim], act),
+        _row("vision_mlp", f"fc2_{v.mlp_dim}", lambda: F.linear(act, w2s, b2)),
+        _row("vision_mlp", f"fc2_{padded}", lambda: F.linear(act_padded, w2, b2), F.linear(act, w2s, b2)),
+    ]
+
+
+def gate_up_rows(images, prefix_tokens, device, dtype, cfg, **_) -> list[dict]:
+    p = cfg.prefix
+    m = prefix_tokens if device.type == "cuda" else 64
+    x = torch.randn(m, p.width, device=device, dtype=dtype)
+    w = torch.randn(2 * p.mlp_dim, p.width, device=device, dtype=dtype) * p.width ** -0.5
+    w_kn = w.t().contiguous()
+    reference = F.linear(x, w)
+    rows = [_row("gate_up", "linear_nk", lambda: F.linear(x, w)),
+            _row("gate_up", "mm_kn", lambda: torch.mm(x, w_kn), reference)]
+    return rows
+
+
+if __name__ == "__main__":
+    main()
