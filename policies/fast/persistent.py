@@ -36,6 +36,9 @@ import torch
 from torch import Tensor
 
 LOG2_E = 1.4426950408889634
+# The kernel's SKIP bits: phases (and the barriers) left out, to time the others (results garbage).
+SKIP_BITS = {name: 1 << i for i, name in enumerate(
+    ("norm", "qkv", "attention", "merge", "o", "gate_up", "down", "barriers"))}
 MAX_ROWS = 64  # batch x chunk rows one program's row block holds
 
 
@@ -43,7 +46,8 @@ MAX_ROWS = 64  # batch x chunk rows one program's row block holds
 class PersistentShape:
     """Block sizes: qkv RoPE-pair slabs of `rope_n` columns, `o_n` / `down_n` columns per o / down
     tile with K split `o_splits` / `down_splits` ways, `gu_n` GeGLU columns per tile, attention
-    blocks of `att_m` packed query rows x `att_n` keys, `block_k` reduction step, `warps`."""
+    blocks of `att_m` packed query rows x `att_n` keys, `block_k` reduction step, `warps`, `stages`
+    (Triton's pipelining depth)."""
 
     rope_n: int = 16
     o_n: int = 32
@@ -55,6 +59,8 @@ class PersistentShape:
     att_n: int = 64
     block_k: int = 64
     warps: int = 8  # sm_90: 255 registers, no spills (4 warps spill); one program per SM either way
+    stages: int = 2
+    prefetch: bool = True  # the L2 prefetch of the coming weights (CUDA only)
 
 
 def usable(rows: int, expert, shape: PersistentShape) -> str | None:
@@ -148,7 +154,8 @@ class PersistentExpert:
     def plan(self, key_len: Tensor) -> None:
         self.key_len.copy_(key_len, non_blocking=True)
 
-    def __call__(self, h: Tensor, mod: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def __call__(self, h: Tensor, mod: Tensor, cos: Tensor, sin: Tensor, skip: int = 0) -> Tensor:
+        """skip: persistent_kernel's SKIP bits (profiling only)."""
         e, s = self.cfg, self.shape
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         self.counter.zero_()
@@ -161,7 +168,7 @@ class PersistentExpert:
             ROPE_N=s.rope_n, O_N=s.o_n, O_SPLITS=s.o_splits, GU_N=s.gu_n, DOWN_N=s.down_n,
             DOWN_SPLITS=s.down_splits, ATT_M=s.att_m, ATT_N=s.att_n, BK=s.block_k, BM=MAX_ROWS,
             SPLITS_P2=max(2, 1 << (self.att_splits - 1).bit_length()), PROJ_SPLITS=self.proj_splits,
-            PREFETCH=not interpret and h.is_cuda, UPCAST=interpret, IEEE=h.dtype == torch.float32,
-            num_warps=s.warps, num_stages=2,
+            PREFETCH=s.prefetch and not interpret and h.is_cuda, UPCAST=interpret, IEEE=h.dtype == torch.float32,
+            SKIP=skip, num_warps=s.warps, num_stages=s.stages,
         )
         return self.x

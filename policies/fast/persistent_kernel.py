@@ -196,6 +196,18 @@ def linear_phase(x_ptr, w_ptr, out_ptr, M, pid, NP, N: tl.constexpr, K: tl.const
         dst = out_ptr + split * M * N + rows[:, None] * N + cols[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
+# SKIP: persistent.SKIP_BITS, phases left out (profiling only: the results are garbage).
+
+
+@triton.jit
+def sync(counter_ptr, barrier, NP, SKIP: tl.constexpr):
+    """The next grid-wide barrier (its count `barrier` + 1 is returned)."""
+    barrier += 1
+    if (SKIP & 128) == 0:
+        C.grid_barrier(counter_ptr, barrier * NP, False)
+    return barrier
+
+
 @triton.jit
 def expert_step_kernel(
     wqkv_tab, wo_tab, wgu_tab, wdown_tab, kc_tab, vc_tab, mod_ptr, h_ptr, x_ptr, q_ptr, attn_ptr,
@@ -205,14 +217,15 @@ def expert_step_kernel(
     ROPE_N: tl.constexpr, O_N: tl.constexpr, O_SPLITS: tl.constexpr, GU_N: tl.constexpr,
     DOWN_N: tl.constexpr, DOWN_SPLITS: tl.constexpr, ATT_M: tl.constexpr, ATT_N: tl.constexpr,
     BK: tl.constexpr, BM: tl.constexpr, SPLITS_P2: tl.constexpr, PROJ_SPLITS: tl.constexpr,
-    PREFETCH: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    PREFETCH: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, SKIP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     NP = tl.num_programs(0)
     dtype = h_ptr.dtype.element_ty
     QKV_N: tl.constexpr = (H + 2 * KV) * HD
     barrier = 0
-    norm_phase(h_ptr, proj_ptr, mod_ptr, x_ptr, M, eps, 0, pid, NP, False, PROJ_SPLITS, D)
+    if (SKIP & 1) == 0:
+        norm_phase(h_ptr, proj_ptr, mod_ptr, x_ptr, M, eps, 0, pid, NP, False, PROJ_SPLITS, D)
     for layer in range(num_layers):
         w_qkv = tl.load(wqkv_tab + layer).to(tl.pointer_type(dtype))
         w_o = tl.load(wo_tab + layer).to(tl.pointer_type(dtype))
@@ -224,32 +237,33 @@ def expert_step_kernel(
         prefetch_share(w_o, D * H * HD, pid, NP, 256, PREFETCH)
         prefetch_share(w_gu, 2 * F * D, pid, NP, 256, PREFETCH)
         prefetch_share(w_down, D * F, pid, NP, 256, PREFETCH)
-        barrier += 1
-        C.grid_barrier(counter_ptr, barrier * NP, False)
-        qkv_rope_phase(x_ptr, w_qkv, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slot_ptr, M, T, cache_rows,
-                       pid, NP, D, H, KV, HD, ROPE_N, BK, BM, UPCAST, IEEE)
-        barrier += 1
-        C.grid_barrier(counter_ptr, barrier * NP, False)
-        attention_phase(q_ptr, k_cache, v_cache, key_len_ptr, part_o_ptr, part_lse_ptr, B, T, cache_rows,
-                        qk_scale, att_splits, att_split_rows, pid, NP, H, KV, HD, ATT_M, ATT_N, UPCAST, IEEE)
-        barrier += 1
-        C.grid_barrier(counter_ptr, barrier * NP, False)
-        merge_phase(part_o_ptr, part_lse_ptr, attn_ptr, B, T, att_splits, pid, NP, H, KV, HD, SPLITS_P2)
-        barrier += 1
-        C.grid_barrier(counter_ptr, barrier * NP, False)
-        linear_phase(attn_ptr, w_o, proj_ptr, M, pid, NP, D, H * HD, O_SPLITS, False, O_N, BK, BM, UPCAST, IEEE)
-        barrier += 1
-        C.grid_barrier(counter_ptr, barrier * NP, False)
-        norm_phase(h_ptr, proj_ptr, mod_ptr, x_ptr, M, eps, 2 * layer + 1, pid, NP, True, O_SPLITS, D)
+        barrier = sync(counter_ptr, barrier, NP, SKIP)
+        if (SKIP & 2) == 0:
+            qkv_rope_phase(x_ptr, w_qkv, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slot_ptr, M, T, cache_rows,
+                           pid, NP, D, H, KV, HD, ROPE_N, BK, BM, UPCAST, IEEE)
+        barrier = sync(counter_ptr, barrier, NP, SKIP)
+        if (SKIP & 4) == 0:
+            attention_phase(q_ptr, k_cache, v_cache, key_len_ptr, part_o_ptr, part_lse_ptr, B, T, cache_rows,
+                            qk_scale, att_splits, att_split_rows, pid, NP, H, KV, HD, ATT_M, ATT_N, UPCAST, IEEE)
+        barrier = sync(counter_ptr, barrier, NP, SKIP)
+        if (SKIP & 8) == 0:
+            merge_phase(part_o_ptr, part_lse_ptr, attn_ptr, B, T, att_splits, pid, NP, H, KV, HD, SPLITS_P2)
+        barrier = sync(counter_ptr, barrier, NP, SKIP)
+        if (SKIP & 16) == 0:
+            linear_phase(attn_ptr, w_o, proj_ptr, M, pid, NP, D, H * HD, O_SPLITS, False, O_N, BK, BM, UPCAST, IEEE)
+        barrier = sync(counter_ptr, barrier, NP, SKIP)
+        if (SKIP & 1) == 0:
+            norm_phase(h_ptr, proj_ptr, mod_ptr, x_ptr, M, eps, 2 * layer + 1, pid, NP, True, O_SPLITS, D)
         if layer + 1 < num_layers:  # the next layer's qkv weights, while this layer's MLP runs
             w_next = tl.load(wqkv_tab + layer + 1).to(tl.pointer_type(dtype))
             prefetch_share(w_next, QKV_N * D, pid, NP, 256, PREFETCH)
-        barrier += 1
-        C.grid_barrier(counter_ptr, barrier * NP, False)
-        linear_phase(x_ptr, w_gu, act_ptr, M, pid, NP, F, D, 1, True, GU_N, BK, BM, UPCAST, IEEE)
-        barrier += 1
-        C.grid_barrier(counter_ptr, barrier * NP, False)
-        linear_phase(act_ptr, w_down, proj_ptr, M, pid, NP, D, F, DOWN_SPLITS, False, DOWN_N, BK, BM, UPCAST, IEEE)
-        barrier += 1
-        C.grid_barrier(counter_ptr, barrier * NP, False)
-        norm_phase(h_ptr, proj_ptr, mod_ptr, x_ptr, M, eps, 2 * layer + 2, pid, NP, True, DOWN_SPLITS, D)
+        barrier = sync(counter_ptr, barrier, NP, SKIP)
+        if (SKIP & 32) == 0:
+            linear_phase(x_ptr, w_gu, act_ptr, M, pid, NP, F, D, 1, True, GU_N, BK, BM, UPCAST, IEEE)
+        barrier = sync(counter_ptr, barrier, NP, SKIP)
+        if (SKIP & 64) == 0:
+            linear_phase(act_ptr, w_down, proj_ptr, M, pid, NP, D, F, DOWN_SPLITS, False, DOWN_N, BK, BM, UPCAST,
+                         IEEE)
+        barrier = sync(counter_ptr, barrier, NP, SKIP)
+        if (SKIP & 1) == 0:
+            norm_phase(h_ptr, proj_ptr, mod_ptr, x_ptr, M, eps, 2 * layer + 2, pid, NP, True, DOWN_SPLITS, D)

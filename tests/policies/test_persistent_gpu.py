@@ -30,7 +30,7 @@ def pi05_expert_cfg() -> PolicyConfig:
     )
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-3), ("bfloat16", 2e-2)])  # fp32: TF32 dots on the GPU
 def test_persistent_matches_per_kernel_loop(dtype, tol):
     policy = build_policy(gpu_cfg(dtype), device="cuda")
     runs = {}
