@@ -31,6 +31,8 @@ SHAPES = {
     "bk256": {"block_k": 256},
     "stages3": {"stages": 3},
     "stages4": {"stages": 4},
+    "bk128_stages3": {"block_k": 128, "stages": 3},
+    "bk128_stages4": {"block_k": 128, "stages": 4},
     "no_prefetch": {"prefetch": False},
     "wide_tiles": {"o_n": 64, "o_splits": 8, "gu_n": 64, "down_n": 64, "down_splits": 8},
     "att_m64": {"att_m": 64},

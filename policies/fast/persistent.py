@@ -120,16 +120,17 @@ class PersistentExpert:
         self.tokens = rows // batch
         self.slots, self.k_cache = slots, k_cache
         dtype = k_cache[0].dtype
-        ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)  # noqa: E731
         layers = weights.expert
         for lw in layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 if not lw[name].weight.is_contiguous() or lw[name].weight.dtype != dtype:
                     raise ValueError(f"persistent expert kernel needs contiguous {dtype} weights, expert {name} is not")
-        # the tables hold the parameters' storage addresses: in-place weight updates are seen, a
+        # the tables hold the tensors' places as element offsets from one base tensor (the kernel
+        # declares them 16-byte aligned, so its loads vectorise): in-place weight updates are seen, a
         # re-assigned parameter is not (FastSampler rebuilds its weights then)
-        self.tables = [ptrs([lw[name].weight for lw in layers]) for name in ("qkv", "o", "gate_up", "down")]
-        self.tables += [ptrs(k_cache), ptrs(v_cache)]
+        self.base = layers[0]["qkv"].weight
+        groups = [[lw[name].weight for lw in layers] for name in ("qkv", "o", "gate_up", "down")]
+        self.tables = [self._offsets(ts, device) for ts in (*groups, k_cache, v_cache)]
         if programs is None:
             programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         self.programs = programs
@@ -151,6 +152,16 @@ class PersistentExpert:
         self.counter = z(1, dt=torch.int32)
         self.key_len = torch.full((batch,), cache_rows, dtype=torch.int32, device=device)
 
+    def _offsets(self, tensors: list[Tensor], device: torch.device) -> Tensor:
+        size, base = self.base.element_size(), self.base.data_ptr()
+        offsets = []
+        for t in tensors:
+            if (t.data_ptr() - base) % 16 or t.dtype != self.base.dtype:
+                raise ValueError(f"persistent expert kernel: a {t.dtype} tensor of shape {tuple(t.shape)} is not "
+                                 f"16-byte aligned relative to the expert's first qkv weight")
+            offsets.append((t.data_ptr() - base) // size)
+        return torch.tensor(offsets, dtype=torch.int64, device=device)
+
     def plan(self, key_len: Tensor) -> None:
         self.key_len.copy_(key_len, non_blocking=True)
 
@@ -160,7 +171,7 @@ class PersistentExpert:
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         self.counter.zero_()
         _kernel()[(self.programs,)](
-            *self.tables, mod, h, self.x, self.q, self.attn, self.part_o, self.part_lse, self.proj, self.act,
+            self.base, *self.tables, mod, h, self.x, self.q, self.attn, self.part_o, self.part_lse, self.proj, self.act,
             cos, sin, self.slots, self.key_len, self.counter,
             self.rows, self.batch, self.tokens, self.k_cache[0].shape[1], e.rms_norm_eps,
             e.head_dim ** -0.5 * LOG2_E, self.att_splits, self.att_split_rows, e.depth,

@@ -200,6 +200,15 @@ def linear_phase(x_ptr, w_ptr, out_ptr, M, pid, NP, N: tl.constexpr, K: tl.const
 
 
 @triton.jit
+def table_ptr(base, table, index):
+    """base + entry `index` of a table of element offsets from `base`, declared multiples of 8
+    (16 bytes; persistent.py checks it): the compiler then knows the tensor is 16-byte aligned, as it
+    knows of a pointer argument, and vectorises the loads (an address loaded from memory and cast to
+    a pointer carries no alignment: every load was a scalar 2-byte one)."""
+    return base + tl.multiple_of(tl.load(table + index), 8)
+
+
+@triton.jit
 def sync(counter_ptr, barrier, NP, SKIP: tl.constexpr):
     """The next grid-wide barrier (its count `barrier` + 1 is returned)."""
     barrier += 1
@@ -210,7 +219,7 @@ def sync(counter_ptr, barrier, NP, SKIP: tl.constexpr):
 
 @triton.jit
 def expert_step_kernel(
-    wqkv_tab, wo_tab, wgu_tab, wdown_tab, kc_tab, vc_tab, mod_ptr, h_ptr, x_ptr, q_ptr, attn_ptr,
+    base_ptr, wqkv_tab, wo_tab, wgu_tab, wdown_tab, kc_tab, vc_tab, mod_ptr, h_ptr, x_ptr, q_ptr, attn_ptr,
     part_o_ptr, part_lse_ptr, proj_ptr, act_ptr, cos_ptr, sin_ptr, slot_ptr, key_len_ptr, counter_ptr,
     M, B, T, cache_rows, eps, qk_scale, att_splits, att_split_rows, num_layers,
     D: tl.constexpr, F: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr,
@@ -221,18 +230,17 @@ def expert_step_kernel(
 ):
     pid = tl.program_id(0)
     NP = tl.num_programs(0)
-    dtype = h_ptr.dtype.element_ty
     QKV_N: tl.constexpr = (H + 2 * KV) * HD
     barrier = 0
     if (SKIP & 1) == 0:
         norm_phase(h_ptr, proj_ptr, mod_ptr, x_ptr, M, eps, 0, pid, NP, False, PROJ_SPLITS, D)
     for layer in range(num_layers):
-        w_qkv = tl.load(wqkv_tab + layer).to(tl.pointer_type(dtype))
-        w_o = tl.load(wo_tab + layer).to(tl.pointer_type(dtype))
-        w_gu = tl.load(wgu_tab + layer).to(tl.pointer_type(dtype))
-        w_down = tl.load(wdown_tab + layer).to(tl.pointer_type(dtype))
-        k_cache = tl.load(kc_tab + layer).to(tl.pointer_type(dtype))
-        v_cache = tl.load(vc_tab + layer).to(tl.pointer_type(dtype))
+        w_qkv = table_ptr(base_ptr, wqkv_tab, layer)
+        w_o = table_ptr(base_ptr, wo_tab, layer)
+        w_gu = table_ptr(base_ptr, wgu_tab, layer)
+        w_down = table_ptr(base_ptr, wdown_tab, layer)
+        k_cache = table_ptr(base_ptr, kc_tab, layer)
+        v_cache = table_ptr(base_ptr, vc_tab, layer)
         # this layer's later weights stream into L2 while qkv and the attention run
         prefetch_share(w_o, D * H * HD, pid, NP, 256, PREFETCH)
         prefetch_share(w_gu, 2 * F * D, pid, NP, 256, PREFETCH)
@@ -255,7 +263,7 @@ def expert_step_kernel(
         if (SKIP & 1) == 0:
             norm_phase(h_ptr, proj_ptr, mod_ptr, x_ptr, M, eps, 2 * layer + 1, pid, NP, True, O_SPLITS, D)
         if layer + 1 < num_layers:  # the next layer's qkv weights, while this layer's MLP runs
-            w_next = tl.load(wqkv_tab + layer + 1).to(tl.pointer_type(dtype))
+            w_next = table_ptr(base_ptr, wqkv_tab, layer + 1)
             prefetch_share(w_next, QKV_N * D, pid, NP, 256, PREFETCH)
         barrier = sync(counter_ptr, barrier, NP, SKIP)
         if (SKIP & 32) == 0:
