@@ -36,6 +36,14 @@ SHAPES = {
     "no_prefetch": {"prefetch": False},
     "wide_tiles": {"o_n": 64, "o_splits": 8, "gu_n": 64, "down_n": 64, "down_splits": 8},
     "att_m64": {"att_m": 64},
+    # second round, around the first round's best (stages 4)
+    "stages4_warps4": {"stages": 4, "warps": 4},
+    "stages4_no_prefetch": {"stages": 4, "prefetch": False},
+    "stages4_warps4_no_prefetch": {"stages": 4, "warps": 4, "prefetch": False},
+    "stages5": {"stages": 5},
+    "bk32_stages6": {"block_k": 32, "stages": 6},
+    "stages4_att_n128": {"stages": 4, "att_n": 128},
+    "stages4_narrow_tiles": {"stages": 4, "o_n": 16, "gu_n": 16, "down_n": 16},
 }
 
 
@@ -56,6 +64,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configurations", nargs="+", default=["phyai", "libero_rl"], choices=list(common.CONFIGURATIONS))
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--no-phases", action="store_true", help="skip the per-phase runs")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
     from policies.fast.attention import graph_call_ms
@@ -89,7 +98,7 @@ def main(argv=None) -> None:
         phase_runs = [("all", 0), ("barriers_only", everything)]
         phase_runs += [(f"only_{ph}", everything - bit) for ph, bit in persistent.SKIP_BITS.items() if ph != "barriers"]
         phase_runs += [("no_barriers", persistent.SKIP_BITS["barriers"])]
-        for label, skip in phase_runs:
+        for label, skip in [] if args.no_phases else phase_runs:
             us, _ = time_step(base, skip)
             run["phases"].append({"label": label, "skip": skip, "us_per_step": us})
             summary[f"{name}_phase_{label}_us"] = us
