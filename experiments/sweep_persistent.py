@@ -44,6 +44,13 @@ SHAPES = {
     "bk32_stages6": {"block_k": 32, "stages": 6},
     "stages4_att_n128": {"stages": 4, "att_n": 128},
     "stages4_narrow_tiles": {"stages": 4, "o_n": 16, "gu_n": 16, "down_n": 16},
+    # third round: the second round's best with two programs per SM where they fit
+    "s4_w4_npf": {"stages": 4, "warps": 4, "prefetch": False},
+    "s4_w4_npf_2sm": {"stages": 4, "warps": 4, "prefetch": False, "programs_per_sm": 2},
+    "s3_w4_npf_2sm": {"stages": 3, "warps": 4, "prefetch": False, "programs_per_sm": 2},
+    "s2_w4_npf_2sm": {"stages": 2, "warps": 4, "prefetch": False, "programs_per_sm": 2},
+    "s3_w4_npf_2sm_narrow": {"stages": 3, "warps": 4, "prefetch": False, "programs_per_sm": 2, "o_n": 16,
+                             "gu_n": 16, "down_n": 16},
 }
 
 
@@ -91,7 +98,7 @@ def main(argv=None) -> None:
             kernel.plan(torch.tensor([cache_rows], dtype=torch.int32, device=device))
             h0 = h.clone()
             call = lambda: kernel(h0, mod, cos, sin, skip)  # noqa: E731
-            return graph_call_ms(call, calls=10, replays=7) * 1e3, kernel.att_splits
+            return graph_call_ms(call, calls=10, replays=7) * 1e3, (kernel.att_splits, kernel.programs)
 
         base = persistent.PersistentShape()
         everything = sum(persistent.SKIP_BITS.values()) - persistent.SKIP_BITS["barriers"]
@@ -115,10 +122,10 @@ def main(argv=None) -> None:
                 run["shapes"].append({"label": label, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 print(f"{name} shape {label}: {exc}", flush=True)
                 continue
-            run["shapes"].append({"label": label, **dataclasses.asdict(shape), "att_splits": splits,
-                                  "us_per_step": us})
+            run["shapes"].append({"label": label, **dataclasses.asdict(shape), "att_splits": splits[0],
+                                  "programs": splits[1], "us_per_step": us})
             summary[f"{name}_shape_{label}_us"] = us
-            print(f"{name} shape {label:16s} {us:9.1f} us per step (att splits {splits})", flush=True)
+            print(f"{name} shape {label:16s} {us:9.1f} us per step (att splits, programs {splits})", flush=True)
         record["runs"].append(run)
     write_result("sweep_persistent", record, summary, out_dir=args.out_dir)
 

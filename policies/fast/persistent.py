@@ -61,6 +61,7 @@ class PersistentShape:
     warps: int = 8  # sm_90: 255 registers, no spills (4 warps spill); one program per SM either way
     stages: int = 2
     prefetch: bool = True  # the L2 prefetch of the coming weights (CUDA only)
+    programs_per_sm: int = 1  # more only where the compiled kernel fits that many per SM (checked)
 
 
 def usable(rows: int, expert, shape: PersistentShape) -> str | None:
@@ -133,7 +134,9 @@ class PersistentExpert:
         self.tables = [self._offsets(ts, device) for ts in (*groups, k_cache, v_cache)]
         if programs is None:
             programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        self.programs = programs
+        # the first launch runs one program per SM; programs_per_sm > 1 takes effect from the second,
+        # once the compiled kernel's registers and shared memory say that many fit on an SM
+        self.programs, self.sized = programs, shape.programs_per_sm == 1 or device.type != "cuda"
         group = e.num_heads // e.num_kv_heads
         row_blocks = math.ceil(self.tokens * group / shape.att_m)
         base = batch * e.num_kv_heads * row_blocks
@@ -170,7 +173,7 @@ class PersistentExpert:
         e, s = self.cfg, self.shape
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         self.counter.zero_()
-        _kernel()[(self.programs,)](
+        compiled = _kernel()[(self.programs,)](
             self.base, *self.tables, mod, h, self.x, self.q, self.attn, self.part_o, self.part_lse, self.proj, self.act,
             cos, sin, self.slots, self.key_len, self.counter,
             self.rows, self.batch, self.tokens, self.k_cache[0].shape[1], e.rms_norm_eps,
@@ -182,4 +185,19 @@ class PersistentExpert:
             PREFETCH=s.prefetch and not interpret and h.is_cuda, UPCAST=interpret, IEEE=h.dtype == torch.float32,
             SKIP=skip, num_warps=s.warps, num_stages=s.stages,
         )
+        if not self.sized:
+            self.programs *= min(self.shape.programs_per_sm, resident_per_sm(compiled, h.device))
+            self.sized = True
         return self.x
+
+
+def resident_per_sm(compiled, device: torch.device) -> int:
+    """How many programs of a compiled Triton kernel an SM holds at once (registers, shared memory,
+    threads): a grid of that many per SM is all resident, so grid-wide barriers cannot deadlock."""
+    props = torch.cuda.get_device_properties(device)
+    threads = compiled.metadata.num_warps * 32
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(1, compiled.n_regs * threads)
+    shared_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    by_shared = shared_per_sm // (compiled.metadata.shared + 1024) if compiled.metadata.shared else 32
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+    return max(1, min(by_regs, by_shared, by_threads))
