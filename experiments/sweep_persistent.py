@@ -49,6 +49,11 @@ SHAPES = {
     "s4_w4_npf_2sm": {"stages": 4, "warps": 4, "prefetch": False, "programs_per_sm": 2},
     "s3_w4_npf_2sm": {"stages": 3, "warps": 4, "prefetch": False, "programs_per_sm": 2},
     "s2_w4_npf_2sm": {"stages": 2, "warps": 4, "prefetch": False, "programs_per_sm": 2},
+    # fourth round: the prefetch staggered one phase ahead of each GEMM
+    "s4_w4_staggered": {"stages": 4, "warps": 4},
+    "s4_w8_staggered": {"stages": 4, "warps": 8},
+    "s3_w4_staggered": {"stages": 3, "warps": 4},
+    "bk128_s3_w4_staggered": {"block_k": 128, "stages": 3, "warps": 4},
     "s3_w4_npf_2sm_narrow": {"stages": 3, "warps": 4, "prefetch": False, "programs_per_sm": 2, "o_n": 16,
                              "gu_n": 16, "down_n": 16},
 }

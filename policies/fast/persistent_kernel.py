@@ -241,14 +241,14 @@ def expert_step_kernel(
         w_down = table_ptr(base_ptr, wdown_tab, layer)
         k_cache = table_ptr(base_ptr, kc_tab, layer)
         v_cache = table_ptr(base_ptr, vc_tab, layer)
-        # this layer's later weights stream into L2 while qkv and the attention run
-        prefetch_share(w_o, D * H * HD, pid, NP, 256, PREFETCH)
-        prefetch_share(w_gu, 2 * F * D, pid, NP, 256, PREFETCH)
-        prefetch_share(w_down, D * F, pid, NP, 256, PREFETCH)
         barrier = sync(counter_ptr, barrier, NP, SKIP)
         if (SKIP & 2) == 0:
             qkv_rope_phase(x_ptr, w_qkv, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slot_ptr, M, T, cache_rows,
                            pid, NP, D, H, KV, HD, ROPE_N, BK, BM, UPCAST, IEEE)
+        # weights stream into L2 one phase or more ahead of their GEMM (what PDL's prefetch does for
+        # the per-kernel loop): o and gate_up while the attention and its merge run
+        prefetch_share(w_o, D * H * HD, pid, NP, 256, PREFETCH)
+        prefetch_share(w_gu, 2 * F * D, pid, NP, 256, PREFETCH)
         barrier = sync(counter_ptr, barrier, NP, SKIP)
         if (SKIP & 4) == 0:
             attention_phase(q_ptr, k_cache, v_cache, key_len_ptr, part_o_ptr, part_lse_ptr, B, T, cache_rows,
@@ -262,12 +262,13 @@ def expert_step_kernel(
         barrier = sync(counter_ptr, barrier, NP, SKIP)
         if (SKIP & 1) == 0:
             norm_phase(h_ptr, proj_ptr, mod_ptr, x_ptr, M, eps, 2 * layer + 1, pid, NP, True, O_SPLITS, D)
-        if layer + 1 < num_layers:  # the next layer's qkv weights, while this layer's MLP runs
-            w_next = table_ptr(base_ptr, wqkv_tab, layer + 1)
-            prefetch_share(w_next, QKV_N * D, pid, NP, 256, PREFETCH)
+        prefetch_share(w_down, D * F, pid, NP, 256, PREFETCH)  # down while gate_up runs
         barrier = sync(counter_ptr, barrier, NP, SKIP)
         if (SKIP & 32) == 0:
             linear_phase(x_ptr, w_gu, act_ptr, M, pid, NP, F, D, 1, True, GU_N, BK, BM, UPCAST, IEEE)
+        if layer + 1 < num_layers:  # the next layer's qkv while down and the norm run
+            w_next = table_ptr(base_ptr, wqkv_tab, layer + 1)
+            prefetch_share(w_next, QKV_N * D, pid, NP, 256, PREFETCH)
         barrier = sync(counter_ptr, barrier, NP, SKIP)
         if (SKIP & 64) == 0:
             linear_phase(act_ptr, w_down, proj_ptr, M, pid, NP, D, F, DOWN_SPLITS, False, DOWN_N, BK, BM, UPCAST,
