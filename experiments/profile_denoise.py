@@ -55,8 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--variants", nargs="+", default=["cublas/sdpa/off", "cublas/triton/off", "skinny/triton/off",
                                                      "skinny/triton/on", "skinny/triton/early", "auto/auto/auto"],
-                   help="gemm/attention/pdl[/persistent] settings of policy.fast to time (persistent: off unless "
-                        "given; the first variant is the chains' reference)")
+                   help="gemm/attention/pdl settings of policy.fast to time (the first is the chains' reference)")
     p.add_argument("--breakdown", nargs="*", default=["cublas/sdpa", "skinny/triton"],
                    help="gemm/attention settings profiled kernel by kernel (eager)")
     p.add_argument("--sweep", action="store_true", help="also sweep the skinny tiles of every expert projection")
@@ -139,27 +138,22 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     stoch = torch.zeros(batch, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
     out, chains = {}, {}
     for variant in args.variants:
-        gemm, attention, pdl_mode, *rest = variant.split("/")
-        persistent = rest[0] if rest else "off"  # 4th field: policy.fast.persistent (default off here)
+        gemm, attention, pdl_mode = variant.split("/")
         gemm, _, tile_set = gemm.partition("@")
         saved, skinny.TUNED = skinny.TUNED, tuned_for(policy, tile_set or None)
         try:
-            fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode,
-                            persistent=persistent)
+            fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode)
             chains[variant] = fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
         finally:
             skinny.TUNED = saved
         bucket = next(iter(fast.buckets.values()))
         ms = common.timed_ms(lambda f=fast, b=bucket: f.run_stage(b, "denoise"), device, 3, args.iters)
         out[variant] = {"ms": ms, "pdl_code": fast.pdl, "attention": getattr(bucket.expert_attn, "name", "?"),
-                        "persistent": None if bucket.persistent is None else
-                        {**vars(bucket.persistent.shape), "att_splits": bucket.persistent.att_splits},
                         "tiles": {k: None if t is None else vars(t) for k, t in bucket.tiles.items()},
                         "chains_rel_l2_vs_first": relative_l2(chains[variant], chains[args.variants[0]])}
         del fast
     for variant in args.variants:
-        fields = variant.split("/")
-        twin = "/".join(fields[:2] + ["off"] + fields[3:])
+        twin = variant.rsplit("/", 1)[0] + "/off"
         if twin in chains and twin != variant:
             out[variant]["bit_equal_to_pdl_off"] = bool(torch.equal(chains[variant], chains[twin]))
     return out

@@ -13,7 +13,6 @@ FAST_DTYPES = ("bfloat16", "float32")
 PRECISIONS = ("bf16", "fp8")
 GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
-PERSISTENT_CHOICES = ("auto", "off", "on")  # policies/fast/persistent.py
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -44,10 +43,7 @@ class FastConfig:
     kernels that stream the weights at the memory bound for few rows (policies/fast/skinny.py),
     "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk).
     pdl: programmatic dependent launch of the denoise graph's Triton kernels (policies/fast/pdl.py):
-    "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs).
-    persistent: the expert's layers of each denoise step as one persistent kernel with grid-wide
-    barriers (policies/fast/persistent.py) for buckets of <= 64 rows (batch x chunk): "on" wherever
-    it fits (CUDA, or CPU under TRITON_INTERPRET=1 for tests), "auto" on CUDA with graphs, "off"."""
+    "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs)."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -60,7 +56,6 @@ class FastConfig:
     precision: str = "bf16"
     gemm: str = "auto"
     pdl: str = "auto"
-    persistent: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
 
     def __post_init__(self) -> None:
@@ -82,8 +77,6 @@ class FastConfig:
             raise ValueError(f"{key}.gemm must be one of {GEMM_CHOICES}, got {self.gemm!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
-        if self.persistent not in PERSISTENT_CHOICES:
-            raise ValueError(f"{key}.persistent must be one of {PERSISTENT_CHOICES}, got {self.persistent!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"{key}.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         for name in ("batch_buckets", "prompt_buckets"):

@@ -16,7 +16,6 @@ reference the tests compare this against.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import fp8, pdl, persistent, skinny
+from policies.fast import fp8, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -50,7 +49,6 @@ class Bucket:
     host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
     staged: object = None  # CUDA event recorded after the last copy out of host_pack
     layout_key: tuple | None = None  # the masks whose token layout index_pack and the attention plans hold
-    persistent: persistent.PersistentExpert | None = None  # the expert's layers as one kernel per step
 
 
 class FastSampler:
@@ -184,23 +182,6 @@ class FastSampler:
             return 0
         return self.pdl
 
-    def _persistent_for(self, bucket: Bucket, rows: int) -> persistent.PersistentExpert | None:
-        """The bucket's persistent expert kernel (policy.fast.persistent), or None for the per-kernel loop."""
-        mode = self.fast.persistent
-        if mode == "off" or (mode == "auto" and not self.use_graphs):
-            return None
-        ecfg = self.cfg.expert
-        shape = persistent.shape_for(rows, ecfg)
-        why = None if shape is not None else persistent.usable(rows, ecfg, persistent.PersistentShape())
-        if why is None and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            why = "it needs CUDA (or TRITON_INTERPRET=1 on CPU)"
-        if why is not None:
-            if mode == "on":
-                raise ValueError(f"policy.fast.persistent=on, but the batch-{bucket.batch} bucket cannot use it: {why}")
-            return None
-        return persistent.PersistentExpert(self.w, self.cfg, bucket.k_cache, bucket.v_cache,
-                                           bucket.tensors["suffix_slots"], rows, bucket.batch, self.device, shape)
-
     # ------------------------------------------------------------------ buffers
     def _bucket(self, batch: int, prompt_len: int, cams: int | None = None) -> Bucket:
         """The buffers, graphs and attention plans of one (batch, prompt, cameras) shape; `cams`
@@ -243,7 +224,6 @@ class FastSampler:
         bucket.expert_attn = self.selector.build("expert", batch, h, rows, heads, kv, hd, self.dtype, dev, full)
         if hasattr(bucket.expert_attn, "pdl"):
             bucket.expert_attn.pdl = self._pdl_for(bucket)
-        bucket.persistent = self._persistent_for(bucket, batch * h)
         self.buckets[key] = bucket
         return bucket
 
@@ -274,8 +254,6 @@ class FastSampler:
         n_valid = n_valid.to(torch.int32)
         bucket.prefix_attn.plan(n_valid)
         bucket.expert_attn.plan(n_valid + self.cfg.chunk_size)
-        if bucket.persistent is not None:
-            bucket.persistent.plan(n_valid + self.cfg.chunk_size)
         bucket.layout_key = masks_key
 
     def _fill(self, bucket: Bucket, inputs, noise, step_noise, stochastic) -> None:
@@ -353,10 +331,6 @@ class FastSampler:
         b, hlen, d = x.shape
         h = F.linear(x, w.action_in.weight, w.action_in.bias).to(self.dtype).reshape(b * hlen, -1)
         q = torch.empty(b, hlen, ecfg.num_heads, ecfg.head_dim, dtype=self.dtype, device=self.device)
-        if bk.persistent is not None:  # the 18 layers as one kernel (persistent.py)
-            normed = bk.persistent(h, w.table[step], cos, sin)
-            out = F.linear(normed.float(), w.action_out.weight.float(), w.action_out.bias.float())
-            return out.view(b, hlen, d)
         scale, shift, gate = w.modulation(step, 0)
         _, normed = K.add_rms_norm(h, None, None, scale, shift, ecfg.rms_norm_eps)
         tiles, pdl_code = bk.tiles, self._pdl_for(bk)
