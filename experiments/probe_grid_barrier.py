@@ -13,36 +13,46 @@ from __future__ import annotations
 import argparse
 
 import torch
+import triton
+import triton.language as tl
 
 from experiments.results import write_result
 
-C = None  # policies.fast.triton_common once _kernels ran
 
+@triton.jit
+def grid_barrier(counter_ptr, target, SPIN_VOLATILE: tl.constexpr):
+    """Wait until `target` arrivals were counted at counter_ptr (int32, zeroed before the launch;
+    every program adds 1 per barrier, so the n-th barrier's target is n * programs). Only for
+    grids whose programs are all resident at once (at most one per SM), else it deadlocks. The
+    release add publishes this program's earlier writes, the acquire read makes the others'
+    visible. SPIN_VOLATILE spins on plain volatile loads and acquires once after: the H200 run
+    found stale reads with it (the acquire spin had none)."""
+    tl.debug_barrier()  # every thread of the program has written before the release
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    if SPIN_VOLATILE:
+        while tl.load(counter_ptr, volatile=True) < target:
+            pass
+        tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    else:
+        while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
+            pass
+    tl.debug_barrier()
 
-def _kernels():
-    global C  # the shared device functions: a module global, which the interpreter also sees
-    import triton
-    import triton.language as tl
-
-    from policies.fast import triton_common as C
-
-    @triton.jit
-    def probe(counter_ptr, slots_ptr, errors_ptr, rounds, NP: tl.constexpr, BLOCK: tl.constexpr,
-              SPIN_VOLATILE: tl.constexpr, BARRIER: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        bad = tl.zeros([BLOCK], tl.int32)
-        for r in range(rounds):
-            buf = slots_ptr + (r % 2) * NP * BLOCK
-            tl.store(buf + pid * BLOCK + offs, r + pid + offs)
-            if BARRIER:
-                C.grid_barrier(counter_ptr, (r + 1) * NP, SPIN_VOLATILE)
-            other = (pid + 1 + r) % NP
-            v = tl.load(buf + other * BLOCK + offs)
-            bad += (v != r + other + offs).to(tl.int32)
-        tl.store(errors_ptr + pid, tl.sum(bad, axis=0))
-
-    return probe
+@triton.jit
+def probe(counter_ptr, slots_ptr, errors_ptr, rounds, NP: tl.constexpr, BLOCK: tl.constexpr,
+          SPIN_VOLATILE: tl.constexpr, BARRIER: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    bad = tl.zeros([BLOCK], tl.int32)
+    for r in range(rounds):
+        buf = slots_ptr + (r % 2) * NP * BLOCK
+        tl.store(buf + pid * BLOCK + offs, r + pid + offs)
+        if BARRIER:
+            grid_barrier(counter_ptr, (r + 1) * NP, SPIN_VOLATILE)
+        other = (pid + 1 + r) % NP
+        v = tl.load(buf + other * BLOCK + offs)
+        bad += (v != r + other + offs).to(tl.int32)
+    tl.store(errors_ptr + pid, tl.sum(bad, axis=0))
 
 
 def main(argv=None) -> None:
@@ -50,7 +60,6 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2000)
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
-    probe = _kernels()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, summary = [], {}
     for spin_volatile in (False, True):

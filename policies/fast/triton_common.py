@@ -94,21 +94,3 @@ def rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c
         tl.store(dst + d, x1.to(dst.dtype.element_ty), mask=ok)
         tl.store(dst + HALF + d, x2.to(dst.dtype.element_ty), mask=ok)
 
-
-@triton.jit
-def grid_barrier(counter_ptr, target, SPIN_VOLATILE: tl.constexpr):
-    """Wait until `target` arrivals were counted at counter_ptr (int32, zeroed before the launch;
-    every program adds 1 per barrier, so the n-th barrier's target is n * programs). Only for
-    persistent kernels whose programs are all resident at once (at most one per SM), else it
-    deadlocks; under the CPU interpreter only with a single program. The release add publishes this
-    program's earlier writes, the acquire read makes the others' visible to its later reads."""
-    tl.debug_barrier()  # every thread of the program has written before the release
-    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    if SPIN_VOLATILE:  # spin on plain volatile loads, then one acquire
-        while tl.load(counter_ptr, volatile=True) < target:
-            pass
-        tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    else:
-        while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
-            pass
-    tl.debug_barrier()
