@@ -379,8 +379,10 @@ def _add_projection_norm(h: Tensor, x: Tensor, lw, norm_weight: Tensor, eps: flo
     """h += x W^T in place, then Gemma's RMSNorm of h: (h, normed). A bias-free bf16 projection adds
     into h in cuBLAS's GEMM epilogue (addmm, beta 1), so the norm kernel reads h once instead of
     reading h and the projection and writing h back (H200, experiments/sweep_large_batch.py: prefix
-    o 589 -> 555 us and down 3.44 -> 3.39 ms per layer at LIBERO b64); the sum is rounded to bf16
-    once instead of twice. An FP8 projection keeps the add in the norm kernel."""
+    o 589 -> 555 us and down 3.44 -> 3.39 ms per layer at LIBERO b64). On the H200 the actions at
+    batch 32 and 64 came out bit-identical to the separate add's (cuBLAS's beta-add epilogue rounds
+    the product to bf16 before adding there); at batch 1 they moved within the parity tolerance.
+    An FP8 projection keeps the add in the norm kernel (torch._scaled_mm has no beta)."""
     if lw.fp8 is None and lw.bias is None:
         h.addmm_(x, lw.weight.t())
         return K.add_rms_norm(h, None, None, norm_weight, None, eps)

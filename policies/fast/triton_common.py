@@ -93,4 +93,3 @@ def rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c
         dst = v_ptr + (cache_row * KV + head - H - KV) * HD
         tl.store(dst + d, x1.to(dst.dtype.element_ty), mask=ok)
         tl.store(dst + HALF + d, x2.to(dst.dtype.element_ty), mask=ok)
-
