@@ -38,6 +38,7 @@ def grid_barrier(counter_ptr, target, SPIN_VOLATILE: tl.constexpr):
             pass
     tl.debug_barrier()
 
+
 @triton.jit
 def probe(counter_ptr, slots_ptr, errors_ptr, rounds, NP: tl.constexpr, BLOCK: tl.constexpr,
           SPIN_VOLATILE: tl.constexpr, BARRIER: tl.constexpr):

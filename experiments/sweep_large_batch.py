@@ -81,7 +81,8 @@ def main(argv=None) -> None:
             for row in run[section]:
                 if "ms" in row:
                     summary[f"{name}_b{batch}_{section}_{row['variant']}_ms"] = row["ms"]
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     write_result("sweep_large_batch", record, summary, out_dir=args.out_dir, commit=args.commit)
 
 

@@ -242,19 +242,24 @@ def project(x: Tensor, lw, act: str = "none") -> Tensor:
     """linear(act(x)) for a weights.LinearW: FP8 when it carries an `fp8` shadow, else F.linear."""
     if lw.fp8 is not None:
         return fp8_linear(x, lw.fp8, lw.bias, act)
+    return F.linear(activated(x, act), lw.weight, lw.bias)
+
+
+def activated(x: Tensor, act: str) -> Tensor:
+    """act(x) in x's dtype, as the bf16 projections apply it (the GeGLU through the Triton kernel);
+    `activate` is the fp32 reference of the quantisation."""
     if act == "gelu_tanh_mul":
-        x = K.gelu_tanh_mul(x)
-    elif act == "gelu_tanh":
-        x = F.gelu(x, approximate="tanh")
-    return F.linear(x, lw.weight, lw.bias)
+        return K.gelu_tanh_mul(x)
+    if act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return x
 
 
 def mlp(x: Tensor, up, down, act: str) -> Tensor:
     """down(act(up(x))): SigLIP's MLP (act "gelu_tanh") or Gemma's GeGLU ("gelu_tanh_mul").
     In bf16 these are the calls the fast path always made (SigLIP's GELU in fc1's cuBLASLt
-    epilogue); in FP8 the activation moves into the down projection's input quantisation."""
-    if up.fp8 is None and down.fp8 is None:
-        if act == "gelu_tanh":
-            return F.linear(K.linear_gelu_tanh(x, up.weight, up.bias), down.weight, down.bias)
-        return F.linear(K.gelu_tanh_mul(F.linear(x, up.weight, up.bias)), down.weight, down.bias)
+    epilogue); in FP8 the activation moves into the down projection's input quantisation. (The
+    prefix's GeGLU MLP goes through `project` twice in runner.py, its down adding into the residual.)"""
+    if up.fp8 is None and down.fp8 is None and act == "gelu_tanh":
+        return F.linear(K.linear_gelu_tanh(x, up.weight, up.bias), down.weight, down.bias)
     return project(project(x, up), down, act)

@@ -312,12 +312,9 @@ class FastSampler:
                 break
             attn = bk.prefix_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * p, -1)
             h, normed = _add_projection_norm(h, attn, lw["o"], self.w.prefix_post_norms[i], pcfg.rms_norm_eps)
-            if lw["gate_up"].fp8 is None and lw["down"].fp8 is None:
-                act = K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight))
-                h, normed = _add_projection_norm(h, act, lw["down"], self.w.prefix_norms[i + 1], pcfg.rms_norm_eps)
-            else:
-                mlp = fp8.mlp(normed, lw["gate_up"], lw["down"], "gelu_tanh_mul")
-                h, normed = K.add_rms_norm(h, mlp, None, self.w.prefix_norms[i + 1], None, pcfg.rms_norm_eps)
+            gate_up = fp8.project(normed, lw["gate_up"])  # GeGLU'd on the way into down (fp8.mlp's order)
+            h, normed = _add_projection_norm(h, gate_up, lw["down"], self.w.prefix_norms[i + 1], pcfg.rms_norm_eps,
+                                             "gelu_tanh_mul")
 
     def _stage_denoise(self, bk: Bucket) -> None:
         t, steps = bk.tensors, self.num_steps
@@ -375,8 +372,9 @@ def _project(x: Tensor, lw, tile, pdl_code: int = 0) -> Tensor:
     return skinny.skinny_linear(x, lw.weight, tile, pdl=pdl_code)
 
 
-def _add_projection_norm(h: Tensor, x: Tensor, lw, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """h += x W^T in place, then Gemma's RMSNorm of h: (h, normed). A bias-free bf16 projection adds
+def _add_projection_norm(h: Tensor, x: Tensor, lw, norm_weight: Tensor, eps: float,
+                         act: str = "none") -> tuple[Tensor, Tensor]:
+    """h += act(x) W^T in place, then Gemma's RMSNorm of h: (h, normed). A bias-free bf16 projection adds
     into h in cuBLAS's GEMM epilogue (addmm, beta 1), so the norm kernel reads h once instead of
     reading h and the projection and writing h back (H200, experiments/sweep_large_batch.py: prefix
     o 589 -> 555 us and down 3.44 -> 3.39 ms per layer at LIBERO b64). On the H200 the actions at
@@ -384,9 +382,9 @@ def _add_projection_norm(h: Tensor, x: Tensor, lw, norm_weight: Tensor, eps: flo
     the product to bf16 before adding there); at batch 1 they moved within the parity tolerance.
     An FP8 projection keeps the add in the norm kernel (torch._scaled_mm has no beta)."""
     if lw.fp8 is None and lw.bias is None:
-        h.addmm_(x, lw.weight.t())
+        h.addmm_(fp8.activated(x, act), lw.weight.t())
         return K.add_rms_norm(h, None, None, norm_weight, None, eps)
-    return K.add_rms_norm(h, fp8.project(x, lw), None, norm_weight, None, eps)
+    return K.add_rms_norm(h, fp8.project(x, lw, act), None, norm_weight, None, eps)
 
 
 def _add_norm(h: Tensor, y: Tensor, gate, scale, shift, eps, pdl_code: int = 0):
