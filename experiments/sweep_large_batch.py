@@ -12,25 +12,35 @@ left after its GEMMs, each on the shapes of one layer at the throughput goals' b
 - `residual`: the output projections (vision o / fc2, prefix o / down) as GEMM + add-norm kernel
   (today) against the residual added in the GEMM's epilogue (addmm, beta = 1) + a norm-only kernel;
 - `vision_mlp`: fc1 (GELU epilogue) and fc2 with mlp_dim 4304 against zero-padded 4352 (a 128 multiple);
-- `gate_up`: the prefix's gate/up GEMM with the weight as (N, K) (F.linear) and as (K, N).
-Each row: ms per call (CUDA-graph replay median on the GPU) and, where two ways compute the same
-thing, the relative L2 distance between them.
+- `gate_up`: the prefix's gate/up GEMM with the weight as (N, K) (F.linear) and as (K, N);
+- `geglu`: the prefix's gate/up GEMM + GeGLU kernel (today) against policies/fast/geglu_gemm.py's
+  one-kernel GeGLU GEMM, every candidate tile;
+- `prefix_attention`: the prefix's self-attention (GQA, 8 query heads on 1 KV head, key-length mask)
+  through the Triton split-KV kernel, SDPA as the runner calls it, and SDPA with cuDNN forced (K/V
+  expanded by a copy, as a stride-0 view, or passed as GQA).
+`--sections` picks some; `--batches` overrides each configuration's batch size. Each row: ms per
+call (CUDA-graph replay median on the GPU) and, where two ways compute the same thing, the relative
+L2 distance between them.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 
 import torch
-import torch.nn.functional as F
 
-from experiments import bench_predict_common as common
-from experiments.results import write_result
-from policies.config import PolicyConfig
-from policies.fast import kernels as K
-from policies.lerobot_bridge import relative_l2
+if not torch.cuda.is_available():  # the CPU smoke run's Triton kernels go through Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch.nn.functional as F  # noqa: E402
+
+from experiments import bench_predict_common as common  # noqa: E402
+from experiments.results import write_result  # noqa: E402
+from policies.config import PolicyConfig  # noqa: E402
+from policies.fast import kernels as K  # noqa: E402
+from policies.lerobot_bridge import relative_l2  # noqa: E402
 
 DEFAULT_BATCHES = {"phyai": 32, "libero_rl": 64}
 SDPA_BACKENDS = ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"]
@@ -41,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy", default="pi05", help="PolicyConfig preset")
     p.add_argument("--configurations", nargs="+", default=["phyai", "libero_rl"], choices=list(common.CONFIGURATIONS))
     p.add_argument("--tiny", action="store_true", help="CPU smoke: small shapes, wall-clock timing")
+    p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
+    p.add_argument("--batches", nargs="+", type=int, default=None,
+                   help="batch sizes to run every configuration at (default: PhyAI 32, LIBERO 64)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
     return p.parse_args(argv)
@@ -63,21 +76,21 @@ def main(argv=None) -> None:
     dtype = getattr(torch, dtype_name)
     cfg = PolicyConfig.preset(args.policy)
     record, summary = {"args": vars(args), "runs": []}, {}
-    for name in args.configurations:
+    for name, batch in [(n, b) for n in args.configurations
+                        for b in ([1] if args.tiny else args.batches or [DEFAULT_BATCHES[n]])]:
         spec = common.CONFIGURATIONS[name]
-        batch = 1 if args.tiny else DEFAULT_BATCHES[name]
         images = batch * spec["cameras"]
         tokens = batch * (spec["cameras"] * cfg.vision.num_patches + spec["prompt_len"])
         if args.tiny:
             images, tokens = 2, 64
-        shapes = dict(images=images, prefix_tokens=tokens, device=device, dtype=dtype, cfg=cfg)
-        run = {"configuration": name, "batch": batch, "images": images, "prefix_tokens": tokens,
-               "vision_attention": vision_attention_rows(**shapes, tiny=args.tiny),
-               "residual": residual_rows(**shapes),
-               "vision_mlp": vision_mlp_rows(**shapes),
-               "gate_up": gate_up_rows(**shapes)}
+        shapes = dict(images=images, prefix_tokens=tokens, device=device, dtype=dtype, cfg=cfg, tiny=args.tiny,
+                      batch=batch, per_sample=tokens // batch)
+        run = {"configuration": name, "batch": batch, "images": images, "prefix_tokens": tokens}
+        for section in args.sections:
+            print(f"{name} b{batch} {section}", flush=True)
+            run[section] = SECTIONS[section](**shapes)
         record["runs"].append(run)
-        for section in ("vision_attention", "residual", "vision_mlp", "gate_up"):
+        for section in args.sections:
             for row in run[section]:
                 if "ms" in row:
                     summary[f"{name}_b{batch}_{section}_{row['variant']}_ms"] = row["ms"]
@@ -100,7 +113,7 @@ def _row(section: str, variant: str, fn, reference=None) -> dict:
     return row
 
 
-def vision_attention_rows(images, prefix_tokens, device, dtype, cfg, tiny) -> list[dict]:
+def vision_attention_rows(images, prefix_tokens, device, dtype, cfg, tiny, **_) -> list[dict]:
     v = cfg.vision
     tokens = v.num_patches if not tiny else 16
     heads, hd = v.num_heads, v.width // v.num_heads
@@ -197,6 +210,75 @@ def gate_up_rows(images, prefix_tokens, device, dtype, cfg, **_) -> list[dict]:
     rows = [_row("gate_up", "linear_nk", lambda: F.linear(x, w)),
             _row("gate_up", "mm_kn", lambda: torch.mm(x, w_kn), reference)]
     return rows
+
+
+def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, **_) -> list[dict]:
+    """cuBLAS gate/up + the GeGLU kernel (the runner's bf16 prefix MLP input) against the fused kernel."""
+    from policies.fast import geglu_gemm
+
+    p = cfg.prefix
+    m, k, f = (prefix_tokens, p.width, p.mlp_dim) if not tiny else (64, 64, 64)
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(2 * f, k, device=device, dtype=dtype) * k ** -0.5
+    out = torch.empty(m, f, device=device, dtype=dtype)
+    reference = K.gelu_tanh_mul(F.linear(x, w))
+    rows = [_row("geglu", "cublas_then_kernel", lambda: K.gelu_tanh_mul(F.linear(x, w)))]
+    tiles = geglu_gemm.candidates() if not tiny else [geglu_gemm.GegluTile(16, 16, 32, warps=4, stages=2)]
+    for tile in tiles:
+        if tile.fits(m, 2 * f, k) is None:
+            label = (f"m{tile.block_m}n{tile.block_n}k{tile.block_k}s{tile.stages}w{tile.warps}"
+                     f"{'' if tile.tma else '_ptr'}{'_persistent' if tile.persistent else ''}")
+            rows.append(_row("geglu", label, functools.partial(geglu_gemm.geglu_linear, x, w, tile, out), reference))
+    return rows
+
+
+def prefix_attention_rows(images, prefix_tokens, device, dtype, cfg, tiny, batch, per_sample, **_) -> list[dict]:
+    """The prefix's attention on one layer's shapes: every sample's tokens all valid (the bench's inputs)."""
+    from policies.fast.attention import SdpaAttention
+
+    p = cfg.prefix
+    b, t = (batch, per_sample) if not tiny else (1, 32)
+    heads, kv, hd = p.num_heads, p.num_kv_heads, p.head_dim
+    rows_per_slot = t + 50  # + the chunk's rows the denoise loop writes (attention.py's slot layout)
+    q = torch.randn(b, t, heads, hd, device=device, dtype=dtype)
+    k_cache = torch.randn(b, rows_per_slot, kv, hd, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    key_len = torch.full((b,), t, dtype=torch.int32)
+    sdpa = SdpaAttention(b, rows_per_slot, device)
+    sdpa.plan(key_len)
+    reference = sdpa(q, k_cache, v_cache)
+    rows = [_row("prefix_attn", "sdpa_auto", lambda: sdpa(q, k_cache, v_cache))]
+    if device.type != "cuda":
+        return rows
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from policies.fast.triton_attention import TritonSplitKVAttention
+
+    triton_attn = TritonSplitKVAttention(b, t, rows_per_slot, heads, kv, hd, device)
+    triton_attn.plan(key_len)
+    rows.append(_row("prefix_attn", "triton", lambda: triton_attn(q, k_cache, v_cache), reference))
+    gqa = SdpaAttention(b, rows_per_slot, device, native_gqa=True)
+    gqa.plan(key_len)
+    mask = (torch.arange(rows_per_slot, device=device)[None, :] < t)[:, None, None, :].expand(b, 1, 1, -1)
+
+    def view_expanded():  # K/V heads broadcast as a stride-0 view, no copy
+        k = k_cache.transpose(1, 2).expand(b, heads, rows_per_slot, hd)
+        v = v_cache.transpose(1, 2).expand(b, heads, rows_per_slot, hd)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, t, heads * hd)
+
+    for backend in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        for label, fn in (("copy", lambda: sdpa(q, k_cache, v_cache)), ("gqa", lambda: gqa(q, k_cache, v_cache)),
+                          ("view", view_expanded)):
+            def forced(fn=fn, backend=backend):
+                with sdpa_kernel(getattr(SDPBackend, backend)):
+                    return fn()
+            rows.append(_row("prefix_attn", f"sdpa_{backend.lower()}_{label}", forced, reference))
+    return rows
+
+
+SECTIONS = {"vision_attention": vision_attention_rows, "residual": residual_rows, "vision_mlp": vision_mlp_rows,
+            "gate_up": gate_up_rows, "geglu": geglu_rows, "prefix_attention": prefix_attention_rows}
 
 
 if __name__ == "__main__":

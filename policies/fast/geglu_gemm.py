@@ -1,0 +1,167 @@
+"""The prefix's GeGLU projection as one GEMM: act = gelu_tanh(x Wg^T) * (x Wu^T), no (M, 2F) round trip.
+
+Why: at large batch the prefix's gate/up projection writes an (M, 2 x 16384) bf16 tensor that a
+second kernel reads back to apply GeGLU: at LIBERO batch 64 (M ~ 36k rows) that is ~3.4 GB of HBM
+traffic per layer, 14 ms of the call's 285 (profile_stages_nvidia-h200_20261201-204441.json). Here
+each program owns a BM x BN block of the activation: it streams x (BM x K) once and the matching
+BN rows of both the gate half and the up half of W = [gate; up] (2F, K), keeps the two fp32
+accumulators, and writes gelu_tanh(gate) * up in bf16: the GEMM's output is F columns, not 2F, and
+nothing is read back. Whether it beats cuBLAS + the separate kernel depends on how close a Triton
+GEMM gets to cuBLAS on the shape; experiments/sweep_large_batch.py times both on the H200.
+
+Rows are independent (no split-K), so a row's result depends only on that row and the tile:
+batch-invariant, as the consistent recompute needs. Loads go through TMA tensor descriptors
+(`tma=True`, Hopper; also under the CPU interpreter) or plain pointer blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+C = None  # policies.fast.triton_common once the kernel factory ran (triton is imported on first use only)
+
+
+@dataclass(frozen=True)
+class GegluTile:
+    """BM x BN activation blocks, K walked BK at a time; `group_m` row blocks share a weight column
+    block in launch order (L2 reuse); `persistent`: one program per SM walking the blocks."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    stages: int = 3
+    warps: int = 8
+    tma: bool = True
+    persistent: bool = False
+
+    def fits(self, m: int, n: int, k: int) -> str | None:
+        """Why this tile cannot run x (m, k) @ W (n, k)^T with GeGLU, or None when it can."""
+        if n % 2:
+            return f"the gate/up weight needs an even row count, got {n}"
+        if (n // 2) % self.block_n:
+            return f"F = {n // 2} is not a multiple of block_n = {self.block_n}"
+        if k % self.block_k:
+            return f"K = {k} is not a multiple of block_k = {self.block_k}"
+        if min(self.block_m, self.block_n, self.block_k) < 16:
+            return "tl.dot needs block sizes >= 16"
+        return None
+
+
+@functools.cache
+def _kernel():
+    """Compiled on first use, so CPU-only runs never import triton."""
+    global C  # the kernels' shared device functions: a module global, which the interpreter also sees
+    import triton
+    import triton.language as tl
+
+    from policies.fast import triton_common as C
+
+    @triton.jit
+    def geglu_gemm_kernel(x_desc, w_desc, out_desc, x_ptr, w_ptr, out_ptr, M, F, K,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                          TMA: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+                          UPCAST: tl.constexpr):
+        row_blocks = tl.cdiv(M, BM)
+        col_blocks = F // BN
+        blocks = row_blocks * col_blocks
+        step = PROGRAMS if PERSISTENT else blocks
+        for block in tl.range(tl.program_id(0), blocks, step):
+            # grouped order: GROUP_M row blocks walk the column blocks together (x and W reuse in L2)
+            per_group = GROUP_M * col_blocks
+            first_m = (block // per_group) * GROUP_M
+            group_rows = tl.minimum(row_blocks - first_m, GROUP_M)
+            pid_m = first_m + (block % per_group) % group_rows
+            pid_n = (block % per_group) // group_rows
+            off_m, off_n = pid_m * BM, pid_n * BN
+            acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+            rows = off_m + tl.arange(0, BM)
+            cols = off_n + tl.arange(0, BN)
+            ks = tl.arange(0, BK)
+            for k0 in range(0, K, BK):
+                if TMA:  # out-of-range rows of x come back as zeros
+                    x = x_desc.load([off_m, k0])
+                    w_gate = w_desc.load([off_n, k0])
+                    w_up = w_desc.load([F + off_n, k0])
+                else:
+                    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + (k0 + ks)[None, :],
+                                mask=(rows < M)[:, None], other=0.0)
+                    w_rows = w_ptr + cols[:, None].to(tl.int64) * K + (k0 + ks)[None, :]
+                    w_gate = tl.load(w_rows)
+                    w_up = tl.load(w_rows + F.to(tl.int64) * K)
+                if UPCAST:  # the CPU interpreter's bf16 tl.dot returns garbage (Triton 3.x): fp32 there
+                    x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+                acc_gate = tl.dot(x, w_gate.T, acc_gate)
+                acc_up = tl.dot(x, w_up.T, acc_up)
+            act = (C.gelu_tanh(acc_gate) * acc_up).to(out_ptr.dtype.element_ty)
+            if TMA:  # the store drops rows past M
+                out_desc.store([off_m, off_n], act)
+            else:
+                tl.store(out_ptr + rows[:, None].to(tl.int64) * F + cols[None, :], act, mask=(rows < M)[:, None])
+
+    return geglu_gemm_kernel
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None = None,
+                 max_programs: int | None = None) -> Tensor:
+    """x (M, K), weight (2F, K) = [gate; up], both contiguous bf16/fp32 -> gelu_tanh(x Wg^T) * (x Wu^T)
+    (M, F) in x's dtype (fp32 accumulation, one rounding). `out` reuses a contiguous (M, F) buffer.
+    A persistent tile runs min(blocks, SMs) programs, or `max_programs` (tests: the loop on CPU)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    problem = tile.fits(m, n, k)
+    if problem is None and (weight.shape[1] != k or x.dtype != weight.dtype):
+        problem = f"x {tuple(x.shape)} {x.dtype} does not match the weight {tuple(weight.shape)} {weight.dtype}"
+    if problem is not None:
+        raise ValueError(f"GeGLU tile {tile} cannot run x {tuple(x.shape)} @ W {tuple(weight.shape)}^T: {problem}")
+    if not (x.is_contiguous() and weight.is_contiguous()):
+        raise ValueError(f"geglu_linear needs a contiguous x and weight, "
+                         f"got strides {x.stride()} and {weight.stride()}")
+    f = n // 2
+    if out is None:
+        out = torch.empty(m, f, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (m, f) or not out.is_contiguous() or out.dtype != x.dtype:
+        raise ValueError(f"geglu_linear out must be a contiguous {(m, f)} {x.dtype}, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    blocks = -(-m // tile.block_m) * (f // tile.block_n)
+    programs = blocks
+    if tile.persistent:
+        limit = max_programs if max_programs is not None else _sm_count(x.device.index or 0) if x.is_cuda else blocks
+        programs = max(1, min(blocks, limit))
+    x_desc = w_desc = out_desc = None
+    if tile.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k])
+        out_desc = TensorDescriptor.from_tensor(out, [tile.block_m, tile.block_n])
+    _kernel()[(programs,)](x_desc, w_desc, out_desc, x, weight, out, m, f, k,
+                           BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
+                           TMA=tile.tma, PERSISTENT=tile.persistent, PROGRAMS=programs,
+                           UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+                           num_warps=tile.warps, num_stages=tile.stages)
+    return out
+
+
+def candidates() -> list[GegluTile]:
+    """The tiles experiments/sweep_large_batch.py times against cuBLAS + the GeGLU kernel on the H200
+    (each program holds two BM x BN fp32 accumulators: 128 x 128 needs 8 warps)."""
+    tiles = []
+    for bm, bn, bk, stages, warps in ((128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 64, 64, 4, 4),
+                                      (128, 64, 64, 4, 8), (64, 128, 64, 4, 4), (128, 128, 128, 2, 8),
+                                      (256, 64, 64, 3, 8)):
+        for persistent in (False, True):
+            tiles.append(GegluTile(bm, bn, bk, stages=stages, warps=warps, persistent=persistent))
+    tiles.append(GegluTile(128, 128, 64, stages=3, warps=8, tma=False))
+    return tiles
