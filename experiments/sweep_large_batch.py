@@ -226,8 +226,8 @@ def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, **_) -> list[dic
     tiles = geglu_gemm.candidates() if not tiny else [geglu_gemm.GegluTile(16, 16, 32, warps=4, stages=2)]
     for tile in tiles:
         if tile.fits(m, 2 * f, k) is None:
-            label = (f"m{tile.block_m}n{tile.block_n}k{tile.block_k}s{tile.stages}w{tile.warps}"
-                     f"{'' if tile.tma else '_ptr'}{'_persistent' if tile.persistent else ''}")
+            label = (f"m{tile.block_m}n{tile.block_n}k{tile.block_k}s{tile.stages}w{tile.warps}g{tile.group_m}"
+                     + "_ptr" * (not tile.tma) + "_persistent" * tile.persistent + "_flat" * tile.flatten)
             rows.append(_row("geglu", label, functools.partial(geglu_gemm.geglu_linear, x, w, tile, out), reference))
     return rows
 

@@ -29,7 +29,9 @@ C = None  # policies.fast.triton_common once the kernel factory ran (triton is i
 @dataclass(frozen=True)
 class GegluTile:
     """BM x BN activation blocks, K walked BK at a time; `group_m` row blocks share a weight column
-    block in launch order (L2 reuse); `persistent`: one program per SM walking the blocks."""
+    block in launch order (L2 reuse); `persistent`: one program per SM walking the blocks, with
+    `flatten` its block and K loops pipelined as one (the next block's loads overlap this block's
+    epilogue)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -39,6 +41,7 @@ class GegluTile:
     warps: int = 8
     tma: bool = True
     persistent: bool = False
+    flatten: bool = False
 
     def fits(self, m: int, n: int, k: int) -> str | None:
         """Why this tile cannot run x (m, k) @ W (n, k)^T with GeGLU, or None when it can."""
@@ -66,12 +69,12 @@ def _kernel():
     def geglu_gemm_kernel(x_desc, w_desc, out_desc, x_ptr, w_ptr, out_ptr, M, F, K,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                           TMA: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
-                          UPCAST: tl.constexpr):
+                          FLATTEN: tl.constexpr, UPCAST: tl.constexpr):
         row_blocks = tl.cdiv(M, BM)
         col_blocks = F // BN
         blocks = row_blocks * col_blocks
         step = PROGRAMS if PERSISTENT else blocks
-        for block in tl.range(tl.program_id(0), blocks, step):
+        for block in tl.range(tl.program_id(0), blocks, step, flatten=FLATTEN):
             # grouped order: GROUP_M row blocks walk the column blocks together (x and W reuse in L2)
             per_group = GROUP_M * col_blocks
             first_m = (block // per_group) * GROUP_M
@@ -148,7 +151,7 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
         out_desc = TensorDescriptor.from_tensor(out, [tile.block_m, tile.block_n])
     _kernel()[(programs,)](x_desc, w_desc, out_desc, x, weight, out, m, f, k,
                            BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
-                           TMA=tile.tma, PERSISTENT=tile.persistent, PROGRAMS=programs,
+                           TMA=tile.tma, PERSISTENT=tile.persistent, PROGRAMS=programs, FLATTEN=tile.flatten,
                            UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
                            num_warps=tile.warps, num_stages=tile.stages)
     return out
@@ -156,7 +159,9 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
 
 def candidates() -> list[GegluTile]:
     """The tiles experiments/sweep_large_batch.py times against cuBLAS + the GeGLU kernel on the H200
-    (each program holds two BM x BN fp32 accumulators: 128 x 128 needs 8 warps)."""
+    (each program holds two BM x BN fp32 accumulators: 128 x 128 needs 8 warps). The first sweep
+    (sweep_large_batch_nvidia-h200_20261201-220235.json) ran the first 17; the persistent 128 x 128 x 64
+    3-stage tile won at PhyAI b32 and LIBERO b64, so the others vary its grouping and loop flattening."""
     tiles = []
     for bm, bn, bk, stages, warps in ((128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 64, 64, 4, 4),
                                       (128, 64, 64, 4, 8), (64, 128, 64, 4, 4), (128, 128, 128, 2, 8),
@@ -164,4 +169,7 @@ def candidates() -> list[GegluTile]:
         for persistent in (False, True):
             tiles.append(GegluTile(bm, bn, bk, stages=stages, warps=warps, persistent=persistent))
     tiles.append(GegluTile(128, 128, 64, stages=3, warps=8, tma=False))
+    for group_m, flatten, stages in ((4, False, 3), (16, False, 3), (8, True, 3), (4, True, 3), (16, True, 3),
+                                     (8, True, 4), (1, True, 3)):
+        tiles.append(GegluTile(128, 128, 64, group_m=group_m, stages=stages, warps=8, persistent=True, flatten=flatten))
     return tiles

@@ -41,14 +41,15 @@ def test_matches_reference_fp32(m, tma):
     assert rel(got, skinny_linear_reference(x, w, gelu_mul=True)) < 1e-5
 
 
+@pytest.mark.parametrize("flatten", [False, True])
 @pytest.mark.parametrize("programs", [1, 3, 7])
-def test_persistent_loop_covers_every_block(programs):
+def test_persistent_loop_covers_every_block(programs, flatten):
     """A persistent tile walks blocks program, program + P, ...: every block written exactly as the
     one-program-per-block launch writes it, whatever the program count."""
     x, w = _operands(40, 64, 32, seed=programs, dtype=torch.float32)
     flat = geglu_gemm.geglu_linear(x, w, GegluTile(16, 16, 32, group_m=2, stages=2, warps=4))
     out = torch.full_like(flat, float("nan"))
-    tile = GegluTile(16, 16, 32, group_m=2, stages=2, warps=4, persistent=True)
+    tile = GegluTile(16, 16, 32, group_m=2, stages=2, warps=4, persistent=True, flatten=flatten)
     geglu_gemm.geglu_linear(x, w, tile, out=out, max_programs=programs)
     assert torch.equal(out, flat)
 
