@@ -12,6 +12,7 @@ BATCH_INVARIANT_ATTENTION = ("sdpa", "triton")
 FAST_DTYPES = ("bfloat16", "float32")
 PRECISIONS = ("bf16", "fp8")
 GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
+GEGLU_CHOICES = ("auto", "cublas", "fused")  # policies/fast/geglu_gemm.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
@@ -43,7 +44,11 @@ class FastConfig:
     kernels that stream the weights at the memory bound for few rows (policies/fast/skinny.py),
     "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk).
     pdl: programmatic dependent launch of the denoise graph's Triton kernels (policies/fast/pdl.py):
-    "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs)."""
+    "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs).
+    geglu: the prefix's bf16 gate/up projection and GeGLU: "fused" as one Triton GEMM that writes
+    only the activation (policies/fast/geglu_gemm.py), "cublas" as cuBLAS + a GeGLU kernel, "auto"
+    fused on CUDA from geglu_gemm.AUTO_MIN_ROWS prefix rows (batch x tokens) up. An FP8 gate/up
+    projection always runs through cuBLAS."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -56,6 +61,7 @@ class FastConfig:
     precision: str = "bf16"
     gemm: str = "auto"
     pdl: str = "auto"
+    geglu: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
 
     def __post_init__(self) -> None:
@@ -75,6 +81,8 @@ class FastConfig:
                              f"got {list(self.fp8_gemms)}")
         if self.gemm not in GEMM_CHOICES:
             raise ValueError(f"{key}.gemm must be one of {GEMM_CHOICES}, got {self.gemm!r}")
+        if self.geglu not in GEGLU_CHOICES:
+            raise ValueError(f"{key}.geglu must be one of {GEGLU_CHOICES}, got {self.geglu!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
         if self.attention not in ATTENTION_CHOICES:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from policies.fast.config import GEGLU_CHOICES
+
 C = None  # policies.fast.triton_common once the kernel factory ran (triton is imported on first use only)
 
 
@@ -54,6 +56,37 @@ class GegluTile:
         if min(self.block_m, self.block_n, self.block_k) < 16:
             return "tl.dot needs block sizes >= 16"
         return None
+
+
+# "auto" fuses from this many prefix rows up. H200 sweeps (sweep_large_batch_nvidia-h200_20261201-
+# 220235 / -220255 / -220703), cuBLAS gate/up + GeGLU kernel against TUNED, per layer: 968 rows
+# (PhyAI b1) 0.197 against 0.207 ms; 30976 rows (PhyAI b32) 6.78-6.85 against 6.54; 35840 rows
+# (LIBERO b64) 7.93-8.04 against 7.52-7.62. Between 968 and 30976 rows nothing was measured.
+AUTO_MIN_ROWS = 8192
+# The fastest tile at both large shapes; group_m 16 was faster at PhyAI b32 (6.29 ms) but slower
+# at LIBERO b64 (7.95), loop flattening slower at both (ptxas serialises the wgmmas).
+TUNED = GegluTile(block_m=128, block_n=128, block_k=64, group_m=8, stages=3, warps=8, persistent=True)
+
+
+def choose_tile(mode: str, rows: int, n: int, k: int, device: torch.device) -> GegluTile | None:
+    """The fused kernel's tile for `rows` x K @ (n = 2F, K)^T, or None for cuBLAS + the GeGLU kernel.
+    mode (policy.fast.geglu): "fused" wherever the tile fits, "auto" on CUDA from AUTO_MIN_ROWS rows,
+    "cublas" never."""
+    if mode not in GEGLU_CHOICES:
+        raise ValueError(f"policy.fast.geglu must be one of {GEGLU_CHOICES}, got {mode!r}")
+    if mode == "cublas" or (mode == "auto" and (device.type != "cuda" or rows < AUTO_MIN_ROWS)):
+        return None
+    tile = TUNED if device.type == "cuda" else _fitting_small_tile(n, k)
+    return tile if tile is not None and tile.fits(rows, n, k) is None else None
+
+
+def _fitting_small_tile(n: int, k: int) -> GegluTile | None:
+    """CPU (the interpreter, tests): the largest 16..128 blocks that divide the shape."""
+    block_n = next((b for b in (128, 64, 32, 16) if (n // 2) % b == 0), None)
+    block_k = next((b for b in (64, 32, 16) if k % b == 0), None)
+    if block_n is None or block_k is None:
+        return None
+    return GegluTile(block_m=32, block_n=block_n, block_k=block_k, stages=2, warps=4)
 
 
 @functools.cache

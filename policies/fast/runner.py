@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import fp8, pdl, skinny
+from policies.fast import fp8, geglu_gemm, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -46,6 +46,7 @@ class Bucket:
     expert_attn: object = None
     graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
     tiles: dict = field(default_factory=dict)  # expert projection -> skinny.SkinnyTile, or None: cuBLAS
+    geglu_tile: object = None  # geglu_gemm.GegluTile of the prefix's gate/up + GeGLU, or None: cuBLAS
     host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
     staged: object = None  # CUDA event recorded after the last copy out of host_pack
     layout_key: tuple | None = None  # the masks whose token layout index_pack and the attention plans hold
@@ -217,6 +218,9 @@ class FastSampler:
         caches = [[z(batch, rows, kv, hd, dtype=self.dtype) for _ in range(cfg.expert.depth)] for _ in range(2)]
         bucket = Bucket(batch, prompt_len, tensors, caches[0], caches[1])
         bucket.tiles = skinny.expert_tiles(self.fast.gemm, batch * h, self.w.expert[0], dev)
+        gate_up = self.w.prefix[0]["gate_up"]
+        if gate_up.fp8 is None and gate_up.bias is None:
+            bucket.geglu_tile = geglu_gemm.choose_tile(self.fast.geglu, batch * p, *gate_up.weight.shape, dev)
         bucket.host_pack = torch.empty(pack.numel(), dtype=torch.long, pin_memory=dev.type == "cuda")
         full = torch.full((batch,), p, dtype=torch.int32)
         heads = cfg.prefix.num_heads
@@ -312,9 +316,12 @@ class FastSampler:
                 break
             attn = bk.prefix_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * p, -1)
             h, normed = _add_projection_norm(h, attn, lw["o"], self.w.prefix_post_norms[i], pcfg.rms_norm_eps)
-            gate_up = fp8.project(normed, lw["gate_up"])  # GeGLU'd on the way into down (fp8.mlp's order)
-            h, normed = _add_projection_norm(h, gate_up, lw["down"], self.w.prefix_norms[i + 1], pcfg.rms_norm_eps,
-                                             "gelu_tanh_mul")
+            if bk.geglu_tile is not None:  # gate/up and GeGLU in one GEMM (geglu_gemm.py)
+                act, act_fn = geglu_gemm.geglu_linear(normed, lw["gate_up"].weight, bk.geglu_tile), "none"
+            else:  # GeGLU'd on the way into down (fp8.mlp's order)
+                act, act_fn = fp8.project(normed, lw["gate_up"]), "gelu_tanh_mul"
+            h, normed = _add_projection_norm(h, act, lw["down"], self.w.prefix_norms[i + 1], pcfg.rms_norm_eps,
+                                             act_fn)
 
     def _stage_denoise(self, bk: Bucket) -> None:
         t, steps = bk.tensors, self.num_steps

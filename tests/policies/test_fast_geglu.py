@@ -88,3 +88,82 @@ def test_gpu_prefix_shapes_every_candidate(m):
     for tile in geglu_gemm.candidates():
         got = geglu_gemm.geglu_linear(x, w, tile)
         assert rel(got, want) < 8e-3, tile
+
+
+def test_choose_tile_follows_the_mode():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert geglu_gemm.choose_tile("cublas", 10**5, 32768, 2048, cuda) is None
+    assert geglu_gemm.choose_tile("auto", 968, 32768, 2048, cuda) is None  # below AUTO_MIN_ROWS
+    assert geglu_gemm.choose_tile("auto", 35840, 32768, 2048, cuda) == geglu_gemm.TUNED
+    assert geglu_gemm.choose_tile("auto", 35840, 32768, 2048, cpu) is None
+    assert geglu_gemm.choose_tile("fused", 50, 192, 48, cpu).fits(50, 192, 48) is None
+    assert geglu_gemm.choose_tile("fused", 50, 2 * 36, 48, cpu) is None  # F = 36: no 16-multiple block
+    with pytest.raises(ValueError, match="policy.fast.geglu"):
+        geglu_gemm.choose_tile("triton", 50, 192, 48, cpu)
+
+
+def _sampler_outputs(model, cfg, geglu, device, dtype):
+    from policies.fast.config import FastConfig
+    from policies.fast.runner import FastSampler
+
+    fast = FastSampler(model, FastConfig(dtype=dtype, batch_buckets=[4], prompt_buckets=[16], geglu=geglu,
+                                         attention="sdpa" if device == "cpu" else "triton"))
+    g = torch.Generator().manual_seed(5)
+    b, cams, res = 3, len(cfg.cameras), cfg.vision.image_size
+    from policies.observation import ModelInputs
+
+    inputs = ModelInputs((torch.rand(b, cams, 3, res, res, generator=g) * 2 - 1).to(device),
+                         torch.ones(b, cams, dtype=torch.bool, device=device),
+                         torch.randint(0, cfg.vocab_size, (b, 12), generator=g).to(device),
+                         torch.ones(b, 12, dtype=torch.bool, device=device))
+    noise = torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g).to(device)
+    step_noise = torch.randn(b, cfg.sampling.num_steps, cfg.chunk_size, cfg.max_action_dim, generator=g).to(device)
+    stoch = torch.ones(b, cfg.sampling.num_steps, dtype=torch.bool, device=device)
+    chains, logp = fast.sample_chains(inputs, noise, step_noise, stoch)
+    return fast, (chains, logp), lambda: fast.sample_chains(inputs, noise, step_noise, stoch)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU twin of test_gpu_sampler_fused_near_cublas")
+def test_sampler_with_the_fused_geglu_matches_cublas_path():
+    """The tiny policy in fp32 on CPU: the prefix MLP through the fused kernel (interpreter) gives the
+    chains and log-probs of the unfused path."""
+    from policies.config import PolicyConfig
+    from policies.policy import build_policy
+
+    cfg = PolicyConfig.preset("tiny")
+    model = build_policy(cfg).model
+    fused, got, _ = _sampler_outputs(model, cfg, "fused", "cpu", "float32")
+    plain, want, _ = _sampler_outputs(model, cfg, "cublas", "cpu", "float32")
+    assert next(iter(fused.buckets.values())).geglu_tile is not None
+    assert next(iter(plain.buckets.values())).geglu_tile is None
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_sampler_fused_near_cublas_and_sees_weight_updates():
+    """bf16 graphs with the fused prefix MLP: near the cuBLAS path, replays bit-identical, and an
+    in-place update of the prefix weights reaches the captured graphs without re-capture."""
+    from policies.lerobot_bridge import relative_l2
+    from policies.policy import build_policy
+
+    from .test_fast_gpu import gpu_cfg
+
+    policy = build_policy(gpu_cfg("bfloat16"), device="cuda")
+    cfg = policy.cfg
+    fused, got, replay = _sampler_outputs(policy.model, cfg, "fused", "cuda", "bfloat16")
+    assert next(iter(fused.buckets.values())).geglu_tile == geglu_gemm.TUNED
+    _, want, _ = _sampler_outputs(policy.model, cfg, "cublas", "cuda", "bfloat16")
+    assert relative_l2(got[0], want[0]) < 2e-2
+    for a, b in zip(replay(), got, strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.mul_(1.05)
+    fused.refresh_weights()
+    after = replay()
+    _, fresh, _ = _sampler_outputs(policy.model, cfg, "fused", "cuda", "bfloat16")
+    assert not torch.equal(after[0], got[0])
+    for a, b in zip(after, fresh, strict=True):
+        assert torch.equal(a, b)
