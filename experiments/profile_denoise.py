@@ -281,7 +281,8 @@ def attention_sweep(cfg, spec: dict, device, args) -> list[dict]:
 
 def _attention_settings(stage: str, batch: int):
     """Triton (block_m, block_n, target_blocks, warps, stages) to try: the batch-1/2 decode-like set for
-    the expert at small batch; larger row blocks with 8 warps for many query rows (prefix, large batch)."""
+    the expert at small batch; at large batch small and large row blocks with and without KV splits for
+    the expert, larger row blocks with 8 warps for many query rows (prefix, large batch)."""
     if stage == "expert" and batch <= 4:
         for bm in (16, 32, 64):
             for bn in (32, 64, 128):
@@ -291,6 +292,11 @@ def _attention_settings(stage: str, batch: int):
             yield bm, bn, target, 8, 2
             yield bm, bn, target, 4, 3
         return
+    if stage == "expert":  # few packed rows per sample (LIBERO's chunk 10: 80): small row blocks, KV splits
+        for bm in (16, 32, 128):
+            for bn in (64, 128):
+                for target in (132, 264):
+                    yield bm, bn, target, 8 if bm == 128 else 4, 2
     yield 64, 64, 132, 4, 2  # the default between batch 2 and 15
     yield 32, 128, 132, 4, 2  # the batch-1 default
     for bm in (64, 128):

@@ -84,7 +84,7 @@ def main(argv=None) -> None:
         if args.tiny:
             images, tokens = 2, 64
         shapes = dict(images=images, prefix_tokens=tokens, device=device, dtype=dtype, cfg=cfg, tiny=args.tiny,
-                      batch=batch, per_sample=tokens // batch)
+                      batch=batch, per_sample=tokens // batch, name=name)
         run = {"configuration": name, "batch": batch, "images": images, "prefix_tokens": tokens}
         for section in args.sections:
             print(f"{name} b{batch} {section}", flush=True)
@@ -212,18 +212,23 @@ def gate_up_rows(images, prefix_tokens, device, dtype, cfg, **_) -> list[dict]:
     return rows
 
 
-def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, **_) -> list[dict]:
-    """cuBLAS gate/up + the GeGLU kernel (the runner's bf16 prefix MLP input) against the fused kernel."""
+def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None, **_) -> list[dict]:
+    """cuBLAS gate/up + the GeGLU kernel (the runner's bf16 prefix MLP input) against the fused kernel;
+    with `expert_rows` the expert's gate/up at that many rows (batch x chunk)."""
     from policies.fast import geglu_gemm
 
-    p = cfg.prefix
-    m, k, f = (prefix_tokens, p.width, p.mlp_dim) if not tiny else (64, 64, 64)
+    p = cfg.prefix if expert_rows is None else cfg.expert
+    m = prefix_tokens if expert_rows is None else expert_rows
+    m, k, f = (m, p.width, p.mlp_dim) if not tiny else (64, 64, 64)
     x = torch.randn(m, k, device=device, dtype=dtype)
     w = torch.randn(2 * f, k, device=device, dtype=dtype) * k ** -0.5
     out = torch.empty(m, f, device=device, dtype=dtype)
     reference = K.gelu_tanh_mul(F.linear(x, w))
     rows = [_row("geglu", "cublas_then_kernel", lambda: K.gelu_tanh_mul(F.linear(x, w)))]
     tiles = geglu_gemm.candidates() if not tiny else [geglu_gemm.GegluTile(16, 16, 32, warps=4, stages=2)]
+    if expert_rows is not None and not tiny:  # few row blocks: smaller tiles for more programs
+        tiles = [geglu_gemm.TUNED, geglu_gemm.GegluTile(128, 128, 64, stages=3, warps=8)]
+        tiles += [geglu_gemm.GegluTile(bm, bn, 64, stages=4, warps=4) for bm, bn in ((128, 64), (64, 128), (64, 64))]
     for tile in tiles:
         if tile.fits(m, 2 * f, k) is None:
             label = (f"m{tile.block_m}n{tile.block_n}k{tile.block_k}s{tile.stages}w{tile.warps}g{tile.group_m}"
@@ -277,8 +282,14 @@ def prefix_attention_rows(images, prefix_tokens, device, dtype, cfg, tiny, batch
     return rows
 
 
+def expert_geglu_rows(batch, cfg, **shapes) -> list[dict]:
+    chunk = common.CONFIGURATIONS[shapes.pop("name")]["chunk_size"]
+    return geglu_rows(cfg=cfg, expert_rows=batch * chunk, **shapes)
+
+
 SECTIONS = {"vision_attention": vision_attention_rows, "residual": residual_rows, "vision_mlp": vision_mlp_rows,
-            "gate_up": gate_up_rows, "geglu": geglu_rows, "prefix_attention": prefix_attention_rows}
+            "gate_up": gate_up_rows, "geglu": geglu_rows, "expert_geglu": expert_geglu_rows,
+            "prefix_attention": prefix_attention_rows}
 
 
 if __name__ == "__main__":
