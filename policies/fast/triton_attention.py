@@ -114,8 +114,10 @@ def _kernels():
 
 def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) by the H200 sweeps of profile_denoise.py:
-    - <= 128 packed query rows (LIBERO's chunk 10 x 8 heads): 16 x 64, 4 warps (6.8 us against 7.8
-      with 32 x 64 at batch 1, profile_denoise_nvidia-h200_20261201-141251.json);
+    - <= 128 packed query rows (LIBERO's chunk 10 x 8 heads) below batch 16: 16 x 64, 4 warps (6.8 us
+      against 7.8 with 32 x 64 at batch 1, profile_denoise_nvidia-h200_20261201-141251.json); from
+      batch 16 64 x 64, 4 warps (LIBERO b64: 26.6 us against 32.9 with 16 x 64 and 39.2 at best with
+      128-row blocks, ..._221930.json);
     - batch >= 16, or >= 16384 packed rows in all (the prefix from batch 4, PhyAI's expert at batch
       32/64): 128 x 64, 8 warps (profile_denoise_nvidia-h200_20261201-160805.json: PhyAI's expert at
       b32 79 against 88 us with 64 x 64, the prefix 767 against 1245 us and SDPA's 892; LIBERO's
@@ -124,7 +126,7 @@ def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
     - else 64 x 64, 4 warps (the expert at batch 2: 13.2 against 15.1 us; the prefix at batch 1,
       ..._164645.json: PhyAI 39 us against 57 with 32 x 128, LIBERO 29 against 35)."""
     if packed_rows <= 128:
-        return 16, 64, 4, 2
+        return (16, 64, 4, 2) if batch < 16 else (64, 64, 4, 2)
     if batch >= 16 or batch * packed_rows >= 16384:
         return 128, 64, 8, 2
     if batch == 1 and packed_rows < 1024:
