@@ -68,13 +68,16 @@ AUTO_MIN_ROWS = 8192
 TUNED = GegluTile(block_m=128, block_n=128, block_k=64, group_m=8, stages=3, warps=8, persistent=True)
 
 
-def choose_tile(mode: str, rows: int, n: int, k: int, device: torch.device) -> GegluTile | None:
+def choose_tile(mode: str, rows: int, n: int, k: int, device: torch.device,
+                dtype: torch.dtype = torch.bfloat16) -> GegluTile | None:
     """The fused kernel's tile for `rows` x K @ (n = 2F, K)^T, or None for cuBLAS + the GeGLU kernel.
     mode (policy.fast.geglu): "fused" wherever the tile fits, "auto" on CUDA from AUTO_MIN_ROWS rows,
-    "cublas" never."""
+    "cublas" never. On CUDA only 2-byte operands: TUNED's shared-memory stages are sized for them."""
     if mode not in GEGLU_CHOICES:
         raise ValueError(f"policy.fast.geglu must be one of {GEGLU_CHOICES}, got {mode!r}")
     if mode == "cublas" or (mode == "auto" and (device.type != "cuda" or rows < AUTO_MIN_ROWS)):
+        return None
+    if device.type == "cuda" and dtype.itemsize != 2:
         return None
     tile = TUNED if device.type == "cuda" else _fitting_small_tile(n, k)
     return tile if tile is not None and tile.fits(rows, n, k) is None else None
@@ -102,7 +105,7 @@ def _kernel():
     def geglu_gemm_kernel(x_desc, w_desc, out_desc, x_ptr, w_ptr, out_ptr, M, F, K,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                           TMA: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
-                          FLATTEN: tl.constexpr, UPCAST: tl.constexpr):
+                          FLATTEN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         row_blocks = tl.cdiv(M, BM)
         col_blocks = F // BN
         blocks = row_blocks * col_blocks
@@ -133,8 +136,12 @@ def _kernel():
                     w_up = tl.load(w_rows + F.to(tl.int64) * K)
                 if UPCAST:  # the CPU interpreter's bf16 tl.dot returns garbage (Triton 3.x): fp32 there
                     x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
-                acc_gate = tl.dot(x, w_gate.T, acc_gate)
-                acc_up = tl.dot(x, w_up.T, acc_up)
+                if IEEE:  # fp32 operands: full fp32 products (the GPU's default for fp32 dots is TF32)
+                    acc_gate = tl.dot(x, w_gate.T, acc_gate, input_precision="ieee")
+                    acc_up = tl.dot(x, w_up.T, acc_up, input_precision="ieee")
+                else:
+                    acc_gate = tl.dot(x, w_gate.T, acc_gate)
+                    acc_up = tl.dot(x, w_up.T, acc_up)
             act = (C.gelu_tanh(acc_gate) * acc_up).to(out_ptr.dtype.element_ty)
             if TMA:  # the store drops rows past M
                 out_desc.store([off_m, off_n], act)
@@ -185,7 +192,7 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
     _kernel()[(programs,)](x_desc, w_desc, out_desc, x, weight, out, m, f, k,
                            BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
                            TMA=tile.tma, PERSISTENT=tile.persistent, PROGRAMS=programs, FLATTEN=tile.flatten,
-                           UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+                           UPCAST=os.environ.get("TRITON_INTERPRET") == "1", IEEE=x.dtype == torch.float32,
                            num_warps=tile.warps, num_stages=tile.stages)
     return out
 

@@ -96,6 +96,7 @@ def test_choose_tile_follows_the_mode():
     assert geglu_gemm.choose_tile("auto", 968, 32768, 2048, cuda) is None  # below AUTO_MIN_ROWS
     assert geglu_gemm.choose_tile("auto", 35840, 32768, 2048, cuda) == geglu_gemm.TUNED
     assert geglu_gemm.choose_tile("auto", 35840, 32768, 2048, cpu) is None
+    assert geglu_gemm.choose_tile("fused", 35840, 32768, 2048, cuda, torch.float32) is None  # fp32: cuBLAS
     assert geglu_gemm.choose_tile("fused", 50, 192, 48, cpu).fits(50, 192, 48) is None
     assert geglu_gemm.choose_tile("fused", 50, 2 * 36, 48, cpu) is None  # F = 36: no 16-multiple block
     with pytest.raises(ValueError, match="policy.fast.geglu"):
