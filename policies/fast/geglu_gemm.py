@@ -64,7 +64,7 @@ class GegluTile:
 # (LIBERO b64) 7.93-8.04 against 7.52-7.62. Between 968 and 30976 rows nothing was measured.
 AUTO_MIN_ROWS = 8192
 # The fastest tile at both large shapes; group_m 16 was faster at PhyAI b32 (6.29 ms) but slower
-# at LIBERO b64 (7.95), loop flattening slower at both (ptxas serialises the wgmmas).
+# at LIBERO b64 (7.95), loop flattening slower at both (ptxas 3.9 here warns it serialises the wgmmas).
 TUNED = GegluTile(block_m=128, block_n=128, block_k=64, group_m=8, stages=3, warps=8, persistent=True)
 
 
@@ -200,7 +200,7 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
 def candidates() -> list[GegluTile]:
     """The tiles experiments/sweep_large_batch.py times against cuBLAS + the GeGLU kernel on the H200
     (each program holds two BM x BN fp32 accumulators: 128 x 128 needs 8 warps). The first sweep
-    (sweep_large_batch_nvidia-h200_20261201-220235.json) ran the first 17; the persistent 128 x 128 x 64
+    (sweep_large_batch_nvidia-h200_20261201-220235.json) ran the first 15; the persistent 128 x 128 x 64
     3-stage tile won at PhyAI b32 and LIBERO b64, so the others vary its grouping and loop flattening."""
     tiles = []
     for bm, bn, bk, stages, warps in ((128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 64, 64, 4, 4),
