@@ -11,16 +11,18 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from policies.config import PolicyConfig  # noqa: E402
 from policies.fast import geglu_gemm  # noqa: E402
 from policies.fast import kernels as K  # noqa: E402
+from policies.fast.config import FastConfig  # noqa: E402
 from policies.fast.geglu_gemm import GegluTile  # noqa: E402
+from policies.fast.runner import FastSampler  # noqa: E402
 from policies.fast.skinny import skinny_linear_reference  # noqa: E402
+from policies.lerobot_bridge import relative_l2  # noqa: E402
+from policies.observation import ModelInputs  # noqa: E402
+from policies.policy import build_policy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
 def _operands(m, f, k, seed, dtype):
@@ -38,7 +40,7 @@ def test_matches_reference_fp32(m, tma):
     tile = GegluTile(16, 16, 32, group_m=2, stages=2, warps=4, tma=tma)
     got = geglu_gemm.geglu_linear(x, w, tile)
     assert got.shape == (m, 48) and got.dtype == torch.float32
-    assert rel(got, skinny_linear_reference(x, w, gelu_mul=True)) < 1e-5
+    assert relative_l2(got, skinny_linear_reference(x, w, gelu_mul=True)) < 1e-5
 
 
 @pytest.mark.parametrize("flatten", [False, True])
@@ -60,9 +62,9 @@ def test_bf16_matches_the_cublas_path():
     x, w = _operands(50, 64, 64, seed=11, dtype=torch.bfloat16)
     got = geglu_gemm.geglu_linear(x, w, GegluTile(16, 32, 32, group_m=4, stages=2, warps=4))
     assert got.dtype == torch.bfloat16
-    assert rel(got, skinny_linear_reference(x, w, gelu_mul=True)) < 8e-3
+    assert relative_l2(got, skinny_linear_reference(x, w, gelu_mul=True)) < 8e-3
     cublas_path = K.gelu_tanh_mul_reference(torch.nn.functional.linear(x.float(), w.float()).to(x.dtype))
-    assert rel(got, cublas_path) < 2e-2
+    assert relative_l2(got, cublas_path) < 2e-2
 
 
 def test_rejects_shapes_it_cannot_run():
@@ -87,7 +89,7 @@ def test_gpu_prefix_shapes_every_candidate(m):
     want = skinny_linear_reference(x, w, gelu_mul=True)
     for tile in geglu_gemm.candidates():
         got = geglu_gemm.geglu_linear(x, w, tile)
-        assert rel(got, want) < 8e-3, tile
+        assert relative_l2(got, want) < 8e-3, tile
 
 
 def test_choose_tile_follows_the_mode():
@@ -104,15 +106,10 @@ def test_choose_tile_follows_the_mode():
 
 
 def _sampler_outputs(model, cfg, geglu, device, dtype):
-    from policies.fast.config import FastConfig
-    from policies.fast.runner import FastSampler
-
     fast = FastSampler(model, FastConfig(dtype=dtype, batch_buckets=[4], prompt_buckets=[16], geglu=geglu,
                                          attention="sdpa" if device == "cpu" else "triton"))
     g = torch.Generator().manual_seed(5)
     b, cams, res = 3, len(cfg.cameras), cfg.vision.image_size
-    from policies.observation import ModelInputs
-
     inputs = ModelInputs((torch.rand(b, cams, 3, res, res, generator=g) * 2 - 1).to(device),
                          torch.ones(b, cams, dtype=torch.bool, device=device),
                          torch.randint(0, cfg.vocab_size, (b, 12), generator=g).to(device),
@@ -128,9 +125,6 @@ def _sampler_outputs(model, cfg, geglu, device, dtype):
 def test_sampler_with_the_fused_geglu_matches_cublas_path():
     """The tiny policy in fp32 on CPU: the prefix MLP through the fused kernel (interpreter) gives the
     chains and log-probs of the unfused path."""
-    from policies.config import PolicyConfig
-    from policies.policy import build_policy
-
     cfg = PolicyConfig.preset("tiny")
     model = build_policy(cfg).model
     fused, got, _ = _sampler_outputs(model, cfg, "fused", "cpu", "float32")
@@ -146,10 +140,7 @@ def test_sampler_with_the_fused_geglu_matches_cublas_path():
 def test_gpu_sampler_fused_near_cublas_and_sees_weight_updates():
     """bf16 graphs with the fused prefix MLP: near the cuBLAS path, replays bit-identical, and an
     in-place update of the prefix weights reaches the captured graphs without re-capture."""
-    from policies.lerobot_bridge import relative_l2
-    from policies.policy import build_policy
-
-    from .test_fast_gpu import gpu_cfg
+    from .test_fast_gpu import gpu_cfg  # a GPU-sized tiny policy (that module is GPU-marked)
 
     policy = build_policy(gpu_cfg("bfloat16"), device="cuda")
     cfg = policy.cfg
