@@ -293,10 +293,13 @@ def _attention_settings(stage: str, batch: int):
             yield bm, bn, target, 4, 3
         return
     if stage == "expert":  # few packed rows per sample (LIBERO's chunk 10: 80): small row blocks, KV splits
-        for bm in (16, 32, 128):
-            for bn in (64, 128):
+        # (32, 128, 132, 4, 2) and (128, bn, 132, 8, 2) come below with the other stages' settings
+        for bn in (64, 128):
+            for bm in (16, 32):
                 for target in (132, 264):
-                    yield bm, bn, target, 8 if bm == 128 else 4, 2
+                    if (bm, bn, target) != (32, 128, 132):
+                        yield bm, bn, target, 4, 2
+            yield 128, bn, 264, 8, 2
     yield 64, 64, 132, 4, 2  # the default between batch 2 and 15
     yield 32, 128, 132, 4, 2  # the batch-1 default
     for bm in (64, 128):
