@@ -17,7 +17,10 @@ left after its GEMMs, each on the shapes of one layer at the throughput goals' b
   one-kernel GeGLU GEMM, every candidate tile;
 - `prefix_attention`: the prefix's self-attention (GQA, 8 query heads on 1 KV head, key-length mask)
   through the Triton split-KV kernel, SDPA as the runner calls it, and SDPA with cuDNN forced (K/V
-  expanded by a copy, as a stride-0 view, or passed as GQA).
+  expanded by a copy, as a stride-0 view, or passed as GQA), and the one-KV-head TMA kernel's blocks
+  (policies/fast/triton_attention.py, TMA_ATTENTION_BLOCKS);
+- `expert_attention`: the expert's attention (the chunk's queries against prefix + chunk) through the
+  split-KV kernel and the TMA kernel's blocks.
 `--sections` picks some; `--batches` overrides each configuration's batch size. Each row: ms per
 call (CUDA-graph replay median on the GPU) and, where two ways compute the same thing, the relative
 L2 distance between them.
@@ -167,9 +170,13 @@ def _residual_case(label, m, k, n, layer_norm, device, dtype) -> list[dict]:
         h.copy_(h0)  # the same copy in every variant; copy_only times it alone
         return norm(h, F.linear(x, w))[1]
 
-    def epilogue():
+    pending = torch.zeros(n, device=device, dtype=torch.float32)
+
+    def epilogue():  # the runner's way; SigLIP's LayerNorm also adds the pending biases (zeros here)
         h.copy_(h0)
         h.addmm_(x, w.t())
+        if layer_norm:
+            return K.add_layer_norm(h, None, ones, zeros, 1e-6, pending)[1]
         return norm(h, None)[1]
 
     reference = today()
@@ -237,31 +244,68 @@ def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None
     return rows
 
 
+# (BLOCK_M, BLOCK_N, warps, stages, lazy) of the one-KV-head TMA kernel timed beside the split-KV one;
+# 128 x 64 with 3 stages or 128 x 128 would need more than the H200's 227 KB of shared memory.
+TMA_ATTENTION_BLOCKS = [(128, 64, 8, 2, False), (128, 64, 8, 2, True), (128, 32, 8, 3, True), (128, 32, 8, 4, True),
+                        (128, 32, 8, 3, False)]
+
+
 def prefix_attention_rows(images, prefix_tokens, device, dtype, cfg, tiny, batch, per_sample, **_) -> list[dict]:
     """The prefix's attention on one layer's shapes: every sample's tokens all valid (the bench's inputs)."""
+    t = per_sample if not tiny else 32
+    return _attention_rows("prefix_attn", batch if not tiny else 1, t, t, t + 50, device, dtype, cfg.prefix,
+                           with_cudnn=True)
+
+
+def expert_attention_rows(device, dtype, cfg, tiny, batch, per_sample, name, **_) -> list[dict]:
+    """The expert's attention: the chunk's queries against the prefix and the chunk (one denoise step)."""
+    chunk = common.CONFIGURATIONS[name]["chunk_size"] if not tiny else 10
+    keys = (per_sample if not tiny else 32) + chunk
+    return _attention_rows("expert_attn", batch if not tiny else 1, chunk, keys, keys, device, dtype, cfg.expert)
+
+
+def _attention_rows(section, b, t, key_rows, rows_per_slot, device, dtype, p, with_cudnn=False) -> list[dict]:
+    """One layer's attention, b samples of t queries against key_rows keys (slots of rows_per_slot,
+    attention.py's layout): the runner's Triton split-KV kernel, the TMA kernel's blocks, SDPA."""
     from policies.fast.attention import SdpaAttention
 
-    p = cfg.prefix
-    b, t = (batch, per_sample) if not tiny else (1, 32)
     heads, kv, hd = p.num_heads, p.num_kv_heads, p.head_dim
-    rows_per_slot = t + 50  # + the chunk's rows the denoise loop writes (attention.py's slot layout)
     q = torch.randn(b, t, heads, hd, device=device, dtype=dtype)
     k_cache = torch.randn(b, rows_per_slot, kv, hd, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    key_len = torch.full((b,), t, dtype=torch.int32)
+    key_len = torch.full((b,), key_rows, dtype=torch.int32)
     sdpa = SdpaAttention(b, rows_per_slot, device)
     sdpa.plan(key_len)
     reference = sdpa(q, k_cache, v_cache)
-    rows = [_row("prefix_attn", "sdpa_auto", lambda: sdpa(q, k_cache, v_cache))]
+    rows = [_row(section, "sdpa_auto", lambda: sdpa(q, k_cache, v_cache))]
     if device.type != "cuda":
         return rows
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     from policies.fast.triton_attention import TritonSplitKVAttention
 
-    triton_attn = TritonSplitKVAttention(b, t, rows_per_slot, heads, kv, hd, device)
-    triton_attn.plan(key_len)
-    rows.append(_row("prefix_attn", "triton", lambda: triton_attn(q, k_cache, v_cache), reference))
+    split_kv = TritonSplitKVAttention(b, t, rows_per_slot, heads, kv, hd, device, tma=False)
+    split_kv.plan(key_len)
+    rows.append(_row(section, "triton", lambda: split_kv(q, k_cache, v_cache), reference))
+    if kv == 1:
+        for bm, bn, warps, stages, lazy in TMA_ATTENTION_BLOCKS:
+            attn = TritonSplitKVAttention(b, t, rows_per_slot, heads, kv, hd, device, block_m=bm, block_n=bn,
+                                          warps=warps, stages=stages, tma=True, lazy=lazy)
+            attn.plan(key_len)
+            label = f"tma_{bm}x{bn}_w{warps}_s{stages}" + "_lazy" * lazy
+            rows.append(_row(section, label, functools.partial(attn, q, k_cache, v_cache), reference))
+    if with_cudnn:
+        rows += _cudnn_attention_rows(section, b, t, rows_per_slot, q, k_cache, v_cache, key_len, reference, device)
+    return rows
+
+
+def _cudnn_attention_rows(section, b, t, rows_per_slot, q, k_cache, v_cache, key_len, reference, device):
+    """SDPA with a backend forced: K/V expanded by a copy, as a stride-0 view, or passed as GQA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from policies.fast.attention import SdpaAttention
+
+    heads, hd = q.shape[2], q.shape[3]
+    sdpa = SdpaAttention(b, rows_per_slot, device)
+    sdpa.plan(key_len)
     gqa = SdpaAttention(b, rows_per_slot, device, native_gqa=True)
     gqa.plan(key_len)
     mask = (torch.arange(rows_per_slot, device=device)[None, :] < t)[:, None, None, :].expand(b, 1, 1, -1)
@@ -272,13 +316,14 @@ def prefix_attention_rows(images, prefix_tokens, device, dtype, cfg, tiny, batch
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask)
         return out.transpose(1, 2).reshape(b, t, heads * hd)
 
+    rows = []
     for backend in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
         for label, fn in (("copy", lambda: sdpa(q, k_cache, v_cache)), ("gqa", lambda: gqa(q, k_cache, v_cache)),
                           ("view", view_expanded)):
             def forced(fn=fn, backend=backend):
                 with sdpa_kernel(getattr(SDPBackend, backend)):
                     return fn()
-            rows.append(_row("prefix_attn", f"sdpa_{backend.lower()}_{label}", forced, reference))
+            rows.append(_row(section, f"sdpa_{backend.lower()}_{label}", forced, reference))
     return rows
 
 
@@ -289,7 +334,7 @@ def expert_geglu_rows(batch, cfg, **shapes) -> list[dict]:
 
 SECTIONS = {"vision_attention": vision_attention_rows, "residual": residual_rows, "vision_mlp": vision_mlp_rows,
             "gate_up": gate_up_rows, "geglu": geglu_rows, "expert_geglu": expert_geglu_rows,
-            "prefix_attention": prefix_attention_rows}
+            "prefix_attention": prefix_attention_rows, "expert_attention": expert_attention_rows}
 
 
 if __name__ == "__main__":

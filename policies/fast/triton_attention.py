@@ -65,15 +65,8 @@ def _kernels():
             n_ok = n < end
             kv_off = ((b * S + n) * KV + kvh) * HD
             k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units: exp2 below is one MUFU op
-            scores = tl.where(n_ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = C.attend_block(q, k, v, m_i, l_i, acc, qk_scale, n_ok, True, False, row_ok)
         if DIRECT:  # one split: normalise and write the output
             out = acc / l_i[:, None]
             o_off = ((b * T + t) * H + head) * HD
@@ -109,7 +102,42 @@ def _kernels():
         head = kvh * group + row % group
         tl.store(out_ptr + ((b * T + t) * H + head) * HD + d, out.to(out_ptr.dtype.element_ty))
 
-    return split_kv_attention, merge_splits
+    @triton.jit
+    def kv1_attention_tma(
+        q_desc, k_desc, v_desc, key_len_ptr, out_ptr, qk_scale, ROWS, S,
+        HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """One KV head: sample b's packed (t, head) query rows are the contiguous rows [b ROWS, (b + 1) ROWS)
+        of q viewed (B T H, HD) and its keys the rows [b S, b S + key_len) of the cache viewed (B S, HD),
+        so whole blocks come through TMA and only the last block is masked. Rows of a block past ROWS
+        (the next sample's queries) are computed but never stored, and ignored by LAZY's decision."""
+        C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
+        row_tile = tl.program_id(0)
+        b = tl.program_id(1)
+        rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < ROWS
+        q = q_desc.load([b * ROWS + row_tile * BLOCK_M, 0])
+        key_len = tl.load(key_len_ptr + b)
+        base = b * S
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HD], tl.float32)
+        whole = key_len - key_len % BLOCK_N
+        for n0 in range(0, whole, BLOCK_N):
+            k = k_desc.load([base + n0, 0])
+            v = v_desc.load([base + n0, 0])
+            m_i, l_i, acc = C.attend_block(q, k, v, m_i, l_i, acc, qk_scale, row_ok, False, LAZY, row_ok)
+        if whole < key_len:  # the keys' last, partial block
+            n_ok = whole + tl.arange(0, BLOCK_N) < key_len
+            k = k_desc.load([base + whole, 0])
+            v = tl.where(n_ok[:, None], v_desc.load([base + whole, 0]), 0.0)  # rows past key_len: any bits
+            m_i, l_i, acc = C.attend_block(q, k, v, m_i, l_i, acc, qk_scale, n_ok, True, LAZY, row_ok)
+        out = acc / l_i[:, None]
+        d = tl.arange(0, HD)
+        offsets = (b * ROWS + rows).to(tl.int64)[:, None] * HD + d[None, :]
+        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    return split_kv_attention, merge_splits, kv1_attention_tma
 
 
 def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
@@ -134,6 +162,17 @@ def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
     return 64, 64, 4, 2
 
 
+# attend_block's lazy rescale in the TMA kernel (H200 sweep: experiments/sweep_large_batch.py
+# --sections prefix_attention)
+LAZY_RESCALE = True
+
+
+def tma_default(batch: int, block_m: int) -> bool:
+    """Where the TMA kernel runs by default (one KV head, no split, Hopper): the 128-row blocks of
+    large batches (H200 sweep: experiments/sweep_large_batch.py --sections prefix_attention)."""
+    return batch >= 16 and block_m == 128
+
+
 # No KV split once the unsplit blocks fill this share of the target: on the H200 (profile_stages,
 # PhyAI's expert at batch 32: 128 blocks for 132 SMs) splitting in two cost a merge kernel of 21 us
 # per call on top of 59 us of attention, for blocks that already filled 97% of the SMs.
@@ -148,9 +187,12 @@ class TritonSplitKVAttention:
 
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, target_blocks: int | None = None, block_m: int | None = None,
-                 block_n: int | None = None, warps: int | None = None, stages: int | None = None):
+                 block_n: int | None = None, warps: int | None = None, stages: int | None = None,
+                 tma: bool | None = None, lazy: bool = LAZY_RESCALE):
         """block_m / block_n / warps / stages / target_blocks (programs aimed for; default: the SM
-        count) override the class defaults (experiments/profile_denoise.py sweeps them)."""
+        count) override the class defaults (experiments/profile_denoise.py sweeps them). `tma`: the
+        one-KV-head kernel whose whole blocks load through TMA (None: where `tma_default` says);
+        `lazy`: its running max moves only by more than 2^8 (triton_common.attend_block)."""
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
         packed_rows = queries * (heads // kv_heads)
@@ -171,17 +213,52 @@ class TritonSplitKVAttention:
             self.num_splits = max(1, min(max_splits, math.ceil(target_blocks / base_blocks)))
         # split length: whole BLOCK_N multiples so no block straddles two splits
         self.split_rows = math.ceil(math.ceil(rows / self.num_splits) / self.BLOCK_N) * self.BLOCK_N
+        self.row_tiles_per_sample = math.ceil(packed_rows / self.BLOCK_M)
+        self.tma, self.lazy = self._use_tma(tma, kv_heads, device, batch), lazy
         if self.num_splits > 1:
             self.part_o = torch.empty(batch * kv_heads * self.num_splits * packed_rows, head_dim,
                                       dtype=torch.float32, device=device)
             lse_rows = batch * kv_heads * self.num_splits * packed_rows
             self.part_lse = torch.empty(lse_rows, dtype=torch.float32, device=device)
 
+    def _use_tma(self, tma: bool | None, kv_heads: int, device: torch.device, batch: int) -> bool:
+        """The TMA kernel needs one KV head and no KV split (and TMA: Hopper or newer, or the CPU
+        interpreter when asked for explicitly)."""
+        usable = kv_heads == 1 and self.num_splits == 1
+        if tma is None:
+            return usable and device.type == "cuda" and tma_default(batch, self.BLOCK_M) and \
+                torch.cuda.get_device_capability(device)[0] >= 9
+        if tma and not usable:
+            raise ValueError(f"the TMA attention kernel needs one KV head and no KV split, got kv_heads={kv_heads}, "
+                             f"{self.num_splits} splits")
+        return tma
+
     def plan(self, key_len: Tensor) -> None:
         self.key_len.copy_(key_len, non_blocking=True)
 
+    def _call_tma(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        b, t, heads, hd = q.shape
+        if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError(f"the TMA attention kernel needs contiguous q, k and v, got strides {q.stride()}, "
+                             f"{k_cache.stride()}, {v_cache.stride()}")
+        out = torch.empty_like(q)
+        slots = k_cache.shape[1]
+        q_desc = TensorDescriptor.from_tensor(q.view(b * t * heads, hd), [self.BLOCK_M, hd])
+        k_desc = TensorDescriptor.from_tensor(k_cache.view(b * slots, hd), [self.BLOCK_N, hd])
+        v_desc = TensorDescriptor.from_tensor(v_cache.view(b * slots, hd), [self.BLOCK_N, hd])
+        _kernels()[2][(self.row_tiles_per_sample, b)](
+            q_desc, k_desc, v_desc, self.key_len, out, hd ** -0.5 * LOG2_E, t * heads, slots,
+            HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, LAZY=self.lazy, PDL=self.pdl,
+            num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl),
+        )
+        return out.view(b, t, heads * hd)
+
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        attend, merge = _kernels()
+        if self.tma:
+            return self._call_tma(q, k_cache, v_cache)
+        attend, merge = _kernels()[:2]
         b, t, heads, hd = q.shape
         kv = k_cache.shape[2]
         out = torch.empty_like(q)
