@@ -24,8 +24,8 @@ cast, from registers in one read for rows up to 16384 wide); elsewhere the PyTor
 interpreter rounds e4m3 casts wrongly when the mantissa carries into the exponent (126.2 -> 64
 instead of 128, measured here).
 
-`project(x, lw, act)` is what the runner calls: FP8 where the LinearW carries an `Fp8Weight`, else
-the bf16 F.linear; an activation (SigLIP's GELU, Gemma's GeGLU) goes into the FP8 input quantisation.
+`project(x, lw)` and `mlp(x, up, down, act)` are what the runner calls: FP8 where the LinearW
+carries an `Fp8Weight`, else exactly the bf16 calls the fast path made before FP8 existed.
 """
 
 from __future__ import annotations
@@ -254,3 +254,12 @@ def activated(x: Tensor, act: str) -> Tensor:
         return F.gelu(x, approximate="tanh")
     return x
 
+
+def mlp(x: Tensor, up, down, act: str) -> Tensor:
+    """down(act(up(x))): SigLIP's MLP (act "gelu_tanh") or Gemma's GeGLU ("gelu_tanh_mul").
+    In bf16 these are the calls the fast path always made (SigLIP's GELU in fc1's cuBLASLt
+    epilogue); in FP8 the activation moves into the down projection's input quantisation. (The
+    prefix's GeGLU MLP goes through `project` twice in runner.py, its down adding into the residual.)"""
+    if up.fp8 is None and down.fp8 is None and act == "gelu_tanh":
+        return F.linear(K.linear_gelu_tanh(x, up.weight, up.bias), down.weight, down.bias)
+    return project(project(x, up), down, act)

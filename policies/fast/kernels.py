@@ -8,8 +8,7 @@ RMSNorm is 6-8 kernels. Each function here is one kernel on CUDA:
 - `rope_scatter_qkv`: split a fused QKV projection, apply RoPE to q and k, write q to a dense
   buffer and k, v into per-sample KV-cache slots (the prefix/suffix layout of `attention.py`).
 - `gelu_tanh_mul`: GeGLU's gelu_tanh(gate) * up over a fused gate/up projection.
-- `add_layer_norm`: SigLIP's residual add + LayerNorm in one pass (same kernel, LayerNorm mode), with
-  an optional fp32 vector added before the norm only (the vision residual's pending biases).
+- `add_layer_norm`: SigLIP's residual add + LayerNorm in one pass (same kernel, LayerNorm mode).
 - `linear_gelu_tanh`: SigLIP's fc1 with the GELU in cuBLASLt's epilogue on CUDA.
 - `flow_step`: one ODE/SDE denoise update with its log-density (RLinf's flow-SDE, policies.flow).
 Each has a `*_reference` twin in plain PyTorch: the CPU path, and what the tests compare the
@@ -57,14 +56,12 @@ def add_rms_norm_reference(
 
 
 def add_layer_norm_reference(
-    h: Tensor, y: Tensor | None, weight: Tensor, bias: Tensor, eps: float, pending: Tensor | None = None
+    h: Tensor, y: Tensor | None, weight: Tensor, bias: Tensor, eps: float
 ) -> tuple[Tensor, Tensor]:
-    """SigLIP's pre-norm residual step: h <- h + y (in h's dtype), then LayerNorm(h + pending) in fp32;
-    `pending` (W,) fp32: the biases added to the residual stream only inside the norm (runner.py)."""
+    """SigLIP's pre-norm residual step: h <- h + y (in h's dtype), then LayerNorm(h) in fp32."""
     if y is not None:
         h = (h.float() + y.float()).to(h.dtype)
-    x = h.float() if pending is None else h.float() + pending.float()
-    normed = torch.nn.functional.layer_norm(x, (h.shape[-1],), weight.float(), bias.float(), eps)
+    normed = torch.nn.functional.layer_norm(h.float(), (h.shape[-1],), weight.float(), bias.float(), eps)
     return h, normed.to(h.dtype)
 
 
@@ -124,10 +121,10 @@ def _triton_kernels():
 
     @triton.jit
     def add_norm_kernel(
-        h_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, pending_ptr, out_ptr, width, eps,
+        h_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, out_ptr, width, eps,
         gate_row_stride, scale_row_stride, shift_row_stride, y_splits, y_split_stride,
         HAS_Y: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, LAYER_NORM: tl.constexpr,
-        HAS_PENDING: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
         C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         row = tl.program_id(0)
@@ -143,8 +140,6 @@ def _triton_kernels():
             h = (h + y).to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + row * width + cols, h, mask=mask)
             h = h.to(tl.float32)
-        if HAS_PENDING:  # biases kept out of the stored residual, added for the norm only
-            h += tl.load(pending_ptr + cols, mask=mask, other=0.0)
         scale = tl.load(scale_ptr + row * scale_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         if LAYER_NORM:  # (h - mean) * rstd * weight + bias
             h = tl.where(mask, h - tl.sum(h, axis=0) / width, 0.0)
@@ -231,7 +226,7 @@ def _row_stride(t: Tensor | None) -> int:
 
 
 def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool, y_splits: int = 1,
-                     pdl: int = 0, pending: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     pdl: int = 0) -> tuple[Tensor, Tensor]:
     kernel = _triton_kernels()[0]
     width = h.shape[-1]
     rows = h.numel() // width
@@ -239,11 +234,10 @@ def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool, y_splits: 
     block = 1 << max(4, math.ceil(math.log2(width)))
     kernel[(rows,)](
         h, y if y is not None else h, gate if gate is not None else h, scale,
-        shift if shift is not None else scale, pending if pending is not None else scale, out, width, eps,
+        shift if shift is not None else scale, out, width, eps,
         _row_stride(gate), _row_stride(scale), _row_stride(shift), y_splits, rows * width,
         HAS_Y=y is not None, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None, LAYER_NORM=layer_norm,
-        HAS_PENDING=pending is not None, BLOCK=block, PDL=pdl, num_warps=8 if width >= 2048 else 4,
-        **launch_kwargs(pdl),
+        BLOCK=block, PDL=pdl, num_warps=8 if width >= 2048 else 4, **launch_kwargs(pdl),
     )
     return h, out
 
@@ -256,13 +250,10 @@ def add_rms_norm_triton(
 
 
 def add_layer_norm_triton(
-    h: Tensor, y: Tensor | None, weight: Tensor, bias: Tensor, eps: float, pending: Tensor | None = None
+    h: Tensor, y: Tensor | None, weight: Tensor, bias: Tensor, eps: float
 ) -> tuple[Tensor, Tensor]:
-    """In place on h (when y is given): h += y; returns (h, LayerNorm(h + pending))."""
-    if pending is not None and (pending.dtype != torch.float32 or pending.shape != h.shape[-1:]):
-        raise ValueError(f"pending must be a ({h.shape[-1]},) float32 vector, "
-                         f"got {tuple(pending.shape)} {pending.dtype}")
-    return _add_norm_triton(h, y, None, weight, bias, eps, layer_norm=True, pending=pending)
+    """In place on h (when y is given): h += y; returns (h, LayerNorm(h))."""
+    return _add_norm_triton(h, y, None, weight, bias, eps, layer_norm=True)
 
 
 def rope_scatter_qkv_triton(
@@ -315,10 +306,10 @@ def add_rms_norm(h, y, gate, scale, shift, eps, pdl: int = 0):
     return h, normed
 
 
-def add_layer_norm(h, y, weight, bias, eps, pending: Tensor | None = None):
+def add_layer_norm(h, y, weight, bias, eps):
     if triton_usable(h) and h.is_contiguous():
-        return add_layer_norm_triton(h, y, weight, bias, eps, pending)
-    new_h, normed = add_layer_norm_reference(h, y, weight, bias, eps, pending)
+        return add_layer_norm_triton(h, y, weight, bias, eps)
+    new_h, normed = add_layer_norm_reference(h, y, weight, bias, eps)
     if y is not None:
         h.copy_(new_h)
     return h, normed

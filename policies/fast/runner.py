@@ -286,21 +286,16 @@ class FastSampler:
         h = _patch_embed(imgs, w["patch"], w["pos"], cfg.patch_size)  # residual stream, updated in place
         n, (tok, width) = imgs.shape[0], w["pos"].shape
         layers, eps = w["layers"], cfg.layer_norm_eps
-        pending = self.w.vision_pending  # running sums of the biases the residual stream h leaves out
         _, y = K.add_layer_norm(h, None, layers[0]["ln1"].weight, layers[0]["ln1"].bias, eps)
         for i, lw in enumerate(layers):
             qkv = fp8.project(y, lw["qkv"]).view(n, tok, 3, cfg.num_heads, -1)  # FP8 or bf16 (fp8.py)
             qkv = qkv.permute(2, 0, 3, 1, 4)
             a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape(n * tok, width)
-            out = _add_projection(h, a, lw["out"], bias_pending=True)
-            h, y = K.add_layer_norm(h, out, lw["ln2"].weight, lw["ln2"].bias, eps, pending[2 * i])
-            fc1, fc2 = lw["fc1"], lw["fc2"]
-            if fc1.fp8 is None and fc2.fp8 is None:  # bf16: the GELU in fc1's cuBLASLt epilogue
-                mlp = _add_projection(h, K.linear_gelu_tanh(y, fc1.weight, fc1.bias), fc2, bias_pending=True)
-            else:  # FP8: the GELU in fc2's input quantisation
-                mlp = _add_projection(h, fp8.project(y, fc1), fc2, "gelu_tanh", bias_pending=True)
+            out = fp8.project(a, lw["out"])
+            h, y = K.add_layer_norm(h, out, lw["ln2"].weight, lw["ln2"].bias, eps)
+            mlp = fp8.mlp(y, lw["fc1"], lw["fc2"], "gelu_tanh")
             norm = layers[i + 1]["ln1"] if i + 1 < len(layers) else w["post_ln"]  # next pre-norm, or post_ln
-            h, y = K.add_layer_norm(h, mlp, norm.weight, norm.bias, eps, pending[2 * i + 1])
+            h, y = K.add_layer_norm(h, mlp, norm.weight, norm.bias, eps)
         img = fp8.project(y, w["proj"]).view(bk.batch, -1, self.cfg.prefix.width)
         lang = F.embedding(t["tokens"], self.w.embed) * self.w.embed_scale
         emb = torch.cat([img, lang.to(img.dtype)], dim=1)
@@ -324,7 +319,7 @@ class FastSampler:
             h, normed = _add_projection_norm(h, attn, lw["o"], self.w.prefix_post_norms[i], pcfg.rms_norm_eps)
             if bk.geglu_tile is not None:  # gate/up and GeGLU in one GEMM (geglu_gemm.py)
                 act, act_fn = geglu_gemm.geglu_linear(normed, lw["gate_up"].weight, bk.geglu_tile), "none"
-            else:  # GeGLU'd on the way into down (in FP8: its input quantisation)
+            else:  # GeGLU'd on the way into down (fp8.mlp's order)
                 act, act_fn = fp8.project(normed, lw["gate_up"]), "gelu_tanh_mul"
             h, normed = _add_projection_norm(h, act, lw["down"], self.w.prefix_norms[i + 1], pcfg.rms_norm_eps,
                                              act_fn)
@@ -387,24 +382,17 @@ def _project(x: Tensor, lw, tile, pdl_code: int = 0) -> Tensor:
 
 def _add_projection_norm(h: Tensor, x: Tensor, lw, norm_weight: Tensor, eps: float,
                          act: str = "none") -> tuple[Tensor, Tensor]:
-    """h += act(x) W^T in place (`_add_projection`), then Gemma's RMSNorm of h: (h, normed)."""
-    return K.add_rms_norm(h, _add_projection(h, x, lw, act), None, norm_weight, None, eps)
-
-
-def _add_projection(h: Tensor, x: Tensor, lw, act: str = "none", bias_pending: bool = False) -> Tensor | None:
-    """Add act(x) W^T into the residual stream h in cuBLAS's GEMM epilogue (addmm, beta 1) and return
-    None, or return act(x) W^T + b for the norm kernel to add. The epilogue way spares the norm kernel
-    reading the projection and writing h back (H200, experiments/sweep_large_batch.py: prefix o 589 ->
-    555 us and down 3.44 -> 3.39 ms per layer at LIBERO b64, vision o / fc2 15 / 18 us less); it takes
-    bf16 projections only (torch._scaled_mm has no beta) and leaves the bias out: only where the bias
-    is None or `bias_pending` (the caller's norms add it: FastWeights.vision_pending). On the H200 the
-    prefix's actions at batch 32 and 64 came out bit-identical to the separate add's (cuBLAS's beta-add
-    epilogue rounds the product to bf16 before adding there); at batch 1 they moved within the parity
-    tolerance."""
-    if lw.fp8 is None and (lw.bias is None or bias_pending):
+    """h += act(x) W^T in place, then Gemma's RMSNorm of h: (h, normed). A bias-free bf16 projection adds
+    into h in cuBLAS's GEMM epilogue (addmm, beta 1), so the norm kernel reads h once instead of
+    reading h and the projection and writing h back (H200, experiments/sweep_large_batch.py: prefix
+    o 589 -> 555 us and down 3.44 -> 3.39 ms per layer at LIBERO b64). On the H200 the actions at
+    batch 32 and 64 came out bit-identical to the separate add's (cuBLAS's beta-add epilogue rounds
+    the product to bf16 before adding there); at batch 1 they moved within the parity tolerance.
+    An FP8 projection keeps the add in the norm kernel (torch._scaled_mm has no beta)."""
+    if lw.fp8 is None and lw.bias is None:
         h.addmm_(fp8.activated(x, act), lw.weight.t())
-        return None
-    return fp8.project(x, lw, act)
+        return K.add_rms_norm(h, None, None, norm_weight, None, eps)
+    return K.add_rms_norm(h, fp8.project(x, lw, act), None, norm_weight, None, eps)
 
 
 def _add_norm(h: Tensor, y: Tensor, gate, scale, shift, eps, pdl_code: int = 0):

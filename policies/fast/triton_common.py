@@ -96,28 +96,14 @@ def rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c
 
 
 @triton.jit
-def attend_block(q, k, v, m_i, l_i, acc, qk_scale, n_ok, MASKED: tl.constexpr, LAZY: tl.constexpr, row_ok):
+def attend_block(q, k, v, m_i, l_i, acc, qk_scale, n_ok, MASKED: tl.constexpr):
     """One K/V block of flash attention's online softmax in log2 units (exp2 is one MUFU op): q (M, D),
     k and v (N, D), running row max m_i, sum l_i and fp32 output acc (M, D) -> updated (m_i, l_i, acc).
-    MASKED: keys where n_ok is False score -inf. LAZY: the running max (and the rescale of acc, M x D
-    multiplies) moves only when some row of the block (those in row_ok) gained more than 8 (2^8 in
-    the weights; fp32 sums and bf16 p hold that), so most blocks skip the rescale; the same
-    function of q, k, v with other roundings."""
+    MASKED: keys where n_ok is False score -inf."""
     scores = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
         scores = tl.where(n_ok[None, :], scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    if LAZY:
-        grew = tl.max(tl.where(row_ok, m_new - m_i, 0.0), axis=0)
-        if grew > 8.0:
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(scores - m_i[:, None])
-        l_i = l_i + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        return m_i, l_i, acc
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)

@@ -5,9 +5,8 @@ in-place weight update (`param.copy_(new)`, what the engine's weight sync does) 
 next call, inside captured CUDA graphs too. Parameters kept in another dtype (LeRobot's bf16
 mode keeps SigLIP and the norms in fp32) get a shadow copy in the fast dtype; `refresh()`
 copies them again. The AdaRMS modulation table of the fixed time grid depends only on weights
-and t, and the vision residual's running bias sums only on weights: both are computed outside any
-graph into fixed buffers and refreshed in place, so a weight update never forces a graph re-capture
-(and needs `refresh()`, as the engine's weight-sync hook and the recompute's version check do).
+and t: it is computed outside any graph into a fixed buffer and refreshed in place, so a
+weight update never forces a graph re-capture.
 
 With precision "fp8" the linear weights of the groups in `fp8_gemms` (vision tower and prefix
 projections, config.FP8_GEMM_GROUPS) also get FP8 shadows
@@ -60,7 +59,6 @@ class FastWeights:
         self.action_out = LinearW(model.action_out_proj.weight, model.action_out_proj.bias)
         self.grid = flow.time_grid(num_steps, self.embed.device)
         self.table = torch.empty(0)
-        self.vision_pending = torch.empty(0)
         self.refresh_tables()
 
     def cast(self, param: Tensor) -> Tensor:
@@ -112,31 +110,12 @@ class FastWeights:
 
     @torch.no_grad()
     def refresh_tables(self) -> None:
-        self.table = _refreshed(self.table, self.model.modulation_table(self.grid[:-1]).float())  # (K, 2L+1, 3W)
-        self.vision_pending = _refreshed(self.vision_pending, self._vision_pending_biases())
-
-    def _vision_pending_biases(self) -> Tensor:
-        """(2L, W) fp32: row 2i the biases of the vision residual's bf16 projections up to layer i's
-        attention output, row 2i+1 up to its fc2. The runner adds those projections into the residual
-        stream in cuBLAS's epilogue, which has no room for the bias as well, so the stored stream
-        lacks their biases and every norm adds this running sum instead (FP8 projections add their
-        own bias and contribute zeros)."""
-        layers = self.vision["layers"]
-        width = layers[0]["out"].weight.shape[0]
-        biases = torch.zeros(2 * len(layers), width, dtype=torch.float32, device=self.embed.device)
-        for i, lw in enumerate(layers):
-            for j, name in enumerate(("out", "fc2")):
-                if lw[name].fp8 is None and lw[name].bias is not None:
-                    biases[2 * i + j] = lw[name].bias.float()
-        return biases.cumsum(dim=0)
+        table = self.model.modulation_table(self.grid[:-1]).float()  # (K, 2L+1, 3W)
+        if self.table.shape != table.shape:
+            self.table = table.contiguous()
+        else:
+            self.table.copy_(table)
 
     def modulation(self, step: int, norm: int) -> tuple[Tensor, Tensor, Tensor]:
         """[scale, shift, gate] (each (W,), fp32 views) of expert norm `norm` at grid step `step`."""
         return self.table[step, norm].chunk(3)
-
-
-def _refreshed(buffer: Tensor, value: Tensor) -> Tensor:
-    """`value` in `buffer`'s storage when the shapes match (captured graphs keep reading it), else itself."""
-    if buffer.shape != value.shape:
-        return value.contiguous()
-    return buffer.copy_(value)
