@@ -14,7 +14,7 @@ left after its GEMMs, each on the shapes of one layer at the throughput goals' b
 - `vision_mlp`: fc1 (GELU epilogue) and fc2 with mlp_dim 4304 against zero-padded 4352 (a 128 multiple);
 - `gate_up`: the prefix's gate/up GEMM with the weight as (N, K) (F.linear) and as (K, N);
 - `geglu`: the prefix's gate/up GEMM + GeGLU kernel (today) against policies/fast/geglu_gemm.py's
-  one-kernel GeGLU GEMM, every candidate tile; `geglu_ws`: its tuned tile against warp-specialised ones;
+  one-kernel GeGLU GEMM, every candidate tile;
 - `prefix_attention`: the prefix's self-attention (GQA, 8 query heads on 1 KV head, key-length mask)
   through the Triton split-KV kernel, SDPA as the runner calls it, and SDPA with cuDNN forced (K/V
   expanded by a copy, as a stride-0 view, or passed as GQA), and the one-KV-head TMA kernel's blocks
@@ -215,7 +215,7 @@ def gate_up_rows(images, prefix_tokens, device, dtype, cfg, **_) -> list[dict]:
     return rows
 
 
-def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None, tiles=None, **_) -> list[dict]:
+def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None, **_) -> list[dict]:
     """cuBLAS gate/up + the GeGLU kernel (the runner's bf16 prefix MLP input) against the fused kernel;
     with `expert_rows` the expert's gate/up at that many rows (batch x chunk)."""
     from policies.fast import geglu_gemm
@@ -228,29 +228,25 @@ def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None
     out = torch.empty(m, f, device=device, dtype=dtype)
     reference = K.gelu_tanh_mul(F.linear(x, w))
     rows = [_row("geglu", "cublas_then_kernel", lambda: K.gelu_tanh_mul(F.linear(x, w)))]
-    if tiny:
-        tiles = [geglu_gemm.GegluTile(16, 16, 32, warps=4, stages=2)]
-    else:
-        tiles = geglu_gemm.ws_candidates() if tiles == "ws" else geglu_gemm.candidates()
+    tiles = geglu_gemm.candidates() if not tiny else [geglu_gemm.GegluTile(16, 16, 32, warps=4, stages=2)]
     if expert_rows is not None and not tiny:  # few row blocks: smaller tiles for more programs
         tiles = [geglu_gemm.TUNED, geglu_gemm.GegluTile(128, 128, 64, stages=3, warps=8)]
         tiles += [geglu_gemm.GegluTile(bm, bn, 64, stages=4, warps=4) for bm, bn in ((128, 64), (64, 128), (64, 64))]
     for tile in tiles:
         if tile.fits(m, 2 * f, k) is None:
             label = (f"m{tile.block_m}n{tile.block_n}k{tile.block_k}s{tile.stages}w{tile.warps}g{tile.group_m}"
-                     + "_ptr" * (not tile.tma) + "_persistent" * tile.persistent + "_flat" * tile.flatten
-                     + "_ws" * tile.warp_specialize)
+                     + "_ptr" * (not tile.tma) + "_persistent" * tile.persistent + "_flat" * tile.flatten)
             rows.append(_row("geglu", label, functools.partial(geglu_gemm.geglu_linear, x, w, tile, out), reference))
     return rows
 
 
-# (BLOCK_M, BLOCK_N, warps, stages, warp_specialize) of the one-KV-head TMA kernel timed beside the
-# split-KV one; 128 x 64 with 3 stages or 128 x 128 would need more than the H200's 227 KB of shared
-# memory. The first H200 sweep (at 37bd7cd) also timed a lazy running-max rescale (the acc rescale
-# only when some row's max grew by > 2^8, a block-wide branch): 0.692 / 0.535 ms against 0.530 /
-# 0.425 without at PhyAI b32 / LIBERO b64, removed.
-TMA_ATTENTION_BLOCKS = [(128, 64, 8, 2, False), (128, 32, 8, 3, False), (64, 32, 4, 2, False), (64, 64, 4, 2, False),
-                        (128, 64, 8, 2, True), (128, 32, 8, 3, True), (64, 32, 4, 2, True)]
+# (BLOCK_M, BLOCK_N, warps, stages) of the one-KV-head TMA kernel timed beside the split-KV one; 128 x 64
+# with 3 stages or 128 x 128 would need more than the H200's 227 KB of shared memory. Also timed on the
+# H200 and removed: a lazy running-max rescale (the acc rescale only when some row's max grew by > 2^8,
+# a block-wide branch; the run at 37bd7cd, which stopped before its JSON: 0.692 / 0.535 ms against
+# 0.530 / 0.425 without, PhyAI b32 / LIBERO b64) and Triton's warp specialisation of the K/V loop
+# (tl.range(warp_specialize=True), ..._233827.json: the same times, 0.525 / 0.429).
+TMA_ATTENTION_BLOCKS = [(128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (64, 64, 4, 2)]
 
 
 def prefix_attention_rows(images, prefix_tokens, device, dtype, cfg, tiny, batch, per_sample, **_) -> list[dict]:
@@ -289,11 +285,11 @@ def _attention_rows(section, b, t, key_rows, rows_per_slot, device, dtype, p, wi
     split_kv.plan(key_len)
     rows.append(_row(section, "triton", lambda: split_kv(q, k_cache, v_cache), reference))
     if kv == 1:
-        for bm, bn, warps, stages, ws in TMA_ATTENTION_BLOCKS:
-            label = f"tma_{bm}x{bn}_w{warps}_s{stages}" + "_ws" * ws
+        for bm, bn, warps, stages in TMA_ATTENTION_BLOCKS:
+            label = f"tma_{bm}x{bn}_w{warps}_s{stages}"
             try:
                 attn = TritonSplitKVAttention(b, t, rows_per_slot, heads, kv, hd, device, block_m=bm, block_n=bn,
-                                              warps=warps, stages=stages, tma=True, warp_specialize=ws)
+                                              warps=warps, stages=stages, tma=True)
             except ValueError as exc:  # e.g. a shape whose blocks would need a KV split
                 rows.append({"variant": label, "error": str(exc)})
                 continue
@@ -334,18 +330,13 @@ def _cudnn_attention_rows(section, b, t, rows_per_slot, q, k_cache, v_cache, key
     return rows
 
 
-def geglu_ws_rows(images, prefix_tokens, device, dtype, cfg, tiny, **_) -> list[dict]:
-    """The fused GeGLU GEMM's tuned tile against its warp-specialised variants."""
-    return geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, tiles="ws")
-
-
 def expert_geglu_rows(batch, cfg, **shapes) -> list[dict]:
     chunk = common.CONFIGURATIONS[shapes.pop("name")]["chunk_size"]
     return geglu_rows(cfg=cfg, expert_rows=batch * chunk, **shapes)
 
 
 SECTIONS = {"vision_attention": vision_attention_rows, "residual": residual_rows, "vision_mlp": vision_mlp_rows,
-            "gate_up": gate_up_rows, "geglu": geglu_rows, "geglu_ws": geglu_ws_rows, "expert_geglu": expert_geglu_rows,
+            "gate_up": gate_up_rows, "geglu": geglu_rows, "expert_geglu": expert_geglu_rows,
             "prefix_attention": prefix_attention_rows, "expert_attention": expert_attention_rows}
 
 

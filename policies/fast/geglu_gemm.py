@@ -33,8 +33,7 @@ class GegluTile:
     """BM x BN activation blocks, K walked BK at a time; `group_m` row blocks share a weight column
     block in launch order (L2 reuse); `persistent`: one program per SM walking the blocks, with
     `flatten` its block and K loops pipelined as one (the next block's loads overlap this block's
-    epilogue); `warp_specialize`: Triton's warp specialisation of the persistent loop (load and MMA
-    partitions, the epilogue overlapping the next block's loads)."""
+    epilogue)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -45,7 +44,6 @@ class GegluTile:
     tma: bool = True
     persistent: bool = False
     flatten: bool = False
-    warp_specialize: bool = False
 
     def fits(self, m: int, n: int, k: int) -> str | None:
         """Why this tile cannot run x (m, k) @ W (n, k)^T with GeGLU, or None when it can."""
@@ -107,12 +105,12 @@ def _kernel():
     def geglu_gemm_kernel(x_desc, w_desc, out_desc, x_ptr, w_ptr, out_ptr, M, F, K,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                           TMA: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
-                          FLATTEN: tl.constexpr, WS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                          FLATTEN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         row_blocks = tl.cdiv(M, BM)
         col_blocks = F // BN
         blocks = row_blocks * col_blocks
         step = PROGRAMS if PERSISTENT else blocks
-        for block in tl.range(tl.program_id(0), blocks, step, flatten=FLATTEN, warp_specialize=WS):
+        for block in tl.range(tl.program_id(0), blocks, step, flatten=FLATTEN):
             # grouped order: GROUP_M row blocks walk the column blocks together (x and W reuse in L2)
             per_group = GROUP_M * col_blocks
             first_m = (block // per_group) * GROUP_M
@@ -194,7 +192,6 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
     _kernel()[(programs,)](x_desc, w_desc, out_desc, x, weight, out, m, f, k,
                            BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
                            TMA=tile.tma, PERSISTENT=tile.persistent, PROGRAMS=programs, FLATTEN=tile.flatten,
-                           WS=tile.warp_specialize,
                            UPCAST=os.environ.get("TRITON_INTERPRET") == "1", IEEE=x.dtype == torch.float32,
                            num_warps=tile.warps, num_stages=tile.stages)
     return out
@@ -217,9 +214,3 @@ def candidates() -> list[GegluTile]:
         tiles.append(GegluTile(128, 128, 64, group_m=group_m, stages=stages, warps=8, persistent=True, flatten=flatten))
     return tiles
 
-
-def ws_candidates() -> list[GegluTile]:
-    """Warp-specialised persistent tiles (Triton's Hopper autoWS), swept against TUNED."""
-    return [TUNED] + [GegluTile(128, 128, bk, group_m=g, stages=s, warps=w, persistent=True, warp_specialize=True)
-                      for bk, s, w, g in ((64, 3, 8, 8), (64, 4, 8, 8), (64, 3, 4, 8), (64, 2, 8, 8), (32, 6, 8, 8),
-                                          (64, 3, 8, 16))]

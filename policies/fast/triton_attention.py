@@ -105,13 +105,12 @@ def _kernels():
     @triton.jit
     def kv1_attention_tma(
         q_desc, k_desc, v_desc, key_len_ptr, out_ptr, qk_scale, ROWS, S,
-        HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr, PDL: tl.constexpr,
+        HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
         """One KV head: sample b's packed (t, head) query rows are the contiguous rows [b ROWS, (b + 1) ROWS)
         of q viewed (B T H, HD) and its keys the rows [b S, b S + key_len) of the cache viewed (B S, HD),
         so whole blocks come through TMA and only the last block is masked. Rows of a block past ROWS
-        (the next sample's queries) are computed but never stored. WS: Triton's warp specialisation of
-        the K/V loop (a load partition feeding the MMA warps)."""
+        (the next sample's queries) are computed but never stored."""
         C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         row_tile = tl.program_id(0)
         b = tl.program_id(1)
@@ -124,7 +123,7 @@ def _kernels():
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HD], tl.float32)
         whole = key_len - key_len % BLOCK_N
-        for n0 in tl.range(0, whole, BLOCK_N, warp_specialize=WS):
+        for n0 in range(0, whole, BLOCK_N):
             k = k_desc.load([base + n0, 0])
             v = v_desc.load([base + n0, 0])
             m_i, l_i, acc = C.attend_block(q, k, v, m_i, l_i, acc, qk_scale, row_ok, False)
@@ -163,10 +162,13 @@ def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
     return 64, 64, 4, 2
 
 
-def tma_default(batch: int, block_m: int) -> bool:
-    """Where the TMA kernel runs by default (one KV head, no split, Hopper): the 128-row blocks of
-    large batches (H200 sweep: experiments/sweep_large_batch.py --sections prefix_attention)."""
-    return batch >= 16 and block_m == 128
+def tma_default(batch: int) -> bool:
+    """Where the TMA kernel runs by default (one KV head, no KV split, Hopper): from batch 16, with
+    default_blocks' blocks. H200, experiments/sweep_large_batch.py (sweep_large_batch_nvidia-h200_
+    20261201-233827.json), per layer against the split-KV kernel: the prefix 0.525 against 0.655 ms
+    at PhyAI b32 and 0.429 against 0.483 at LIBERO b64 (128 x 64 blocks); the expert 42 against 48 us
+    at PhyAI b32 (128 x 64) and 20 against 25 at LIBERO b64 (64 x 64). Smaller batches: not measured."""
+    return batch >= 16
 
 
 # No KV split once the unsplit blocks fill this share of the target: on the H200 (profile_stages,
@@ -184,11 +186,10 @@ class TritonSplitKVAttention:
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, target_blocks: int | None = None, block_m: int | None = None,
                  block_n: int | None = None, warps: int | None = None, stages: int | None = None,
-                 tma: bool | None = None, warp_specialize: bool = False):
+                 tma: bool | None = None):
         """block_m / block_n / warps / stages / target_blocks (programs aimed for; default: the SM
         count) override the class defaults (experiments/profile_denoise.py sweeps them). `tma`: the
-        one-KV-head kernel whose whole blocks load through TMA (None: where `tma_default` says),
-        `warp_specialize` its K/V loop (swept by experiments/sweep_large_batch.py)."""
+        one-KV-head kernel whose whole blocks load through TMA (None: where `tma_default` says)."""
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
         packed_rows = queries * (heads // kv_heads)
@@ -210,7 +211,7 @@ class TritonSplitKVAttention:
         # split length: whole BLOCK_N multiples so no block straddles two splits
         self.split_rows = math.ceil(math.ceil(rows / self.num_splits) / self.BLOCK_N) * self.BLOCK_N
         self.row_tiles_per_sample = math.ceil(packed_rows / self.BLOCK_M)
-        self.tma, self.warp_specialize = self._use_tma(tma, kv_heads, device, batch), warp_specialize
+        self.tma = self._use_tma(tma, kv_heads, device, batch)
         if self.num_splits > 1:
             self.part_o = torch.empty(batch * kv_heads * self.num_splits * packed_rows, head_dim,
                                       dtype=torch.float32, device=device)
@@ -246,7 +247,7 @@ class TritonSplitKVAttention:
         v_desc = TensorDescriptor.from_tensor(v_cache.view(b * slots, hd), [self.BLOCK_N, hd])
         _kernels()[2][(self.row_tiles_per_sample, b)](
             q_desc, k_desc, v_desc, self.key_len, out, hd ** -0.5 * LOG2_E, t * heads, slots,
-            HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, WS=self.warp_specialize, PDL=self.pdl,
+            HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, PDL=self.pdl,
             num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl),
         )
         return out.view(b, t, heads * hd)

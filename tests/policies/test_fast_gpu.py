@@ -104,3 +104,18 @@ def test_weight_update_without_recapture():
     assert {k: dict(b.graphs) for k, b in fast.buckets.items()} == graphs, "no re-capture"
     assert relative_l2(after, before) > 1e-3
     assert relative_l2(after, fresh) < 1e-2
+
+
+def test_tma_attention_in_the_fast_path_matches_sdpa():
+    """From batch 16 the Triton backend runs the one-KV-head TMA kernel where its blocks need no KV
+    split (here the prefix at batch 32): graphs replayed for new prompt lengths, against SDPA."""
+    pol = build_policy(gpu_cfg("bfloat16"), device="cuda")
+    cfg = pol.cfg
+    sdpa = FastSampler(pol.model, FastConfig(attention="sdpa", batch_buckets=[32]))
+    triton = FastSampler(pol.model, FastConfig(attention="triton", batch_buckets=[32]))
+    for seed in (12, 13):
+        want, want_lp = run(sdpa, cfg, seed, batch=32)
+        got, got_lp = run(triton, cfg, seed, batch=32)
+        assert relative_l2(got, want) < 2e-2 and relative_l2(got_lp, want_lp) < 2e-2
+    (bucket,) = triton.buckets.values()
+    assert bucket.prefix_attn.tma, "the prefix at batch 32 should run the TMA kernel"
