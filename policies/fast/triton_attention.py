@@ -223,7 +223,7 @@ class TritonSplitKVAttention:
         interpreter when asked for explicitly)."""
         usable = kv_heads == 1 and self.num_splits == 1
         if tma is None:
-            return usable and device.type == "cuda" and tma_default(batch, self.BLOCK_M) and \
+            return usable and tma_default(batch) and device.type == "cuda" and \
                 torch.cuda.get_device_capability(device)[0] >= 9
         if tma and not usable:
             raise ValueError(f"the TMA attention kernel needs one KV head and no KV split, got kv_heads={kv_heads}, "
