@@ -14,8 +14,7 @@ left after its GEMMs, each on the shapes of one layer at the throughput goals' b
 - `vision_mlp`: fc1 (GELU epilogue) and fc2 with mlp_dim 4304 against zero-padded 4352 (a 128 multiple);
 - `gate_up`: the prefix's gate/up GEMM with the weight as (N, K) (F.linear) and as (K, N);
 - `geglu`: the prefix's gate/up GEMM + GeGLU kernel (today) against policies/fast/geglu_gemm.py's
-  one-kernel GeGLU GEMM, every candidate tile; `geglu_two_cta`: its tuned tile against tiles that fit
-  two CTAs per SM;
+  one-kernel GeGLU GEMM, every candidate tile;
 - `prefix_attention`: the prefix's self-attention (GQA, 8 query heads on 1 KV head, key-length mask)
   through the Triton split-KV kernel, SDPA as the runner calls it, and SDPA with cuDNN forced (K/V
   expanded by a copy, as a stride-0 view, or passed as GQA), and the one-KV-head TMA kernel's blocks
@@ -216,7 +215,7 @@ def gate_up_rows(images, prefix_tokens, device, dtype, cfg, **_) -> list[dict]:
     return rows
 
 
-def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None, tiles=None, **_) -> list[dict]:
+def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None, **_) -> list[dict]:
     """cuBLAS gate/up + the GeGLU kernel (the runner's bf16 prefix MLP input) against the fused kernel;
     with `expert_rows` the expert's gate/up at that many rows (batch x chunk)."""
     from policies.fast import geglu_gemm
@@ -229,18 +228,14 @@ def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None
     out = torch.empty(m, f, device=device, dtype=dtype)
     reference = K.gelu_tanh_mul(F.linear(x, w))
     rows = [_row("geglu", "cublas_then_kernel", lambda: K.gelu_tanh_mul(F.linear(x, w)))]
-    if tiny:
-        tiles = [geglu_gemm.GegluTile(16, 16, 32, warps=4, stages=2)]
-    else:
-        tiles = geglu_gemm.two_cta_candidates() if tiles == "two_cta" else geglu_gemm.candidates()
+    tiles = geglu_gemm.candidates() if not tiny else [geglu_gemm.GegluTile(16, 16, 32, warps=4, stages=2)]
     if expert_rows is not None and not tiny:  # few row blocks: smaller tiles for more programs
         tiles = [geglu_gemm.TUNED, geglu_gemm.GegluTile(128, 128, 64, stages=3, warps=8)]
         tiles += [geglu_gemm.GegluTile(bm, bn, 64, stages=4, warps=4) for bm, bn in ((128, 64), (64, 128), (64, 64))]
     for tile in tiles:
         if tile.fits(m, 2 * f, k) is None:
             label = (f"m{tile.block_m}n{tile.block_n}k{tile.block_k}s{tile.stages}w{tile.warps}g{tile.group_m}"
-                     + "_ptr" * (not tile.tma) + "_persistent" * tile.persistent + "_flat" * tile.flatten
-                     + f"_{tile.ctas_per_sm}cta" * (tile.ctas_per_sm > 1))
+                     + "_ptr" * (not tile.tma) + "_persistent" * tile.persistent + "_flat" * tile.flatten)
             rows.append(_row("geglu", label, functools.partial(geglu_gemm.geglu_linear, x, w, tile, out), reference))
     return rows
 
@@ -335,20 +330,14 @@ def _cudnn_attention_rows(section, b, t, rows_per_slot, q, k_cache, v_cache, key
     return rows
 
 
-def geglu_two_cta_rows(images, prefix_tokens, device, dtype, cfg, tiny, **_) -> list[dict]:
-    """The fused GeGLU GEMM's tuned tile against tiles that fit two CTAs per SM."""
-    return geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, tiles="two_cta")
-
-
 def expert_geglu_rows(batch, cfg, **shapes) -> list[dict]:
     chunk = common.CONFIGURATIONS[shapes.pop("name")]["chunk_size"]
     return geglu_rows(cfg=cfg, expert_rows=batch * chunk, **shapes)
 
 
 SECTIONS = {"vision_attention": vision_attention_rows, "residual": residual_rows, "vision_mlp": vision_mlp_rows,
-            "gate_up": gate_up_rows, "geglu": geglu_rows, "geglu_two_cta": geglu_two_cta_rows,
-            "expert_geglu": expert_geglu_rows, "prefix_attention": prefix_attention_rows,
-            "expert_attention": expert_attention_rows}
+            "gate_up": gate_up_rows, "geglu": geglu_rows, "expert_geglu": expert_geglu_rows,
+            "prefix_attention": prefix_attention_rows, "expert_attention": expert_attention_rows}
 
 
 if __name__ == "__main__":

@@ -33,8 +33,7 @@ class GegluTile:
     """BM x BN activation blocks, K walked BK at a time; `group_m` row blocks share a weight column
     block in launch order (L2 reuse); `persistent`: one program per SM walking the blocks, with
     `flatten` its block and K loops pipelined as one (the next block's loads overlap this block's
-    epilogue); `ctas_per_sm`: persistent programs per SM (2: two CTAs share an SM, one's epilogue
-    overlapping the other's main loop, as CUTLASS's ping-pong schedule does with two warpgroups)."""
+    epilogue)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -45,7 +44,6 @@ class GegluTile:
     tma: bool = True
     persistent: bool = False
     flatten: bool = False
-    ctas_per_sm: int = 1
 
     def fits(self, m: int, n: int, k: int) -> str | None:
         """Why this tile cannot run x (m, k) @ W (n, k)^T with GeGLU, or None when it can."""
@@ -182,8 +180,7 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
     blocks = -(-m // tile.block_m) * (f // tile.block_n)
     programs = blocks
     if tile.persistent:
-        sms = _sm_count(x.device.index or 0) * tile.ctas_per_sm if x.is_cuda else blocks
-        limit = max_programs if max_programs is not None else sms
+        limit = max_programs if max_programs is not None else _sm_count(x.device.index or 0) if x.is_cuda else blocks
         programs = max(1, min(blocks, limit))
     x_desc = w_desc = out_desc = None
     if tile.tma:
@@ -217,12 +214,3 @@ def candidates() -> list[GegluTile]:
         tiles.append(GegluTile(128, 128, 64, group_m=group_m, stages=stages, warps=8, persistent=True, flatten=flatten))
     return tiles
 
-
-def two_cta_candidates() -> list[GegluTile]:
-    """Tiles small enough for two CTAs per SM (<= 113 KB of shared memory, 4 warps), swept against TUNED."""
-    tiles = [TUNED]
-    for bm, bn, bk, stages in ((64, 128, 64, 2), (64, 128, 32, 4), (64, 128, 32, 3), (128, 64, 64, 2),
-                               (128, 64, 32, 4)):
-        tiles.append(GegluTile(bm, bn, bk, stages=stages, warps=4, persistent=True, ctas_per_sm=2))
-        tiles.append(GegluTile(bm, bn, bk, stages=stages, warps=4))
-    return tiles
