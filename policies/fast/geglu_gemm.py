@@ -213,4 +213,3 @@ def candidates() -> list[GegluTile]:
                                      (8, True, 4), (1, True, 3)):
         tiles.append(GegluTile(128, 128, 64, group_m=group_m, stages=stages, warps=8, persistent=True, flatten=flatten))
     return tiles
-

@@ -219,7 +219,6 @@ class TritonSplitKVAttention:
             self.num_splits = max(1, min(max_splits, math.ceil(target_blocks / base_blocks)))
         # split length: whole BLOCK_N multiples so no block straddles two splits
         self.split_rows = math.ceil(math.ceil(rows / self.num_splits) / self.BLOCK_N) * self.BLOCK_N
-        self.row_tiles_per_sample = math.ceil(packed_rows / self.BLOCK_M)
         self.tma = self._use_tma(tma, kv_heads, device, batch)
         if self.num_splits > 1:
             self.part_o = torch.empty(batch * kv_heads * self.num_splits * packed_rows, head_dim,
@@ -237,6 +236,9 @@ class TritonSplitKVAttention:
         if tma and not usable:
             raise ValueError(f"the TMA attention kernel needs one KV head and no KV split, got kv_heads={kv_heads}, "
                              f"{self.num_splits} splits")
+        if tma and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+            raise ValueError(f"the TMA attention kernel needs a Hopper or newer GPU (TMA), got {device} with "
+                             f"compute capability {torch.cuda.get_device_capability(device)}")
         return tma
 
     def plan(self, key_len: Tensor) -> None:
@@ -254,7 +256,7 @@ class TritonSplitKVAttention:
         q_desc = TensorDescriptor.from_tensor(q.view(b * t * heads, hd), [self.BLOCK_M, hd])
         k_desc = TensorDescriptor.from_tensor(k_cache.view(b * slots, hd), [self.BLOCK_N, hd])
         v_desc = TensorDescriptor.from_tensor(v_cache.view(b * slots, hd), [self.BLOCK_N, hd])
-        _kernels()[2][(self.row_tiles_per_sample, b)](
+        _kernels()[2][(self.row_tiles, b)](
             q_desc, k_desc, v_desc, self.key_len, out, hd ** -0.5 * LOG2_E, t * heads, slots,
             HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, PDL=self.pdl,
             num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl),

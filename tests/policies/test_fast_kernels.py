@@ -197,7 +197,7 @@ def test_tma_attention_matches_masked_sdpa(dtype):
     q = q * 4  # peaked softmax rows: the running max moves between blocks
     attention = TritonSplitKVAttention(b, t, rows, heads, 1, hd, torch.device(DEVICE), target_blocks=1,
                                        block_m=16, block_n=16, warps=4, stages=2, tma=True)
-    assert attention.tma and attention.num_splits == 1 and attention.row_tiles_per_sample == 2
+    assert attention.tma and attention.num_splits == 1 and attention.row_tiles == 2
     attention.plan(key_len.to(DEVICE))
     exact = SdpaAttention(b, rows, torch.device(DEVICE))
     exact.plan(key_len.to(DEVICE))
