@@ -33,7 +33,10 @@ class GegluTile:
     """BM x BN activation blocks, K walked BK at a time; `group_m` row blocks share a weight column
     block in launch order (L2 reuse); `persistent`: one program per SM walking the blocks, with
     `flatten` its block and K loops pipelined as one (the next block's loads overlap this block's
-    epilogue)."""
+    epilogue); `wide`: the gate and up blocks as one 2*BN-wide operand (a 3-D TMA box over W viewed
+    (2, F, K)), so each K step is one 64 x 2BN wgmma per warpgroup instead of two 64 x BN ones (A is
+    read from shared memory once, not twice); GeGLU pairs column c with c + BN of the one accumulator,
+    which the wgmma layout keeps in the same thread (no shuffle: checked in the compiled sm_90 code)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -44,6 +47,7 @@ class GegluTile:
     tma: bool = True
     persistent: bool = False
     flatten: bool = False
+    wide: bool = False
 
     def fits(self, m: int, n: int, k: int) -> str | None:
         """Why this tile cannot run x (m, k) @ W (n, k)^T with GeGLU, or None when it can."""
@@ -105,7 +109,7 @@ def _kernel():
     def geglu_gemm_kernel(x_desc, w_desc, out_desc, x_ptr, w_ptr, out_ptr, M, F, K,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                           TMA: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
-                          FLATTEN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                          FLATTEN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
         row_blocks = tl.cdiv(M, BM)
         col_blocks = F // BN
         blocks = row_blocks * col_blocks
@@ -118,31 +122,55 @@ def _kernel():
             pid_m = first_m + (block % per_group) % group_rows
             pid_n = (block % per_group) // group_rows
             off_m, off_n = pid_m * BM, pid_n * BN
-            acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
-            acc_up = tl.zeros((BM, BN), dtype=tl.float32)
             rows = off_m + tl.arange(0, BM)
             cols = off_n + tl.arange(0, BN)
             ks = tl.arange(0, BK)
+            if WIDE:  # one (BM, 2BN) accumulator: columns [0, BN) gate, [BN, 2BN) up
+                acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+                pair = tl.arange(0, 2 * BN)
+                pair_rows = (pair // BN) * F + off_n + pair % BN  # the pointer path's rows of W
+            else:
+                acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
+                acc_up = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(0, K, BK):
                 if TMA:  # out-of-range rows of x come back as zeros
                     x = x_desc.load([off_m, k0])
-                    w_gate = w_desc.load([off_n, k0])
-                    w_up = w_desc.load([F + off_n, k0])
                 else:
                     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + (k0 + ks)[None, :],
                                 mask=(rows < M)[:, None], other=0.0)
-                    w_rows = w_ptr + cols[:, None].to(tl.int64) * K + (k0 + ks)[None, :]
-                    w_gate = tl.load(w_rows)
-                    w_up = tl.load(w_rows + F.to(tl.int64) * K)
                 if UPCAST:  # the CPU interpreter's bf16 tl.dot returns garbage (Triton 3.x): fp32 there
-                    x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
-                if IEEE:  # fp32 operands: full fp32 products (the GPU's default for fp32 dots is TF32)
-                    acc_gate = tl.dot(x, w_gate.T, acc_gate, input_precision="ieee")
-                    acc_up = tl.dot(x, w_up.T, acc_up, input_precision="ieee")
+                    x = x.to(tl.float32)
+                if WIDE:
+                    if TMA:  # the (2, BN, BK) box [gate rows; up rows] is one (2BN, BK) tile in shared memory
+                        w = w_desc.load([0, off_n, k0]).reshape(2 * BN, BK)
+                    else:
+                        w = tl.load(w_ptr + pair_rows[:, None].to(tl.int64) * K + (k0 + ks)[None, :])
+                    if UPCAST:
+                        w = w.to(tl.float32)
+                    if IEEE:  # fp32 operands: full fp32 products (the GPU's default for fp32 dots is TF32)
+                        acc = tl.dot(x, w.T, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(x, w.T, acc)
                 else:
-                    acc_gate = tl.dot(x, w_gate.T, acc_gate)
-                    acc_up = tl.dot(x, w_up.T, acc_up)
-            act = (C.gelu_tanh(acc_gate) * acc_up).to(out_ptr.dtype.element_ty)
+                    if TMA:
+                        w_gate = w_desc.load([off_n, k0])
+                        w_up = w_desc.load([F + off_n, k0])
+                    else:
+                        w_rows = w_ptr + cols[:, None].to(tl.int64) * K + (k0 + ks)[None, :]
+                        w_gate = tl.load(w_rows)
+                        w_up = tl.load(w_rows + F.to(tl.int64) * K)
+                    if UPCAST:
+                        w_gate, w_up = w_gate.to(tl.float32), w_up.to(tl.float32)
+                    if IEEE:
+                        acc_gate = tl.dot(x, w_gate.T, acc_gate, input_precision="ieee")
+                        acc_up = tl.dot(x, w_up.T, acc_up, input_precision="ieee")
+                    else:
+                        acc_gate = tl.dot(x, w_gate.T, acc_gate)
+                        acc_up = tl.dot(x, w_up.T, acc_up)
+            if WIDE:  # column c pairs with c + BN (the same thread's registers in the wgmma layout)
+                acc_gate, acc_up = acc.reshape(BM, 2, BN).permute(0, 2, 1).split()
+            act = C.gelu_tanh(acc_gate) * acc_up
+            act = act.to(out_ptr.dtype.element_ty)
             if TMA:  # the store drops rows past M
                 out_desc.store([off_m, off_n], act)
             else:
@@ -187,13 +215,14 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
-        w_desc = TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k])
+        w_desc = (TensorDescriptor.from_tensor(weight.view(2, f, k), [2, tile.block_n, tile.block_k]) if tile.wide
+                  else TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]))
         out_desc = TensorDescriptor.from_tensor(out, [tile.block_m, tile.block_n])
     _kernel()[(programs,)](x_desc, w_desc, out_desc, x, weight, out, m, f, k,
                            BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
                            TMA=tile.tma, PERSISTENT=tile.persistent, PROGRAMS=programs, FLATTEN=tile.flatten,
                            UPCAST=os.environ.get("TRITON_INTERPRET") == "1", IEEE=x.dtype == torch.float32,
-                           num_warps=tile.warps, num_stages=tile.stages)
+                           WIDE=tile.wide,                           num_warps=tile.warps, num_stages=tile.stages)
     return out
 
 
@@ -212,4 +241,8 @@ def candidates() -> list[GegluTile]:
     for group_m, flatten, stages in ((4, False, 3), (16, False, 3), (8, True, 3), (4, True, 3), (16, True, 3),
                                      (8, True, 4), (1, True, 3)):
         tiles.append(GegluTile(128, 128, 64, group_m=group_m, stages=stages, warps=8, persistent=True, flatten=flatten))
+    # one 2BN-wide operand (64 x 256 wgmmas): the tuned tile's neighbours
+    for bk, stages, group_m, persistent in ((64, 3, 8, True), (64, 4, 8, True), (64, 3, 16, True), (64, 3, 8, False),
+                                            (32, 6, 8, True)):
+        tiles.append(GegluTile(128, 128, bk, group_m=group_m, stages=stages, warps=8, persistent=persistent, wide=True))
     return tiles

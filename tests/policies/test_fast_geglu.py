@@ -32,12 +32,14 @@ def _operands(m, f, k, seed, dtype):
     return x, w
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("tma", [True, False])
 @pytest.mark.parametrize("m", [5, 37, 64])
-def test_matches_reference_fp32(m, tma):
-    """Ragged row counts (M not a multiple of block_m): TMA's zero fill and the pointer path's masks."""
+def test_matches_reference_fp32(m, tma, wide):
+    """Ragged row counts (M not a multiple of block_m): TMA's zero fill and the pointer path's masks;
+    `wide`: gate and up as one (BM, 2BN) accumulator, split after the K loop."""
     x, w = _operands(m, 48, 64, seed=m, dtype=torch.float32)
-    tile = GegluTile(16, 16, 32, group_m=2, stages=2, warps=4, tma=tma)
+    tile = GegluTile(16, 16, 32, group_m=2, stages=2, warps=4, tma=tma, wide=wide)
     got = geglu_gemm.geglu_linear(x, w, tile)
     assert got.shape == (m, 48) and got.dtype == torch.float32
     assert relative_l2(got, skinny_linear_reference(x, w, gelu_mul=True)) < 1e-5
@@ -54,13 +56,18 @@ def test_persistent_loop_covers_every_block(programs, flatten):
     tile = GegluTile(16, 16, 32, group_m=2, stages=2, warps=4, persistent=True, flatten=flatten)
     geglu_gemm.geglu_linear(x, w, tile, out=out, max_programs=programs)
     assert torch.equal(out, flat)
+    wide = torch.full_like(flat, float("nan"))
+    tile = GegluTile(16, 16, 32, group_m=2, stages=2, warps=4, persistent=True, flatten=flatten, wide=True)
+    geglu_gemm.geglu_linear(x, w, tile, out=wide, max_programs=programs)
+    assert torch.allclose(wide, flat, rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_matches_the_cublas_path():
+@pytest.mark.parametrize("wide", [False, True])
+def test_bf16_matches_the_cublas_path(wide):
     """bf16 operands: within the bf16 output rounding of the fp32 reference, and close to what the
     runner computed before (bf16 gate/up projection, then the GeGLU kernel)."""
     x, w = _operands(50, 64, 64, seed=11, dtype=torch.bfloat16)
-    got = geglu_gemm.geglu_linear(x, w, GegluTile(16, 32, 32, group_m=4, stages=2, warps=4))
+    got = geglu_gemm.geglu_linear(x, w, GegluTile(16, 32, 32, group_m=4, stages=2, warps=4, wide=wide))
     assert got.dtype == torch.bfloat16
     assert relative_l2(got, skinny_linear_reference(x, w, gelu_mul=True)) < 8e-3
     cublas_path = K.gelu_tanh_mul_reference(torch.nn.functional.linear(x.float(), w.float()).to(x.dtype))
