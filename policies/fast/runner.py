@@ -310,9 +310,10 @@ class FastSampler:
         _, normed = K.add_rms_norm(h, None, None, self.w.prefix_norms[0], None, pcfg.rms_norm_eps)
         last = len(self.w.prefix) - 1
         for i, lw in enumerate(self.w.prefix):
-            qkv = fp8.project(normed, lw["qkv"]).view(b, p, -1)  # FP8 or bf16 (fp8.py)
-            K.rope_scatter_qkv(qkv, cos, sin, pcfg.num_heads, pcfg.num_kv_heads, q, bk.k_cache[i], bk.v_cache[i],
-                               t["prefix_slots"])
+            heads = 0 if i == last and lw["qkv"].fp8 is None else pcfg.num_heads  # nothing reads the last q
+            qkv = _project_tail(normed, lw["qkv"], (pcfg.num_heads - heads) * pcfg.head_dim).view(b, p, -1)
+            K.rope_scatter_qkv(qkv, cos, sin, heads, pcfg.num_kv_heads, q[:, :, :heads], bk.k_cache[i],
+                               bk.v_cache[i], t["prefix_slots"])
             if i == last:
                 break
             attn = bk.prefix_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * p, -1)
@@ -378,6 +379,15 @@ def _project(x: Tensor, lw, tile, pdl_code: int = 0) -> Tensor:
     if tile is None:
         return F.linear(x, lw.weight)
     return skinny.skinny_linear(x, lw.weight, tile, pdl=pdl_code)
+
+
+def _project_tail(x: Tensor, lw, skip: int) -> Tensor:
+    """The projection's output columns from `skip` on (the last prefix layer's K/V without its q:
+    ~80% of that layer's qkv GEMM); FP8 shadows only project whole (skip 0)."""
+    if skip == 0:
+        return fp8.project(x, lw)
+    bias = lw.bias[skip:] if lw.bias is not None else None
+    return F.linear(x, lw.weight[skip:], bias)
 
 
 def _add_projection_norm(h: Tensor, x: Tensor, lw, norm_weight: Tensor, eps: float,
