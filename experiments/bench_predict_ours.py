@@ -22,6 +22,7 @@ import torch
 from experiments import bench_predict_common as common
 from policies import flops, sampling
 from policies.config import PolicyConfig
+from policies.fast import geglu_gemm
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
 from policies.fast.runner import STAGES, FastSampler
@@ -81,6 +82,7 @@ def measure_ours(policy: Policy, precision: str, batch: int, prompt_len: int, in
     row["stages"] = stage_breakdown(fast, cfg, inputs, noise, stoch, device, bench, ceilings)
     row["memory_delta"] = common.memory_since(mark, device)  # before the gap: its plain-path recompute is the trainer's
     row["attention"] = {k: v["chosen"] for k, v in fast.selector.records.items()}
+    row["geglu"] = geglu_gemm.report(next(iter(fast.buckets.values())).geglu_tile)
     if gap_calls:
         try:  # rollouts plus plain-path recomputes: a few times the sampler's call each
             budget.require(gap_calls * 4 * timing["ms"] / 1e3, f"log-prob gap {precision} b={batch}")

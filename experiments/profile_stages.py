@@ -23,6 +23,7 @@ import torch
 from experiments import bench_predict_common as common
 from experiments.results import write_result
 from policies.config import PolicyConfig
+from policies.fast import geglu_gemm
 from policies.fast.config import FP8_GEMM_GROUPS, FastConfig
 from policies.fast.runner import STAGES, FastSampler
 from policies.lerobot_bridge import relative_l2
@@ -143,6 +144,7 @@ def profile(policy, spec: dict, batch: int, fast_overrides: dict, kernels: bool,
                 out["kernels"][stage] = common.kernel_table(run_stage, device, args.top)
         out.setdefault("attention", {"prefix": getattr(bucket.prefix_attn, "name", "?"),
                                      "expert": getattr(bucket.expert_attn, "name", "?")})
+        out.setdefault("geglu", geglu_gemm.report(bucket.geglu_tile))
         del fast, bucket
     return out
 

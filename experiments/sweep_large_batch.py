@@ -235,10 +235,8 @@ def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None
         tiles += [geglu_gemm.GegluTile(bm, bn, 64, stages=4, warps=4) for bm, bn in ((128, 64), (64, 128), (64, 64))]
     for tile in tiles:
         if tile.fits(m, 2 * f, k) is None:
-            label = (f"m{tile.block_m}n{tile.block_n}k{tile.block_k}s{tile.stages}w{tile.warps}g{tile.group_m}"
-                     + "_ptr" * (not tile.tma) + "_persistent" * tile.persistent + "_flat" * tile.flatten
-                     + "_wide" * tile.wide)
-            rows.append(_row("geglu", label, functools.partial(geglu_gemm.geglu_linear, x, w, tile, out), reference))
+            run = functools.partial(geglu_gemm.geglu_linear, x, w, tile, out)
+            rows.append(_row("geglu", geglu_gemm.tile_label(tile), run, reference))
     return rows
 
 

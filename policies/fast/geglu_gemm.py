@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -70,13 +71,24 @@ AUTO_MIN_ROWS = 8192
 # The fastest tile at both large shapes; group_m 16 was faster at PhyAI b32 (6.29 ms) but slower
 # at LIBERO b64 (7.95), loop flattening slower at both (ptxas 3.9 here warns it serialises the wgmmas).
 TUNED = GegluTile(block_m=128, block_n=128, block_k=64, group_m=8, stages=3, warps=8, persistent=True)
+# What "auto" times on the bucket's own shape before capturing its graphs (fastest_tile), the fastest
+# used. They differ only in block order (group_m) and in whether gate and up are one wgmma operand
+# (wide): the same products summed in the same K order, so they write bit-identical activations (GPU
+# test) and the pick moves only speed. Why not one fixed tile: on the H200s lent, group 16 took 6.29-
+# 6.30 ms at PhyAI b32 against group 8's 6.51-6.55, but at LIBERO b64 7.95 on one card and 7.38 on
+# another against 7.52-7.62; wide took 6.17-6.40 / 7.41-7.59 (sweep_large_batch_nvidia-h200_20261201-
+# 220703, 20261202-012308).
+MEASURED_TILES = (TUNED, replace(TUNED, group_m=16), replace(TUNED, wide=True), replace(TUNED, wide=True, group_m=16))
+_fastest: dict[tuple, GegluTile] = {}
+measurements: dict[tuple, dict[str, float]] = {}  # (rows, 2F, K, device) -> {tile label: ms}, for reports
 
 
 def choose_tile(mode: str, rows: int, n: int, k: int, device: torch.device,
-                dtype: torch.dtype = torch.bfloat16) -> GegluTile | None:
+                dtype: torch.dtype = torch.bfloat16, weight: Tensor | None = None) -> GegluTile | None:
     """The fused kernel's tile for `rows` x K @ (n = 2F, K)^T, or None for cuBLAS + the GeGLU kernel.
     mode (policy.fast.geglu): "fused" wherever the tile fits, "auto" on CUDA from AUTO_MIN_ROWS rows,
-    "cublas" never. On CUDA only 2-byte operands: TUNED's shared-memory stages are sized for them."""
+    "cublas" never. On CUDA only 2-byte operands: TUNED's shared-memory stages are sized for them.
+    Given the (n, k) `weight` on CUDA: the fastest of MEASURED_TILES on it (fastest_tile), else TUNED."""
     if mode not in GEGLU_CHOICES:
         raise ValueError(f"policy.fast.geglu must be one of {GEGLU_CHOICES}, got {mode!r}")
     if mode == "cublas" or (mode == "auto" and (device.type != "cuda" or rows < AUTO_MIN_ROWS)):
@@ -84,7 +96,39 @@ def choose_tile(mode: str, rows: int, n: int, k: int, device: torch.device,
     if device.type == "cuda" and dtype.itemsize != 2:
         return None
     tile = TUNED if device.type == "cuda" else _fitting_small_tile(n, k)
-    return tile if tile is not None and tile.fits(rows, n, k) is None else None
+    if tile is None or tile.fits(rows, n, k) is not None:
+        return None
+    if device.type == "cuda" and weight is not None:
+        return fastest_tile(rows, weight, MEASURED_TILES)
+    return tile
+
+
+def tile_label(tile: GegluTile) -> str:
+    return (f"m{tile.block_m}n{tile.block_n}k{tile.block_k}s{tile.stages}w{tile.warps}g{tile.group_m}"
+            + "_ptr" * (not tile.tma) + "_persistent" * tile.persistent + "_flat" * tile.flatten + "_wide" * tile.wide)
+
+
+def fastest_tile(rows: int, weight: Tensor, tiles: tuple[GegluTile, ...], rounds: int = 3) -> GegluTile:
+    """The tile of `tiles` that ran x (rows, K) @ weight^T fastest on weight's device (random x; each
+    tile's best of `rounds` calls, taken round-robin so clock drift hits all alike; tiles that cannot
+    run the shape are left out); cached per (rows, weight shape, device). Call outside graph capture:
+    it allocates x and the output."""
+    n, k = weight.shape
+    key = (rows, n, k, str(weight.device))
+    if key not in _fastest:
+        x = torch.randn(rows, k, device=weight.device, dtype=weight.dtype)
+        out = torch.empty(rows, n // 2, device=weight.device, dtype=weight.dtype)
+        runnable = [tile for tile in tiles if tile.fits(rows, n, k) is None]
+        for tile in runnable:  # compiles each kernel before any timing
+            geglu_linear(x, weight, tile, out)
+        best_ms = {tile: float("inf") for tile in runnable}
+        for _ in range(rounds):
+            for tile in runnable:
+                ms = _call_ms(functools.partial(geglu_linear, x, weight, tile, out), weight.is_cuda)
+                best_ms[tile] = min(best_ms[tile], ms)
+        _fastest[key] = min(runnable, key=best_ms.get)
+        measurements[key] = {tile_label(tile): ms for tile, ms in best_ms.items()}
+    return _fastest[key]
 
 
 def _fitting_small_tile(n: int, k: int) -> GegluTile | None:
@@ -177,6 +221,27 @@ def _kernel():
                 tl.store(out_ptr + rows[:, None].to(tl.int64) * F + cols[None, :], act, mask=(rows < M)[:, None])
 
     return geglu_gemm_kernel
+
+
+def report(tile: GegluTile | None) -> dict:
+    """For result JSONs: the tile a bucket runs (None: cuBLAS + the GeGLU kernel) and every shape's
+    fastest_tile times so far, {"rows x 2F x K device": {tile label: ms}}."""
+    return {"tile": tile_label(tile) if tile is not None else None,
+            "measured_ms": {f"{r}x{n}x{k} {dev}": times for (r, n, k, dev), times in measurements.items()}}
+
+
+def _call_ms(fn, cuda: bool) -> float:
+    """One call's time: CUDA events on the GPU, the wall clock on the CPU (the interpreter is synchronous)."""
+    if not cuda:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 @functools.cache
