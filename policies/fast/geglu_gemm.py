@@ -108,11 +108,15 @@ def tile_label(tile: GegluTile) -> str:
             + "_ptr" * (not tile.tma) + "_persistent" * tile.persistent + "_flat" * tile.flatten + "_wide" * tile.wide)
 
 
-def fastest_tile(rows: int, weight: Tensor, tiles: tuple[GegluTile, ...], rounds: int = 3) -> GegluTile:
+def fastest_tile(rows: int, weight: Tensor, tiles: tuple[GegluTile, ...], rounds: int = 2,
+                 calls: int = 8) -> GegluTile:
     """The tile of `tiles` that ran x (rows, K) @ weight^T fastest on weight's device (random x; each
-    tile's best of `rounds` calls, taken round-robin so clock drift hits all alike; tiles that cannot
-    run the shape are left out); cached per (rows, weight shape, device). Call outside graph capture:
-    it allocates x and the output."""
+    tile's best of `rounds` runs of `calls` back-to-back calls, the runs taken round-robin so clock
+    drift hits all alike; tiles that cannot run the shape are left out); cached per (rows, weight
+    shape, device). Back-to-back calls because lone calls ran faster than sustained ones: on the H200
+    one call took 5.7-5.8 ms at PhyAI b32 where graph replays of the same kernels took 6.2-6.5 (likely
+    the card's power limit lowering its clocks), and the four tiles ranked differently at LIBERO b64.
+    Call outside graph capture: it allocates x and the output."""
     n, k = weight.shape
     key = (rows, n, k, str(weight.device))
     if key not in _fastest:
@@ -124,7 +128,7 @@ def fastest_tile(rows: int, weight: Tensor, tiles: tuple[GegluTile, ...], rounds
         best_ms = {tile: float("inf") for tile in runnable}
         for _ in range(rounds):
             for tile in runnable:
-                ms = _call_ms(functools.partial(geglu_linear, x, weight, tile, out), weight.is_cuda)
+                ms = _call_ms(functools.partial(geglu_linear, x, weight, tile, out), weight.is_cuda, calls)
                 best_ms[tile] = min(best_ms[tile], ms)
         _fastest[key] = min(runnable, key=best_ms.get)
         measurements[key] = {tile_label(tile): ms for tile, ms in best_ms.items()}
@@ -230,18 +234,21 @@ def report(tile: GegluTile | None) -> dict:
             "measured_ms": {f"{r}x{n}x{k} {dev}": times for (r, n, k, dev), times in measurements.items()}}
 
 
-def _call_ms(fn, cuda: bool) -> float:
-    """One call's time: CUDA events on the GPU, the wall clock on the CPU (the interpreter is synchronous)."""
+def _call_ms(fn, cuda: bool, calls: int) -> float:
+    """Mean ms per call of `calls` back-to-back calls: CUDA events on the GPU, the wall clock on the
+    CPU (the interpreter is synchronous)."""
     if not cuda:
         start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / calls
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    fn()
+    for _ in range(calls):
+        fn()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(end) / calls
 
 
 @functools.cache

@@ -120,7 +120,7 @@ def test_fastest_tile_times_the_runnable_tiles_once():
     fits = [GegluTile(16, 16, 32, group_m=g, stages=2, warps=4, persistent=True, wide=wide)
             for g in (2, 4) for wide in (False, True)]
     too_wide = GegluTile(16, 32, 32, stages=2, warps=4)  # F = 48 is no multiple of 32
-    picked = geglu_gemm.fastest_tile(x_rows, w, (*fits, too_wide), rounds=1)
+    picked = geglu_gemm.fastest_tile(x_rows, w, (*fits, too_wide), rounds=1, calls=1)
     key = (x_rows, 2 * f, k, str(w.device))
     assert picked in fits
     assert sorted(geglu_gemm.measurements[key]) == sorted(geglu_gemm.tile_label(t) for t in fits)
@@ -182,7 +182,7 @@ def test_gpu_sampler_fused_near_cublas_and_sees_weight_updates():
     policy = build_policy(gpu_cfg("bfloat16"), device="cuda")
     cfg = policy.cfg
     fused, got, replay = _sampler_outputs(policy.model, cfg, "fused", "cuda", "bfloat16")
-    assert next(iter(fused.buckets.values())).geglu_tile == geglu_gemm.TUNED
+    assert next(iter(fused.buckets.values())).geglu_tile in geglu_gemm.MEASURED_TILES
     _, want, _ = _sampler_outputs(policy.model, cfg, "cublas", "cuda", "bfloat16")
     assert relative_l2(got[0], want[0]) < 2e-2
     for a, b in zip(replay(), got, strict=True):
