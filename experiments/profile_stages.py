@@ -144,7 +144,7 @@ def profile(policy, spec: dict, batch: int, fast_overrides: dict, kernels: bool,
                 out["kernels"][stage] = common.kernel_table(run_stage, device, args.top)
         out.setdefault("attention", {"prefix": getattr(bucket.prefix_attn, "name", "?"),
                                      "expert": getattr(bucket.expert_attn, "name", "?")})
-        out.setdefault("geglu", geglu_gemm.report(bucket.geglu_tile))
+        out.setdefault("geglu_tile", geglu_gemm.tile_label(bucket.geglu_tile))
         del fast, bucket
     return out
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -64,31 +63,25 @@ class GegluTile:
 
 
 # "auto" fuses from this many prefix rows up. H200 sweeps (sweep_large_batch_nvidia-h200_20261201-
-# 220235 / -220255 / -220703), cuBLAS gate/up + GeGLU kernel against TUNED, per layer: 968 rows
-# (PhyAI b1) 0.197 against 0.207 ms; 30976 rows (PhyAI b32) 6.78-6.85 against 6.54; 35840 rows
+# 220235 / -220255 / -220703), cuBLAS gate/up + GeGLU kernel against the tuned tile, per layer: 968
+# rows (PhyAI b1) 0.197 against 0.207 ms; 30976 rows (PhyAI b32) 6.78-6.85 against 6.54; 35840 rows
 # (LIBERO b64) 7.93-8.04 against 7.52-7.62. Between 968 and 30976 rows nothing was measured.
 AUTO_MIN_ROWS = 8192
-# The fastest tile at both large shapes; group_m 16 was faster at PhyAI b32 (6.29 ms) but slower
-# at LIBERO b64 (7.95), loop flattening slower at both (ptxas 3.9 here warns it serialises the wgmmas).
-TUNED = GegluTile(block_m=128, block_n=128, block_k=64, group_m=8, stages=3, warps=8, persistent=True)
-# What "auto" times on the bucket's own shape before capturing its graphs (fastest_tile), the fastest
-# used. They differ only in block order (group_m) and in whether gate and up are one wgmma operand
-# (wide): the same products summed in the same K order, so they write bit-identical activations (GPU
-# test) and the pick moves only speed. Why not one fixed tile: on the H200s lent, group 16 took 6.29-
-# 6.30 ms at PhyAI b32 against group 8's 6.51-6.55, but at LIBERO b64 7.95 on one card and 7.38 on
-# another against 7.52-7.62; wide took 6.17-6.40 / 7.41-7.59 (sweep_large_batch_nvidia-h200_20261201-
-# 220703, 20261202-012308).
-MEASURED_TILES = (TUNED, replace(TUNED, group_m=16), replace(TUNED, wide=True), replace(TUNED, wide=True, group_m=16))
-_fastest: dict[tuple, GegluTile] = {}
-measurements: dict[tuple, dict[str, float]] = {}  # (rows, 2F, K, device) -> {tile label: ms}, for reports
+# Wide (one 64 x 256 wgmma per K step) with group 16, timed in one run beside the earlier tuned tile
+# (group 8, gate and up as two dots; sweep_large_batch_nvidia-h200_20261202-012308): 6.17 against
+# 6.51 ms at PhyAI b32, 7.41 against 7.53 at LIBERO b64. The variants differ only in block order and
+# in how the gate/up columns are grouped into wgmmas: the same products summed in the same K order,
+# bit-identical activations (GPU test). Group 16 with two dots: 6.29-6.30 at PhyAI b32 on two cards,
+# at LIBERO b64 7.38 on one and 7.95 on another. Loop flattening was slower at both shapes (ptxas 3.9
+# here warns it serialises the wgmmas).
+TUNED = GegluTile(block_m=128, block_n=128, block_k=64, group_m=16, stages=3, warps=8, persistent=True, wide=True)
 
 
 def choose_tile(mode: str, rows: int, n: int, k: int, device: torch.device,
-                dtype: torch.dtype = torch.bfloat16, weight: Tensor | None = None) -> GegluTile | None:
+                dtype: torch.dtype = torch.bfloat16) -> GegluTile | None:
     """The fused kernel's tile for `rows` x K @ (n = 2F, K)^T, or None for cuBLAS + the GeGLU kernel.
     mode (policy.fast.geglu): "fused" wherever the tile fits, "auto" on CUDA from AUTO_MIN_ROWS rows,
-    "cublas" never. On CUDA only 2-byte operands: TUNED's shared-memory stages are sized for them.
-    Given the (n, k) `weight` on CUDA: the fastest of MEASURED_TILES on it (fastest_tile), else TUNED."""
+    "cublas" never. On CUDA only 2-byte operands: TUNED's shared-memory stages are sized for them."""
     if mode not in GEGLU_CHOICES:
         raise ValueError(f"policy.fast.geglu must be one of {GEGLU_CHOICES}, got {mode!r}")
     if mode == "cublas" or (mode == "auto" and (device.type != "cuda" or rows < AUTO_MIN_ROWS)):
@@ -96,43 +89,15 @@ def choose_tile(mode: str, rows: int, n: int, k: int, device: torch.device,
     if device.type == "cuda" and dtype.itemsize != 2:
         return None
     tile = TUNED if device.type == "cuda" else _fitting_small_tile(n, k)
-    if tile is None or tile.fits(rows, n, k) is not None:
+    return tile if tile is not None and tile.fits(rows, n, k) is None else None
+
+
+def tile_label(tile: GegluTile | None) -> str | None:
+    """The tile's name in sweep rows and result JSONs (None: cuBLAS + the GeGLU kernel)."""
+    if tile is None:
         return None
-    if device.type == "cuda" and weight is not None:
-        return fastest_tile(rows, weight, MEASURED_TILES)
-    return tile
-
-
-def tile_label(tile: GegluTile) -> str:
     return (f"m{tile.block_m}n{tile.block_n}k{tile.block_k}s{tile.stages}w{tile.warps}g{tile.group_m}"
             + "_ptr" * (not tile.tma) + "_persistent" * tile.persistent + "_flat" * tile.flatten + "_wide" * tile.wide)
-
-
-def fastest_tile(rows: int, weight: Tensor, tiles: tuple[GegluTile, ...], rounds: int = 2,
-                 calls: int = 8) -> GegluTile:
-    """The tile of `tiles` that ran x (rows, K) @ weight^T fastest on weight's device (random x; each
-    tile's best of `rounds` runs of `calls` back-to-back calls, the runs taken round-robin so clock
-    drift hits all alike; tiles that cannot run the shape are left out); cached per (rows, weight
-    shape, device). Back-to-back calls because lone calls ran faster than sustained ones: on the H200
-    one call took 5.7-5.8 ms at PhyAI b32 where graph replays of the same kernels took 6.2-6.5 (likely
-    the card's power limit lowering its clocks), and the four tiles ranked differently at LIBERO b64.
-    Call outside graph capture: it allocates x and the output."""
-    n, k = weight.shape
-    key = (rows, n, k, str(weight.device))
-    if key not in _fastest:
-        x = torch.randn(rows, k, device=weight.device, dtype=weight.dtype)
-        out = torch.empty(rows, n // 2, device=weight.device, dtype=weight.dtype)
-        runnable = [tile for tile in tiles if tile.fits(rows, n, k) is None]
-        for tile in runnable:  # compiles each kernel before any timing
-            geglu_linear(x, weight, tile, out)
-        best_ms = {tile: float("inf") for tile in runnable}
-        for _ in range(rounds):
-            for tile in runnable:
-                ms = _call_ms(functools.partial(geglu_linear, x, weight, tile, out), weight.is_cuda, calls)
-                best_ms[tile] = min(best_ms[tile], ms)
-        _fastest[key] = min(runnable, key=best_ms.get)
-        measurements[key] = {tile_label(tile): ms for tile, ms in best_ms.items()}
-    return _fastest[key]
 
 
 def _fitting_small_tile(n: int, k: int) -> GegluTile | None:
@@ -225,30 +190,6 @@ def _kernel():
                 tl.store(out_ptr + rows[:, None].to(tl.int64) * F + cols[None, :], act, mask=(rows < M)[:, None])
 
     return geglu_gemm_kernel
-
-
-def report(tile: GegluTile | None) -> dict:
-    """For result JSONs: the tile a bucket runs (None: cuBLAS + the GeGLU kernel) and every shape's
-    fastest_tile times so far, {"rows x 2F x K device": {tile label: ms}}."""
-    return {"tile": tile_label(tile) if tile is not None else None,
-            "measured_ms": {f"{r}x{n}x{k} {dev}": times for (r, n, k, dev), times in measurements.items()}}
-
-
-def _call_ms(fn, cuda: bool, calls: int) -> float:
-    """Mean ms per call of `calls` back-to-back calls: CUDA events on the GPU, the wall clock on the
-    CPU (the interpreter is synchronous)."""
-    if not cuda:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - start) * 1e3 / calls
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 @functools.cache

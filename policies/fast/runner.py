@@ -221,7 +221,7 @@ class FastSampler:
         gate_up = self.w.prefix[0]["gate_up"]
         if gate_up.fp8 is None and gate_up.bias is None:
             bucket.geglu_tile = geglu_gemm.choose_tile(self.fast.geglu, batch * p, *gate_up.weight.shape, dev,
-                                                       self.dtype, weight=gate_up.weight)
+                                                       self.dtype)
         bucket.host_pack = torch.empty(pack.numel(), dtype=torch.long, pin_memory=dev.type == "cuda")
         full = torch.full((batch,), p, dtype=torch.int32)
         heads = cfg.prefix.num_heads
