@@ -182,8 +182,7 @@ def _kernel():
                         acc_up = tl.dot(x, w_up.T, acc_up)
             if WIDE:  # column c pairs with c + BN (the same thread's registers in the wgmma layout)
                 acc_gate, acc_up = acc.reshape(BM, 2, BN).permute(0, 2, 1).split()
-            act = C.gelu_tanh(acc_gate) * acc_up
-            act = act.to(out_ptr.dtype.element_ty)
+            act = (C.gelu_tanh(acc_gate) * acc_up).to(out_ptr.dtype.element_ty)
             if TMA:  # the store drops rows past M
                 out_desc.store([off_m, off_n], act)
             else:
@@ -235,7 +234,7 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
                            BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
                            TMA=tile.tma, PERSISTENT=tile.persistent, PROGRAMS=programs, FLATTEN=tile.flatten,
                            UPCAST=os.environ.get("TRITON_INTERPRET") == "1", IEEE=x.dtype == torch.float32,
-                           WIDE=tile.wide,                           num_warps=tile.warps, num_stages=tile.stages)
+                           WIDE=tile.wide, num_warps=tile.warps, num_stages=tile.stages)
     return out
 
 
