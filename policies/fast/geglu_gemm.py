@@ -122,7 +122,7 @@ def _kernel():
     def geglu_gemm_kernel(x_desc, w_desc, out_desc, x_ptr, w_ptr, out_ptr, M, F, K,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                           TMA: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
-                          FLATTEN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
+                          FLATTEN: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
         row_blocks = tl.cdiv(M, BM)
         col_blocks = F // BN
         blocks = row_blocks * col_blocks
@@ -160,10 +160,7 @@ def _kernel():
                         w = tl.load(w_ptr + pair_rows[:, None].to(tl.int64) * K + (k0 + ks)[None, :])
                     if UPCAST:
                         w = w.to(tl.float32)
-                    if IEEE:  # fp32 operands: full fp32 products (the GPU's default for fp32 dots is TF32)
-                        acc = tl.dot(x, w.T, acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(x, w.T, acc)
+                    acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
                 else:
                     if TMA:
                         w_gate = w_desc.load([off_n, k0])
@@ -174,12 +171,8 @@ def _kernel():
                         w_up = tl.load(w_rows + F.to(tl.int64) * K)
                     if UPCAST:
                         w_gate, w_up = w_gate.to(tl.float32), w_up.to(tl.float32)
-                    if IEEE:
-                        acc_gate = tl.dot(x, w_gate.T, acc_gate, input_precision="ieee")
-                        acc_up = tl.dot(x, w_up.T, acc_up, input_precision="ieee")
-                    else:
-                        acc_gate = tl.dot(x, w_gate.T, acc_gate)
-                        acc_up = tl.dot(x, w_up.T, acc_up)
+                    acc_gate = tl.dot(x, w_gate.T, acc_gate, input_precision=PRECISION)
+                    acc_up = tl.dot(x, w_up.T, acc_up, input_precision=PRECISION)
             if WIDE:  # column c pairs with c + BN (the same thread's registers in the wgmma layout)
                 acc_gate, acc_up = acc.reshape(BM, 2, BN).permute(0, 2, 1).split()
             act = (C.gelu_tanh(acc_gate) * acc_up).to(out_ptr.dtype.element_ty)
@@ -189,6 +182,12 @@ def _kernel():
                 tl.store(out_ptr + rows[:, None].to(tl.int64) * F + cols[None, :], act, mask=(rows < M)[:, None])
 
     return geglu_gemm_kernel
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: fp32 operands as full fp32 products ("ieee"; the GPU's default for fp32
+    dots is TF32); for 2-byte operands the setting has no effect and "tf32" is Triton's own default."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @functools.cache
@@ -233,7 +232,7 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
     _kernel()[(programs,)](x_desc, w_desc, out_desc, x, weight, out, m, f, k,
                            BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
                            TMA=tile.tma, PERSISTENT=tile.persistent, PROGRAMS=programs, FLATTEN=tile.flatten,
-                           UPCAST=os.environ.get("TRITON_INTERPRET") == "1", IEEE=x.dtype == torch.float32,
+                           UPCAST=os.environ.get("TRITON_INTERPRET") == "1", PRECISION=_dot_precision(x.dtype),
                            WIDE=tile.wide, num_warps=tile.warps, num_stages=tile.stages)
     return out
 
