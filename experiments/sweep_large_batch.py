@@ -296,19 +296,19 @@ def _attention_rows(section, b, t, key_rows, rows_per_slot, device, dtype, p, wi
             attn.plan(key_len)
             rows.append(_row(section, label, functools.partial(attn, q, k_cache, v_cache), reference))
     if with_cudnn:
-        rows += _cudnn_attention_rows(section, b, t, rows_per_slot, q, k_cache, v_cache, key_len, reference, device)
+        rows += _cudnn_attention_rows(section, b, t, rows_per_slot, q, k_cache, v_cache, key_len, reference, device,
+                                      sdpa)
     return rows
 
 
-def _cudnn_attention_rows(section, b, t, rows_per_slot, q, k_cache, v_cache, key_len, reference, device):
-    """SDPA with a backend forced: K/V expanded by a copy, as a stride-0 view, or passed as GQA."""
+def _cudnn_attention_rows(section, b, t, rows_per_slot, q, k_cache, v_cache, key_len, reference, device, sdpa):
+    """SDPA with a backend forced: K/V expanded by a copy (`sdpa`, the planned SdpaAttention the rows'
+    reference came from), as a stride-0 view, or passed as GQA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from policies.fast.attention import SdpaAttention
 
     heads, hd = q.shape[2], q.shape[3]
-    sdpa = SdpaAttention(b, rows_per_slot, device)
-    sdpa.plan(key_len)
     gqa = SdpaAttention(b, rows_per_slot, device, native_gqa=True)
     gqa.plan(key_len)
     mask = (torch.arange(rows_per_slot, device=device)[None, :] < t)[:, None, None, :].expand(b, 1, 1, -1)
