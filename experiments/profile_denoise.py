@@ -53,11 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=4)
     p.add_argument("--sweep-limit", type=int, default=0, help="at most this many tile candidates per shape (0: all)")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--variants", nargs="+", default=["cublas/triton/off/off", "skinny/triton/off/off",
-                                                     "skinny/triton/on/off", "skinny/triton/off/on",
-                                                     "skinny/triton/on/on", "auto/auto/auto/auto"],
-                   help="gemm/attention/pdl[/prefetch] settings of policy.fast to time (prefetch default auto; "
-                        "the first is the chains' reference)")
+    p.add_argument("--variants", nargs="+", default=["cublas/sdpa/off", "cublas/triton/off", "skinny/triton/off",
+                                                     "skinny/triton/on", "skinny/triton/early", "auto/auto/auto"],
+                   help="gemm/attention/pdl settings of policy.fast to time (the first is the chains' reference)")
     p.add_argument("--breakdown", nargs="*", default=["cublas/sdpa", "skinny/triton"],
                    help="gemm/attention settings profiled kernel by kernel (eager)")
     p.add_argument("--sweep", action="store_true", help="also sweep the skinny tiles of every expert projection")
@@ -87,7 +85,7 @@ def main(argv=None) -> None:
                                       "variants": variants})
             for variant, v in variants.items():
                 print(f"{name} b={batch} {variant:24s} denoise {v['ms']:.3f} ms  attention {v['attention']}  "
-                      f"rel {v['chains_rel_l2_vs_first']:.1e}  bits-equal-to-plain {v.get('bit_equal', '-')}",
+                      f"rel {v['chains_rel_l2_vs_first']:.1e}  pdl-bits-equal {v.get('bit_equal_to_pdl_off', '-')}",
                       flush=True)
         if device.type == "cuda":
             record["kernels"][name] = {v: kernel_breakdown(policy, spec, v, device) for v in args.breakdown}
@@ -133,47 +131,31 @@ def tuned_for(policy, tile_set: str | None) -> dict:
     return {**skinny.TUNED, **{shapes[name]: tile for name, tile in TILE_SETS[tile_set].items()}}
 
 
-def parse_variant(variant: str) -> tuple[str, str, str, str]:
-    """ "gemm[@tile set]/attention/pdl[/prefetch]" -> its four fields (prefetch "auto" when left out)."""
-    fields = variant.split("/")
-    if len(fields) not in (3, 4):
-        raise ValueError(f"a variant is gemm/attention/pdl[/prefetch], got {variant!r}")
-    return (*fields, "auto") if len(fields) == 3 else tuple(fields)
-
-
 def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     """Denoise-stage replay time of every variant on the same inputs; chains against the first
-    variant's, and whether variants that differ from a pdl=off, prefetch=off twin only in PDL and
-    L2 prefetch give identical bits (they must)."""
+    variant's, and whether variants that differ only in PDL give identical bits (they must)."""
     inputs, noise = common.make_inputs(policy.cfg, batch, spec["prompt_len"], device, seed=batch)
     stoch = torch.zeros(batch, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
-    out, chains, plain = {}, {}, {}
+    out, chains = {}, {}
     for variant in args.variants:
-        gemm, attention, pdl_mode, prefetch_mode = parse_variant(variant)
+        gemm, attention, pdl_mode = variant.split("/")
         gemm, _, tile_set = gemm.partition("@")
         saved, skinny.TUNED = skinny.TUNED, tuned_for(policy, tile_set or None)
         try:
-            fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode,
-                            prefetch=prefetch_mode)
+            fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode)
             chains[variant] = fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
         finally:
             skinny.TUNED = saved
         bucket = next(iter(fast.buckets.values()))
         ms = common.timed_ms(lambda f=fast, b=bucket: f.run_stage(b, "denoise"), device, 3, args.iters)
-        out[variant] = {"ms": ms, "pdl_code": fast._pdl_for(bucket), "prefetch": bool(bucket.l2_targets),
-                        "attention": getattr(bucket.expert_attn, "name", "?"),
+        out[variant] = {"ms": ms, "pdl_code": fast.pdl, "attention": getattr(bucket.expert_attn, "name", "?"),
                         "tiles": {k: None if t is None else vars(t) for k, t in bucket.tiles.items()},
                         "chains_rel_l2_vs_first": relative_l2(chains[variant], chains[args.variants[0]])}
-        if out[variant]["pdl_code"] == 0 and not out[variant]["prefetch"]:
-            plain.setdefault((gemm, tile_set, attention), variant)  # the first plain run of these kernels
         del fast
     for variant in args.variants:
-        gemm, attention = parse_variant(variant)[:2]
-        gemm, _, tile_set = gemm.partition("@")
-        twin = plain.get((gemm, tile_set, attention))
-        if twin is not None and twin != variant:
-            out[variant]["bit_equal_to_plain"] = twin
-            out[variant]["bit_equal"] = bool(torch.equal(chains[variant], chains[twin]))
+        twin = variant.rsplit("/", 1)[0] + "/off"
+        if twin in chains and twin != variant:
+            out[variant]["bit_equal_to_pdl_off"] = bool(torch.equal(chains[variant], chains[twin]))
     return out
 
 

@@ -14,7 +14,6 @@ PRECISIONS = ("bf16", "fp8")
 GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
 GEGLU_CHOICES = ("auto", "cublas", "fused")  # policies/fast/geglu_gemm.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
-PREFETCH_CHOICES = ("auto", "off", "on")  # policies/fast/prefetch.py
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -46,9 +45,6 @@ class FastConfig:
     "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk).
     pdl: programmatic dependent launch of the denoise graph's Triton kernels (policies/fast/pdl.py):
     "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs).
-    prefetch: the denoise loop's non-GEMM kernels (RoPE, attention, norms) pull the weights of the
-    expert's next projections into L2 while they run (policies/fast/prefetch.py): "off", "on", or
-    "auto" (on where the skinny GEMMs run, see prefetch.AUTO).
     geglu: the prefix's bf16 gate/up projection and GeGLU: "fused" as one Triton GEMM that writes
     only the activation (policies/fast/geglu_gemm.py), "cublas" as cuBLAS + a GeGLU kernel, "auto"
     fused on CUDA from geglu_gemm.AUTO_MIN_ROWS prefix rows (batch x tokens) up. An FP8 gate/up
@@ -65,7 +61,6 @@ class FastConfig:
     precision: str = "bf16"
     gemm: str = "auto"
     pdl: str = "auto"
-    prefetch: str = "auto"
     geglu: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
 
@@ -90,8 +85,6 @@ class FastConfig:
             raise ValueError(f"{key}.geglu must be one of {GEGLU_CHOICES}, got {self.geglu!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
-        if self.prefetch not in PREFETCH_CHOICES:
-            raise ValueError(f"{key}.prefetch must be one of {PREFETCH_CHOICES}, got {self.prefetch!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"{key}.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         for name in ("batch_buckets", "prompt_buckets"):

@@ -28,7 +28,6 @@ from torch import Tensor
 
 from policies import flow
 from policies.fast.pdl import launch_kwargs
-from policies.fast.prefetch import kernel_args
 
 # rope_scatter_qkv's programs: one token and one head each up to ROPE_TOKENS_PER_PROGRAM_FROM tokens
 # (latency), ROPE_TOKENS_PER_PROGRAM tokens and one head above, and those tokens with all their heads
@@ -123,11 +122,10 @@ def _triton_kernels():
     @triton.jit
     def add_norm_kernel(
         h_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, out_ptr, width, eps,
-        gate_row_stride, scale_row_stride, shift_row_stride, y_splits, y_split_stride, pf_ptr, pf_lines,
+        gate_row_stride, scale_row_stride, shift_row_stride, y_splits, y_split_stride,
         HAS_Y: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, LAYER_NORM: tl.constexpr,
-        BLOCK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
-        C.prefetch_l2(pf_ptr, pf_lines, PREFETCH)  # prefetch.py: a projection's weights further ahead
         C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -155,11 +153,10 @@ def _triton_kernels():
     @triton.jit
     def rope_scatter_kernel(
         qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
-        num_tokens, tokens_per_sample, cache_rows, splits, split_stride, pf_ptr, pf_lines,
+        num_tokens, tokens_per_sample, cache_rows, splits, split_stride,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, TOKENS: tl.constexpr,
-        ALL_HEADS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        ALL_HEADS: tl.constexpr, PDL: tl.constexpr,
     ):
-        C.prefetch_l2(pf_ptr, pf_lines, PREFETCH)  # prefetch.py: a projection's weights further ahead
         C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         # One program per TOKENS tokens and one head (0..H-1 q heads, then KV k heads, then KV v
         # heads), or with ALL_HEADS every head of its tokens, the RoPE tables read once for all of
@@ -229,19 +226,18 @@ def _row_stride(t: Tensor | None) -> int:
 
 
 def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool, y_splits: int = 1,
-                     pdl: int = 0, prefetch: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     pdl: int = 0) -> tuple[Tensor, Tensor]:
     kernel = _triton_kernels()[0]
     width = h.shape[-1]
     rows = h.numel() // width
     out = torch.empty_like(h)
     block = 1 << max(4, math.ceil(math.log2(width)))
-    pf_ptr, pf_lines, pf_on = kernel_args(prefetch, h)
     kernel[(rows,)](
         h, y if y is not None else h, gate if gate is not None else h, scale,
         shift if shift is not None else scale, out, width, eps,
-        _row_stride(gate), _row_stride(scale), _row_stride(shift), y_splits, rows * width, pf_ptr, pf_lines,
+        _row_stride(gate), _row_stride(scale), _row_stride(shift), y_splits, rows * width,
         HAS_Y=y is not None, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None, LAYER_NORM=layer_norm,
-        BLOCK=block, PDL=pdl, PREFETCH=pf_on, num_warps=8 if width >= 2048 else 4, **launch_kwargs(pdl),
+        BLOCK=block, PDL=pdl, num_warps=8 if width >= 2048 else 4, **launch_kwargs(pdl),
     )
     return h, out
 
@@ -262,7 +258,7 @@ def add_layer_norm_triton(
 
 def rope_scatter_qkv_triton(
     qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int,
-    q_out: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, pdl: int = 0, prefetch: Tensor | None = None,
+    q_out: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, pdl: int = 0,
 ) -> None:
     kernel = _triton_kernels()[1]
     b, t = cos.shape[:2]
@@ -270,11 +266,10 @@ def rope_scatter_qkv_triton(
     splits = qkv.shape[0] if qkv.dim() == 4 else 1  # (splits, B, T, width) fp32 partials (skinny.py)
     tokens = 1 if b * t <= ROPE_TOKENS_PER_PROGRAM_FROM else ROPE_TOKENS_PER_PROGRAM
     all_heads = b * t >= ROPE_ALL_HEADS_FROM
-    pf_ptr, pf_lines, pf_on = kernel_args(prefetch, qkv)
     kernel[(math.ceil(b * t / tokens), 1 if all_heads else num_heads + 2 * num_kv_heads)](
         qkv, cos, sin, q_out, k_cache, v_cache, slots, b * t, t, k_cache.shape[1], splits, b * t * qkv.shape[-1],
-        pf_ptr, pf_lines, H=num_heads, KV=num_kv_heads, HD=hd, HALF=hd // 2, TOKENS=tokens, ALL_HEADS=all_heads,
-        PDL=pdl, PREFETCH=pf_on, num_warps=1 if tokens == 1 else 4, **launch_kwargs(pdl),
+        H=num_heads, KV=num_kv_heads, HD=hd, HALF=hd // 2, TOKENS=tokens, ALL_HEADS=all_heads, PDL=pdl,
+        num_warps=1 if tokens == 1 else 4, **launch_kwargs(pdl),
     )
 
 
@@ -302,9 +297,9 @@ def flow_step_triton(chains, v, step_noise, stochastic, logp, k, t, delta, sigma
 # ----------------------------------------------------------------------------- dispatch
 
 
-def add_rms_norm(h, y, gate, scale, shift, eps, pdl: int = 0, prefetch: Tensor | None = None):
+def add_rms_norm(h, y, gate, scale, shift, eps, pdl: int = 0):
     if triton_usable(h) and h.is_contiguous():
-        return _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm=False, pdl=pdl, prefetch=prefetch)
+        return _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm=False, pdl=pdl)
     new_h, normed = add_rms_norm_reference(h, y, gate, scale, shift, eps)
     if y is not None:
         h.copy_(new_h)
@@ -329,24 +324,22 @@ def linear_gelu_tanh(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     return torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias), approximate="tanh")
 
 
-def rope_scatter_qkv(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots, pdl: int = 0,
-                     prefetch: Tensor | None = None):
+def rope_scatter_qkv(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots, pdl: int = 0):
     """qkv (B, T, width), or (splits, B, T, width) fp32 split-K partials (skinny.py) summed first.
-    pdl: pdl.py's mode code; prefetch: a weight to pull into L2 (prefetch.py); both CUDA only."""
+    pdl: pdl.py's mode code (CUDA only)."""
     if triton_usable(qkv) and qkv.is_contiguous():
-        return rope_scatter_qkv_triton(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots, pdl,
-                                       prefetch)
+        return rope_scatter_qkv_triton(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots, pdl)
     if qkv.dim() == 4:
         qkv = sum_partials(qkv)
     return rope_scatter_qkv_reference(qkv, cos, sin, num_heads, num_kv_heads, q_out, k_cache, v_cache, slots)
 
 
-def add_rms_norm_partials(h, partials, gate, scale, shift, eps, pdl: int = 0, prefetch: Tensor | None = None):
+def add_rms_norm_partials(h, partials, gate, scale, shift, eps, pdl: int = 0):
     """add_rms_norm with y given as (splits, rows, W) fp32 split-K partials (skinny.py), summed in
     split order in fp32 (not rounded to h's dtype before the gate, unlike a GEMM's bf16 output)."""
     if triton_usable(h) and h.is_contiguous() and partials.is_contiguous():
         return _add_norm_triton(h, partials, gate, scale, shift, eps, layer_norm=False, y_splits=partials.shape[0],
-                                pdl=pdl, prefetch=prefetch)
+                                pdl=pdl)
     return add_rms_norm(h, sum_partials(partials), gate, scale, shift, eps)
 
 

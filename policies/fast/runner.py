@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import fp8, geglu_gemm, pdl, prefetch, skinny
+from policies.fast import fp8, geglu_gemm, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -47,7 +47,6 @@ class Bucket:
     graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
     tiles: dict = field(default_factory=dict)  # expert projection -> skinny.SkinnyTile, or None: cuBLAS
     geglu_tile: object = None  # geglu_gemm.GegluTile of the prefix's gate/up + GeGLU, or None: cuBLAS
-    l2_targets: list = field(default_factory=list)  # per expert layer, prefetch.plan's slot -> weight ([]: off)
     host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
     staged: object = None  # CUDA event recorded after the last copy out of host_pack
     layout_key: tuple | None = None  # the masks whose token layout index_pack and the attention plans hold
@@ -230,8 +229,6 @@ class FastSampler:
         bucket.expert_attn = self.selector.build("expert", batch, h, rows, heads, kv, hd, self.dtype, dev, full)
         if hasattr(bucket.expert_attn, "pdl"):
             bucket.expert_attn.pdl = self._pdl_for(bucket)
-        if prefetch.enabled(self.fast.prefetch, dev, any(t is not None for t in bucket.tiles.values())):
-            bucket.l2_targets = prefetch.plan(self.w.expert, getattr(bucket.expert_attn, "prefetches", False))
         self.buckets[key] = bucket
         return bucket
 
@@ -347,23 +344,20 @@ class FastSampler:
         _, normed = K.add_rms_norm(h, None, None, scale, shift, ecfg.rms_norm_eps)
         tiles, pdl_code = bk.tiles, self._pdl_for(bk)
         for i, lw in enumerate(w.expert):
-            pf = bk.l2_targets[i] if bk.l2_targets else {}  # prefetch.py: weights pulled into L2 ahead
             qkv = _project(normed, lw["qkv"], tiles["qkv"], pdl_code)
             K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], b, hlen, -1), cos, sin, ecfg.num_heads, ecfg.num_kv_heads,
-                               q, bk.k_cache[i], bk.v_cache[i], bk.tensors["suffix_slots"], pdl_code, pf.get("rope"))
-            attn_pf = {"prefetch": pf["attention"]} if "attention" in pf else {}
-            attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i], **attn_pf).reshape(b * hlen, -1)
+                               q, bk.k_cache[i], bk.v_cache[i], bk.tensors["suffix_slots"], pdl_code)
+            attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1)
             o = _project(attn, lw["o"], tiles["o"], pdl_code)
             scale, shift, post_gate = w.modulation(step, 2 * i + 1)
-            h, normed = _add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps, pdl_code, pf.get("post_o_norm"))
+            h, normed = _add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
             if tiles["gate_up"] is not None:  # projection and GeGLU in one kernel
                 act = skinny.skinny_linear(normed, lw["gate_up"].weight, tiles["gate_up"], gelu_mul=True, pdl=pdl_code)
             else:
                 act = K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight))
             mlp = _project(act, lw["down"], tiles["down"], pdl_code)
             scale, shift, gate = w.modulation(step, 2 * i + 2)  # next input norm, or the final norm
-            h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, pdl_code,
-                                  pf.get("post_down_norm"))
+            h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
         out = F.linear(normed.float(), w.action_out.weight.float(), w.action_out.bias.float())
         return out.view(b, hlen, d)
 
@@ -411,10 +405,10 @@ def _add_projection_norm(h: Tensor, x: Tensor, lw, norm_weight: Tensor, eps: flo
     return K.add_rms_norm(h, fp8.project(x, lw, act), None, norm_weight, None, eps)
 
 
-def _add_norm(h: Tensor, y: Tensor, gate, scale, shift, eps, pdl_code: int = 0, l2_target: Tensor | None = None):
+def _add_norm(h: Tensor, y: Tensor, gate, scale, shift, eps, pdl_code: int = 0):
     if y.dim() == 3:  # split-K partials
-        return K.add_rms_norm_partials(h, y, gate, scale, shift, eps, pdl_code, l2_target)
-    return K.add_rms_norm(h, y, gate, scale, shift, eps, pdl_code, l2_target)
+        return K.add_rms_norm_partials(h, y, gate, scale, shift, eps, pdl_code)
+    return K.add_rms_norm(h, y, gate, scale, shift, eps, pdl_code)
 
 
 def _drop_unused_cameras(inputs, image_masks: Tensor, cam_bits: int | None = None):

@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from policies.fast.pdl import launch_kwargs
-from policies.fast.prefetch import kernel_args
 
 LOG2_E = 1.4426950408889634  # scores are scaled into log2 units so the softmax runs on exp2
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
@@ -37,11 +36,10 @@ def _kernels():
     @triton.jit
     def split_kv_attention(
         q_ptr, k_ptr, v_ptr, key_len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-        qk_scale, T, S, NUM_SPLITS, SPLIT_ROWS, pf_ptr, pf_lines,
+        qk_scale, T, S, NUM_SPLITS, SPLIT_ROWS,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        DIRECT: tl.constexpr, PDL: tl.constexpr,
     ):
-        C.prefetch_l2(pf_ptr, pf_lines, PREFETCH)  # prefetch.py: a projection's weights further ahead
         C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         group = H // KV
         bk = tl.program_id(0)  # b * KV + kv head
@@ -265,16 +263,8 @@ class TritonSplitKVAttention:
         )
         return out.view(b, t, heads * hd)
 
-    @property
-    def prefetches(self) -> bool:
-        """Whether __call__ takes a `prefetch` target (prefetch.py): the split-KV kernel does."""
-        return not self.tma
-
-    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, prefetch: Tensor | None = None) -> Tensor:
-        """prefetch: a weight the split-KV kernel's programs pull into L2 (prefetch.py; not the TMA kernel)."""
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         if self.tma:
-            if prefetch is not None:
-                raise ValueError("the TMA attention kernel takes no prefetch target (see `prefetches`)")
             return self._call_tma(q, k_cache, v_cache)
         attend, merge = _kernels()[:2]
         b, t, heads, hd = q.shape
@@ -283,12 +273,10 @@ class TritonSplitKVAttention:
         direct = self.num_splits == 1
         part_o = out if direct else self.part_o
         part_lse = out if direct else self.part_lse
-        pf_ptr, pf_lines, pf_on = kernel_args(prefetch, q)
         attend[(b * kv, self.row_tiles, self.num_splits)](
             q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5 * LOG2_E, t, k_cache.shape[1],
-            self.num_splits, self.split_rows, pf_ptr, pf_lines, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M,
-            BLOCK_N=self.BLOCK_N, DIRECT=direct, PDL=self.pdl, PREFETCH=pf_on, num_warps=self.WARPS,
-            num_stages=self.STAGES, **launch_kwargs(self.pdl),
+            self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
+            DIRECT=direct, PDL=self.pdl, num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl),
         )
         if not direct:
             packed = t * (heads // kv)

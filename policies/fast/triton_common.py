@@ -33,23 +33,6 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptr, lines, PREFETCH: tl.constexpr, CHUNK: tl.constexpr = 128):
-    """prefetch.py: pull this program's share of the `lines` 128-byte lines from ptr on into L2, CHUNK
-    lines per round; programs are numbered over the whole grid. Fire and forget: nothing waits for
-    the prefetches and nothing is written. PREFETCH False compiles to nothing."""
-    if PREFETCH:
-        n0, n1 = tl.num_programs(0), tl.num_programs(1)
-        program = tl.program_id(0) + n0 * (tl.program_id(1) + n1 * tl.program_id(2))
-        share = tl.cdiv(tl.cdiv(lines, n0 * n1 * tl.num_programs(2)), CHUNK) * CHUNK
-        base = ptr.to(tl.pointer_type(tl.int8), bitcast=True)
-        start = program * share
-        for first in range(start, tl.minimum(start + share, lines), CHUNK):
-            line = tl.minimum(first + tl.arange(0, CHUNK), lines - 1).to(tl.int64)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base + line * 128],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def gelu_tanh(x):
     """gelu_tanh(x) in fp32 as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the same function
     as 0.5 x (1 + tanh(u)) in one exp2 and one division (no 1 + (tanh - 1) cancellation for
