@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="gemm/attention/pdl settings of policy.fast to time (the first is the chains' reference)")
     p.add_argument("--breakdown", nargs="*", default=["cublas/sdpa", "skinny/triton"],
                    help="gemm/attention settings profiled kernel by kernel (eager)")
+    p.add_argument("--graph-timeline", action="store_true",
+                   help="also profile one replay of the default settings' denoise graph at batch 1: per kernel "
+                        "name its device time inside the graph, and the replay's span, idle gaps and overlap")
     p.add_argument("--sweep", action="store_true", help="also sweep the skinny tiles of every expert projection")
     p.add_argument("--attention-sweep", action="store_true",
                    help="also sweep SDPA and the Triton attention's blocks (b = --batch-sizes)")
@@ -89,6 +92,8 @@ def main(argv=None) -> None:
                       flush=True)
         if device.type == "cuda":
             record["kernels"][name] = {v: kernel_breakdown(policy, spec, v, device) for v in args.breakdown}
+        if args.graph_timeline and device.type == "cuda":
+            record.setdefault("graph_timeline", {})[name] = graph_timeline(policy, spec, device)
         if args.attention_sweep:
             record["attention_sweep"][name] = attention_sweep(policy.cfg, spec, device, args)
         del policy
@@ -168,6 +173,40 @@ def kernel_breakdown(policy, spec: dict, variant: str, device) -> dict:
     fast.sample_chains(inputs, noise, None, stoch)
     bucket = next(iter(fast.buckets.values()))
     return common.kernel_table(lambda: fast.run_stage(bucket, "denoise"), device, top=25)
+
+
+def graph_timeline(policy, spec: dict, device) -> dict:
+    """One replay of the default settings' denoise graph at batch 1 under torch.profiler: device time
+    per kernel name (PDL lets kernels overlap, so these are what each costs inside the graph, unlike
+    kernel_breakdown's eager launches), the replay's span, the time no kernel ran, and the overlap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs, noise = common.make_inputs(policy.cfg, 1, spec["prompt_len"], device, seed=1)
+    stoch = torch.zeros(1, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
+    fast = _sampler(policy, 1, spec["prompt_len"])
+    fast.sample_chains(inputs, noise, None, stoch)
+    bucket = next(iter(fast.buckets.values()))
+    for _ in range(3):
+        fast.run_stage(bucket, "denoise")
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fast.run_stage(bucket, "denoise")
+        torch.cuda.synchronize(device)
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA")
+    if not spans:
+        return {"kernels": 0, "note": "the profiler recorded no kernel inside the graph replay"}
+    per_name: dict[str, list[float]] = defaultdict(list)
+    idle, reach = 0.0, spans[0][0]
+    for start, end, name in spans:
+        per_name[name].append(end - start)
+        idle += max(0.0, start - reach)
+        reach = max(reach, end)
+    span = reach - spans[0][0]
+    busy = sum(end - start for start, end, _ in spans)
+    rows = sorted(((n, sum(v), len(v)) for n, v in per_name.items()), key=lambda r: -r[1])
+    return {"kernels": len(spans), "span_us": span, "idle_us": idle, "overlap_us": busy - (span - idle),
+            "top": [{"kernel": n[:140], "us": us, "calls": c, "mean_us": us / c} for n, us, c in rows[:15]]}
 
 
 def graph_time_us(fn, device, iters: int) -> float:
