@@ -176,9 +176,10 @@ def kernel_breakdown(policy, spec: dict, variant: str, device) -> dict:
 
 
 def graph_timeline(policy, spec: dict, device) -> dict:
-    """One replay of the default settings' denoise graph at batch 1 under torch.profiler: device time
-    per kernel name (PDL lets kernels overlap, so these are what each costs inside the graph, unlike
-    kernel_breakdown's eager launches), the replay's span, the time no kernel ran, and the overlap."""
+    """One replay of the default settings' denoise graph at batch 1 under torch.profiler, per kernel
+    name: its share of the replay's critical path (`chain_us`) and its device time from launch to end
+    (`us`: with PDL a kernel launches early and waits, so these overlap); and the replay's span, the
+    time no kernel ran, and the overlap."""
     from torch.profiler import ProfilerActivity, profile
 
     inputs, noise = common.make_inputs(policy.cfg, 1, spec["prompt_len"], device, seed=1)
@@ -197,16 +198,21 @@ def graph_timeline(policy, spec: dict, device) -> dict:
     if not spans:
         return {"kernels": 0, "note": "the profiler recorded no kernel inside the graph replay"}
     per_name: dict[str, list[float]] = defaultdict(list)
+    chain: dict[str, float] = defaultdict(float)
     idle, reach = 0.0, spans[0][0]
     for start, end, name in spans:
         per_name[name].append(end - start)
         idle += max(0.0, start - reach)
+        # a kernel waits for its predecessor, so what it adds to the replay is how far its end lies past
+        # every earlier kernel's end (its share of the critical path; PDL's early launch is not counted)
+        chain[name] += max(0.0, end - max(reach, start))
         reach = max(reach, end)
     span = reach - spans[0][0]
     busy = sum(end - start for start, end, _ in spans)
-    rows = sorted(((n, sum(v), len(v)) for n, v in per_name.items()), key=lambda r: -r[1])
+    rows = sorted(((n, sum(v), len(v)) for n, v in per_name.items()), key=lambda r: -chain[r[0]])
     return {"kernels": len(spans), "span_us": span, "idle_us": idle, "overlap_us": busy - (span - idle),
-            "top": [{"kernel": n[:140], "us": us, "calls": c, "mean_us": us / c} for n, us, c in rows[:15]]}
+            "top": [{"kernel": n[:140], "chain_us": chain[n], "us": us, "calls": c, "mean_chain_us": chain[n] / c,
+                     "mean_us": us / c} for n, us, c in rows[:15]]}
 
 
 def graph_time_us(fn, device, iters: int) -> float:
