@@ -122,7 +122,7 @@ def _triton_kernels():
     @triton.jit
     def add_norm_kernel(
         h_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, out_ptr, width, eps,
-        gate_row_stride, scale_row_stride, shift_row_stride, y_splits, y_split_stride,
+        gate_row_stride, scale_row_stride, shift_row_stride, y_split_stride, Y_SPLITS: tl.constexpr,
         HAS_Y: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, LAYER_NORM: tl.constexpr,
         BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
@@ -133,7 +133,9 @@ def _triton_kernels():
         h = tl.load(h_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_Y:
             y = tl.load(y_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
-            for split in range(1, y_splits):  # skinny.py's split-K partials, summed in split order
+            # skinny.py's split-K partials, summed in split order; unrolled (a constexpr count) so all the
+            # loads issue before the first add: a runtime loop waited out one L2 round trip per split
+            for split in tl.static_range(1, Y_SPLITS):
                 y += tl.load(y_ptr + split * y_split_stride + row * width + cols, mask=mask, other=0.0)
             if HAS_GATE:
                 y = y * tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -153,7 +155,7 @@ def _triton_kernels():
     @triton.jit
     def rope_scatter_kernel(
         qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
-        num_tokens, tokens_per_sample, cache_rows, splits, split_stride,
+        num_tokens, tokens_per_sample, cache_rows, split_stride, SPLITS: tl.constexpr,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, TOKENS: tl.constexpr,
         ALL_HEADS: tl.constexpr, PDL: tl.constexpr,
     ):
@@ -175,10 +177,10 @@ def _triton_kernels():
         if ALL_HEADS:
             for head in tl.static_range(H + 2 * KV):
                 C.rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c1, c2, s1, s2,
-                                splits, split_stride, H, KV, HD, HALF)
+                                split_stride, SPLITS, H, KV, HD, HALF)
         else:
             C.rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, tl.program_id(1), cache_row, c1, c2, s1,
-                            s2, splits, split_stride, H, KV, HD, HALF)
+                            s2, split_stride, SPLITS, H, KV, HD, HALF)
 
     @triton.jit
     def gelu_tanh_mul_kernel(gu_ptr, out_ptr, width, BLOCK: tl.constexpr):
@@ -235,7 +237,7 @@ def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool, y_splits: 
     kernel[(rows,)](
         h, y if y is not None else h, gate if gate is not None else h, scale,
         shift if shift is not None else scale, out, width, eps,
-        _row_stride(gate), _row_stride(scale), _row_stride(shift), y_splits, rows * width,
+        _row_stride(gate), _row_stride(scale), _row_stride(shift), rows * width, Y_SPLITS=y_splits,
         HAS_Y=y is not None, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None, LAYER_NORM=layer_norm,
         BLOCK=block, PDL=pdl, num_warps=8 if width >= 2048 else 4, **launch_kwargs(pdl),
     )
@@ -267,8 +269,8 @@ def rope_scatter_qkv_triton(
     tokens = 1 if b * t <= ROPE_TOKENS_PER_PROGRAM_FROM else ROPE_TOKENS_PER_PROGRAM
     all_heads = b * t >= ROPE_ALL_HEADS_FROM
     kernel[(math.ceil(b * t / tokens), 1 if all_heads else num_heads + 2 * num_kv_heads)](
-        qkv, cos, sin, q_out, k_cache, v_cache, slots, b * t, t, k_cache.shape[1], splits, b * t * qkv.shape[-1],
-        H=num_heads, KV=num_kv_heads, HD=hd, HALF=hd // 2, TOKENS=tokens, ALL_HEADS=all_heads, PDL=pdl,
+        qkv, cos, sin, q_out, k_cache, v_cache, slots, b * t, t, k_cache.shape[1], b * t * qkv.shape[-1],
+        SPLITS=splits, H=num_heads, KV=num_kv_heads, HD=hd, HALF=hd // 2, TOKENS=tokens, ALL_HEADS=all_heads, PDL=pdl,
         num_warps=1 if tokens == 1 else 4, **launch_kwargs(pdl),
     )
 

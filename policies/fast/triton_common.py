@@ -70,14 +70,14 @@ def to_fp8(v, scale, q_ptr):
 
 @triton.jit
 def rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c1, c2, s1, s2,
-                  splits, split_stride, H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr,
+                  split_stride, SPLITS: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr,
                   HALF: tl.constexpr):
     """kernels.py rope_scatter_kernel's work for one head of its tokens: RoPE'd q to q_ptr, RoPE'd k
     and plain v to their cache rows."""
     src = qkv_ptr + token.to(tl.int64) * ((H + 2 * KV) * HD) + head * HD
     x1 = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + d, mask=ok, other=0.0).to(tl.float32)
-    for split in range(1, splits):  # skinny.py's split-K partials, summed in split order
+    for split in tl.static_range(1, SPLITS):  # skinny.py's split-K partials in split order (unrolled: kernels.py)
         x1 += tl.load(src + split * split_stride + d, mask=ok, other=0.0)
         x2 += tl.load(src + split * split_stride + HALF + d, mask=ok, other=0.0)
     if head < H + KV:
