@@ -193,18 +193,24 @@ def graph_timeline(policy, spec: dict, device) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fast.run_stage(bucket, "denoise")
         torch.cuda.synchronize(device)
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type.name == "CUDA")
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CUDA"]
     if not spans:
         return {"kernels": 0, "note": "the profiler recorded no kernel inside the graph replay"}
+    return timeline_summary(spans)
+
+
+def timeline_summary(spans: list[tuple[float, float, str]], top: int = 15) -> dict:
+    """(start, end, kernel name) spans of one replay -> per name its share of the critical path
+    (`chain_us`: a kernel waits for its predecessor, so what it adds is how far its end lies past
+    every earlier kernel's end; time it spent launched early and waiting is not counted) and its
+    device time (`us`); the span, the time no kernel ran, and the overlap (busy time beyond the span)."""
+    spans = sorted(spans)
     per_name: dict[str, list[float]] = defaultdict(list)
     chain: dict[str, float] = defaultdict(float)
     idle, reach = 0.0, spans[0][0]
     for start, end, name in spans:
         per_name[name].append(end - start)
         idle += max(0.0, start - reach)
-        # a kernel waits for its predecessor, so what it adds to the replay is how far its end lies past
-        # every earlier kernel's end (its share of the critical path; PDL's early launch is not counted)
         chain[name] += max(0.0, end - max(reach, start))
         reach = max(reach, end)
     span = reach - spans[0][0]
@@ -212,7 +218,7 @@ def graph_timeline(policy, spec: dict, device) -> dict:
     rows = sorted(((n, sum(v), len(v)) for n, v in per_name.items()), key=lambda r: -chain[r[0]])
     return {"kernels": len(spans), "span_us": span, "idle_us": idle, "overlap_us": busy - (span - idle),
             "top": [{"kernel": n[:140], "chain_us": chain[n], "us": us, "calls": c, "mean_chain_us": chain[n] / c,
-                     "mean_us": us / c} for n, us, c in rows[:15]]}
+                     "mean_us": us / c} for n, us, c in rows[:top]]}
 
 
 def graph_time_us(fn, device, iters: int) -> float:
