@@ -65,17 +65,11 @@ def _kernels():
             n_ok = n < end
             kv_off = ((b * S + n) * KV + kvh) * HD
             k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * qk_scale  # log2 units: exp2 below is one MUFU op
-            scores = tl.where(n_ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            # v is loaded after the softmax, as this kernel was tuned: C.attend_block's order (v with
-            # k) compiled to 3-4% more sm_90 instructions at the batch-1 blocks
+            m_i, l_i, alpha, p = C.online_softmax(q, k, m_i, l_i, qk_scale, n_ok, True)
+            # C.attend_block's two halves with v loaded between them, as this kernel was tuned: loading
+            # v with k compiled to 3-4% more sm_90 instructions at the batch-1 blocks
             v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            acc = C.accumulate_values(acc, alpha, p, v)
         if DIRECT:  # one split: normalise and write the output
             out = acc / l_i[:, None]
             o_off = ((b * T + t) * H + head) * HD

@@ -96,16 +96,28 @@ def rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c
 
 
 @triton.jit
-def attend_block(q, k, v, m_i, l_i, acc, qk_scale, n_ok, MASKED: tl.constexpr):
-    """One K/V block of flash attention's online softmax in log2 units (exp2 is one MUFU op): q (M, D),
-    k and v (N, D), running row max m_i, sum l_i and fp32 output acc (M, D) -> updated (m_i, l_i, acc).
-    MASKED: keys where n_ok is False score -inf."""
+def online_softmax(q, k, m_i, l_i, qk_scale, n_ok, MASKED: tl.constexpr):
+    """The softmax half of attend_block: one K block's scores in log2 units (exp2 is one MUFU op) ->
+    (new row max, new row sum, the old acc's rescale factor alpha, probabilities p (M, N))."""
     scores = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
         scores = tl.where(n_ok[None, :], scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
+def accumulate_values(acc, alpha, p, v):
+    """The output half of attend_block: acc rescaled by alpha plus p V."""
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def attend_block(q, k, v, m_i, l_i, acc, qk_scale, n_ok, MASKED: tl.constexpr):
+    """One K/V block of flash attention's online softmax: q (M, D), k and v (N, D), running row max m_i,
+    sum l_i and fp32 output acc (M, D) -> updated (m_i, l_i, acc). MASKED: keys where n_ok is False
+    score -inf."""
+    m_new, l_i, alpha, p = online_softmax(q, k, m_i, l_i, qk_scale, n_ok, MASKED)
+    return m_new, l_i, accumulate_values(acc, alpha, p, v)
