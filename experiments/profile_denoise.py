@@ -164,14 +164,19 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     return out
 
 
-def kernel_breakdown(policy, spec: dict, variant: str, device) -> dict:
-    """Device time per kernel name of one eager denoise stage (no graphs), largest first."""
+def _batch1_bucket(policy, spec: dict, device, graphs: bool = True, **fast_settings):
+    """A batch-1 sampler that has run one call (graphs captured when `graphs`), and its bucket."""
     inputs, noise = common.make_inputs(policy.cfg, 1, spec["prompt_len"], device, seed=1)
     stoch = torch.zeros(1, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
-    gemm, attention = variant.split("/")[:2]
-    fast = _sampler(policy, 1, spec["prompt_len"], graphs=False, gemm=gemm, attention=attention)
+    fast = _sampler(policy, 1, spec["prompt_len"], graphs=graphs, **fast_settings)
     fast.sample_chains(inputs, noise, None, stoch)
-    bucket = next(iter(fast.buckets.values()))
+    return fast, next(iter(fast.buckets.values()))
+
+
+def kernel_breakdown(policy, spec: dict, variant: str, device) -> dict:
+    """Device time per kernel name of one eager denoise stage (no graphs), largest first."""
+    gemm, attention = variant.split("/")[:2]
+    fast, bucket = _batch1_bucket(policy, spec, device, graphs=False, gemm=gemm, attention=attention)
     return common.kernel_table(lambda: fast.run_stage(bucket, "denoise"), device, top=25)
 
 
@@ -182,11 +187,7 @@ def graph_timeline(policy, spec: dict, device) -> dict:
     time no kernel ran, and the overlap."""
     from torch.profiler import ProfilerActivity, profile
 
-    inputs, noise = common.make_inputs(policy.cfg, 1, spec["prompt_len"], device, seed=1)
-    stoch = torch.zeros(1, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
-    fast = _sampler(policy, 1, spec["prompt_len"])
-    fast.sample_chains(inputs, noise, None, stoch)
-    bucket = next(iter(fast.buckets.values()))
+    fast, bucket = _batch1_bucket(policy, spec, device)
     for _ in range(3):
         fast.run_stage(bucket, "denoise")
     torch.cuda.synchronize(device)

@@ -133,8 +133,9 @@ def _triton_kernels():
         h = tl.load(h_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_Y:
             y = tl.load(y_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
-            # skinny.py's split-K partials, summed in split order; unrolled (a constexpr count) so all the
-            # loads issue before the first add: a runtime loop waited out one L2 round trip per split
+            # skinny.py's split-K partials, summed in split order; unrolled (a constexpr count) so loads
+            # issue ahead of the adds (ptxas keeps 2-3 in flight): a runtime loop waited out one L2 round
+            # trip per split
             for split in tl.static_range(1, Y_SPLITS):
                 y += tl.load(y_ptr + split * y_split_stride + row * width + cols, mask=mask, other=0.0)
             if HAS_GATE:

@@ -16,4 +16,3 @@ def test_timeline_summary_splits_the_span_into_chain_shares_and_idle():
     assert (rows["c"]["chain_us"], rows["c"]["mean_us"]) == (0.0, 3.0)  # hidden inside a
     assert sum(r["chain_us"] for r in out["top"]) == out["span_us"] - out["idle_us"]
     assert len(profile_denoise.timeline_summary(spans, top=1)["top"]) == 1
-
