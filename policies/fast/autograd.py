@@ -3,8 +3,8 @@
 `ConsistentStep.apply(run, table, *weights)` returns the element-wise log-density of the stored
 transitions chains[:, k] -> chains[:, k+1] of some rows of a bucket:
 - forward: `run.forward()`, the fast path's own expert velocity (`FastSampler._velocity`: the
-  same F.linear calls on the same weights, Triton add_rms_norm / rope_scatter / gelu_tanh_mul,
-  the bucket's attention backend) and flow_logprob.py's twin of the rollout's flow_step, at the
+  same kernels on the same weights: skinny GEMMs or F.linear, the norm, RoPE and action_io
+  kernels, the bucket's attention backend) and flow_logprob.py's twin of the rollout's flow_step, at the
   rollout's bucket shapes: the rollout's numbers bit for bit;
 - backward: `run.reference(table, weights)`, the plain model's `velocity` (policies/models/pi05.py)
   and policies.flow's log-density in fp32 under autograd at the same inputs (x_k, x_{k+1}, the
@@ -98,7 +98,7 @@ def stage_recompute(sampler, k: int, bucket) -> None:
     cos, sin = rope_cos_sin(t["suffix_positions"], ecfg.head_dim, ecfg.rope_theta, sampler.dtype)
     v = sampler._velocity(bucket, t["chains"][:, k], k, cos, sin)
     grid_t, delta, sigma, _ = sampler.step_constants[k]
-    flow_logprob(t["chains"], v, t["stochastic"], t["step_logprobs"], k, grid_t, delta, sigma)
+    flow_logprob(t["chains"], v, t["stochastic"], t["step_logprobs"], k, grid_t, delta, sigma, sampler._pdl_for(bucket))
 
 
 class ConsistentStep(torch.autograd.Function):

@@ -21,6 +21,9 @@ from torch import Tensor
 
 from policies import flow
 from policies.fast import kernels as K
+from policies.fast.pdl import launch_kwargs
+
+C = None  # policies.fast.triton_common once the kernel factory ran (triton is imported on first use only)
 
 
 def flow_logprob_reference(chains: Tensor, v: Tensor, stochastic: Tensor, logp: Tensor,
@@ -37,12 +40,16 @@ def flow_logprob_reference(chains: Tensor, v: Tensor, stochastic: Tensor, logp: 
 
 @functools.cache
 def _triton_kernel():
+    global C  # the shared device functions: a module global, which the interpreter also sees
     import triton
     import triton.language as tl
 
+    from policies.fast import triton_common as C
+
     @triton.jit
     def flow_logprob_kernel(chains_ptr, v_ptr, stoch_ptr, logp_ptr, k, num_steps, width,
-                            t, delta, sigma, BLOCK: tl.constexpr):
+                            t, delta, sigma, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        C.pdl_enter(PDL)  # as flow_step_kernel
         b = tl.program_id(0)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = i < width
@@ -64,19 +71,20 @@ def _triton_kernel():
 
 
 def flow_logprob_triton(chains: Tensor, v: Tensor, stochastic: Tensor, logp: Tensor,
-                        k: int, t: float, delta: float, sigma: float) -> None:
+                        k: int, t: float, delta: float, sigma: float, pdl: int = 0) -> None:
     kernel = _triton_kernel()
     batch, steps_plus_one = chains.shape[:2]
     width = chains[0, 0].numel()
     block = 1024  # as kernels.flow_step_triton
     kernel[(batch, math.ceil(width / block))](
-        chains, v, stochastic, logp, k, steps_plus_one - 1, width, t, delta, sigma, BLOCK=block, num_warps=4,
+        chains, v, stochastic, logp, k, steps_plus_one - 1, width, t, delta, sigma, BLOCK=block, PDL=pdl,
+        num_warps=4, **launch_kwargs(pdl),
     )
 
 
 def flow_logprob(chains: Tensor, v: Tensor, stochastic: Tensor, logp: Tensor,
-                 k: int, t: float, delta: float, sigma: float) -> None:
+                 k: int, t: float, delta: float, sigma: float, pdl: int = 0) -> None:
     """Dispatches exactly as kernels.flow_step does, so each device runs the rollout's twin."""
     if K.triton_usable(chains) and chains.is_contiguous() and v.is_contiguous():
-        return flow_logprob_triton(chains, v, stochastic, logp, k, t, delta, sigma)
+        return flow_logprob_triton(chains, v, stochastic, logp, k, t, delta, sigma, pdl)
     return flow_logprob_reference(chains, v, stochastic, logp, k, t, delta, sigma)

@@ -130,27 +130,13 @@ def _triton_kernels():
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < width
-        h = tl.load(h_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_Y:
-            y = tl.load(y_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
-            # skinny.py's split-K partials, summed in split order; unrolled (a constexpr count) so loads
-            # issue ahead of the adds (ptxas keeps 2-3 in flight): a runtime loop waited out one L2 round
-            # trip per split
-            for split in tl.static_range(1, Y_SPLITS):
-                y += tl.load(y_ptr + split * y_split_stride + row * width + cols, mask=mask, other=0.0)
-            if HAS_GATE:
-                y = y * tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-            h = (h + y).to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + row * width + cols, h, mask=mask)
-            h = h.to(tl.float32)
-        scale = tl.load(scale_ptr + row * scale_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        if LAYER_NORM:  # (h - mean) * rstd * weight + bias
-            h = tl.where(mask, h - tl.sum(h, axis=0) / width, 0.0)
-            normed = h * tl.rsqrt(tl.sum(h * h, axis=0) / width + eps) * scale
-        else:  # Gemma RMSNorm / AdaRMS: h * rstd * (1 + scale) + shift
-            normed = h * tl.rsqrt(tl.sum(h * h, axis=0) / width + eps) * (1.0 + scale)
-        if HAS_SHIFT:
-            normed += tl.load(shift_ptr + row * shift_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            h = C.residual_update(h_ptr, y_ptr, gate_ptr, row, cols, mask, width, gate_row_stride, y_split_stride,
+                                  Y_SPLITS, HAS_GATE)
+        else:
+            h = tl.load(h_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+        normed = C.norm_row(h, mask, width, eps, scale_ptr + row * scale_row_stride + cols,
+                            shift_ptr + row * shift_row_stride + cols, HAS_SHIFT, LAYER_NORM)
         tl.store(out_ptr + row * width + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -195,7 +181,8 @@ def _triton_kernels():
 
     @triton.jit
     def flow_step_kernel(chains_ptr, v_ptr, noise_ptr, stoch_ptr, logp_ptr, k, num_steps, width,
-                         t, delta, sigma, dt, BLOCK: tl.constexpr):
+                         t, delta, sigma, dt, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        C.pdl_enter(PDL)  # pdl.py: wait for the predecessor (the velocity) before the first read
         b = tl.program_id(0)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = i < width
@@ -224,7 +211,7 @@ def triton_usable(t: Tensor) -> bool:
     return t.is_cuda
 
 
-def _row_stride(t: Tensor | None) -> int:
+def row_stride(t: Tensor | None) -> int:
     return 0 if t is None or t.dim() == 1 else t.stride(0)
 
 
@@ -238,7 +225,7 @@ def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool, y_splits: 
     kernel[(rows,)](
         h, y if y is not None else h, gate if gate is not None else h, scale,
         shift if shift is not None else scale, out, width, eps,
-        _row_stride(gate), _row_stride(scale), _row_stride(shift), rows * width, Y_SPLITS=y_splits,
+        row_stride(gate), row_stride(scale), row_stride(shift), rows * width, Y_SPLITS=y_splits,
         HAS_Y=y is not None, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None, LAYER_NORM=layer_norm,
         BLOCK=block, PDL=pdl, num_warps=8 if width >= 2048 else 4, **launch_kwargs(pdl),
     )
@@ -286,14 +273,14 @@ def gelu_tanh_mul_triton(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
     return out
 
 
-def flow_step_triton(chains, v, step_noise, stochastic, logp, k, t, delta, sigma, dt) -> None:
+def flow_step_triton(chains, v, step_noise, stochastic, logp, k, t, delta, sigma, dt, pdl: int = 0) -> None:
     kernel = _triton_kernels()[3]
     batch, steps_plus_one = chains.shape[:2]
     width = chains[0, 0].numel()
     block = 1024
     kernel[(batch, math.ceil(width / block))](
         chains, v, step_noise, stochastic, logp, k, steps_plus_one - 1, width, t, delta, sigma, dt,
-        BLOCK=block, num_warps=4,
+        BLOCK=block, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
     )
 
 
@@ -360,7 +347,8 @@ def gelu_tanh_mul(gate_up: Tensor) -> Tensor:
     return gelu_tanh_mul_reference(gate_up)
 
 
-def flow_step(chains, v, step_noise, stochastic, logp, k, t, delta, sigma, dt) -> None:
+def flow_step(chains, v, step_noise, stochastic, logp, k, t, delta, sigma, dt, pdl: int = 0) -> None:
+    """pdl: pdl.py's mode code (CUDA only; the bits do not depend on it)."""
     if triton_usable(chains) and chains.is_contiguous() and v.is_contiguous():
-        return flow_step_triton(chains, v, step_noise, stochastic, logp, k, t, delta, sigma, dt)
+        return flow_step_triton(chains, v, step_noise, stochastic, logp, k, t, delta, sigma, dt, pdl)
     return flow_step_reference(chains, v, step_noise, stochastic, logp, k, t, delta, sigma, dt)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import fp8, geglu_gemm, pdl, skinny
+from policies.fast import action_io, fp8, geglu_gemm, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -333,16 +333,19 @@ class FastSampler:
         chains[:, 0].copy_(t["noise"])
         for k in range(steps):
             v = self._velocity(bk, chains[:, k], k, cos, sin)
-            K.flow_step(chains, v, t["step_noise"], t["stochastic"], t["step_logprobs"], k, *self.step_constants[k])
+            K.flow_step(chains, v, t["step_noise"], t["stochastic"], t["step_logprobs"], k, *self.step_constants[k],
+                        pdl=self._pdl_for(bk))
 
     def _velocity(self, bk: Bucket, x: Tensor, step: int, cos: Tensor, sin: Tensor) -> Tensor:
         ecfg, w = self.cfg.expert, self.w
         b, hlen, d = x.shape
-        h = F.linear(x, w.action_in.weight, w.action_in.bias).to(self.dtype).reshape(b * hlen, -1)
+        tiles, pdl_code = bk.tiles, self._pdl_for(bk)
         q = torch.empty(b, hlen, ecfg.num_heads, ecfg.head_dim, dtype=self.dtype, device=self.device)
         scale, shift, gate = w.modulation(step, 0)
-        _, normed = K.add_rms_norm(h, None, None, scale, shift, ecfg.rms_norm_eps)
-        tiles, pdl_code = bk.tiles, self._pdl_for(bk)
+        # fp32 action_in_proj and the first AdaRMS norm in one kernel (action_io.py)
+        h, normed = action_io.action_in_norm(x, w.action_in.weight, w.action_in.bias, self.dtype, scale, shift,
+                                             ecfg.rms_norm_eps, pdl_code)
+        last = len(w.expert) - 1
         for i, lw in enumerate(w.expert):
             qkv = _project(normed, lw["qkv"], tiles["qkv"], pdl_code)
             K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], b, hlen, -1), cos, sin, ecfg.num_heads, ecfg.num_kv_heads,
@@ -357,8 +360,11 @@ class FastSampler:
                 act = K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight))
             mlp = _project(act, lw["down"], tiles["down"], pdl_code)
             scale, shift, gate = w.modulation(step, 2 * i + 2)  # next input norm, or the final norm
-            h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
-        out = F.linear(normed.float(), w.action_out.weight.float(), w.action_out.bias.float())
+            if i < last:
+                h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
+        # the final norm feeds only the fp32 action_out_proj: one kernel for both (action_io.py)
+        out = action_io.add_norm_action_out(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, w.action_out.weight,
+                                            w.action_out.bias, pdl_code)
         return out.view(b, hlen, d)
 
 

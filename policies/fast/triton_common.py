@@ -1,6 +1,7 @@
 """Triton device functions shared by the fast path's kernels (kernels.py, skinny.py, fp8.py,
-triton_attention.py, geglu_gemm.py). Imported only inside their kernel factories, so CPU-only runs never import
-triton; under TRITON_INTERPRET=1 they run in the interpreter like the kernels that call them."""
+triton_attention.py, geglu_gemm.py, action_io.py). Imported only inside their kernel factories, so
+CPU-only runs never import triton; under TRITON_INTERPRET=1 they run in the interpreter like the
+kernels that call them."""
 
 from __future__ import annotations
 
@@ -39,6 +40,40 @@ def gelu_tanh(x):
     negative x). The exponent is capped at 126 so 1 + e^-2u stays finite; the result there is ~0."""
     neg_two_u_log2e = x * (-2.3022081981 - 0.1029432396 * x * x)  # -2u * log2(e), constants folded
     return x / (1.0 + tl.exp2(tl.minimum(neg_two_u_log2e, 126.0)))
+
+
+@triton.jit
+def residual_update(h_ptr, y_ptr, gate_ptr, row, cols, mask, width, gate_row_stride, y_split_stride,
+                    Y_SPLITS: tl.constexpr, HAS_GATE: tl.constexpr):
+    """One row of the residual step h <- h + y * gate (gate optional), y given as Y_SPLITS fp32 split-K
+    partials (skinny.py) or one tensor: stored back in h's dtype, returned in fp32."""
+    h = tl.load(h_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+    # the partials summed in split order; unrolled (a constexpr count) so loads issue ahead of the
+    # adds (ptxas keeps 2-3 in flight): a runtime loop waited out one L2 round trip per split
+    for split in tl.static_range(1, Y_SPLITS):
+        y += tl.load(y_ptr + split * y_split_stride + row * width + cols, mask=mask, other=0.0)
+    if HAS_GATE:
+        y = y * tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (h + y).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + row * width + cols, h, mask=mask)
+    return h.to(tl.float32)
+
+
+@triton.jit
+def norm_row(h, mask, width, eps, scale_row, shift_row, HAS_SHIFT: tl.constexpr, LAYER_NORM: tl.constexpr):
+    """One row's norm in fp32 (masked columns of h are 0): Gemma RMSNorm / AdaRMS h * rstd * (1 + scale)
+    + shift, or with LAYER_NORM (h - mean) * rstd * scale + shift; scale_row / shift_row point at the
+    row's parameters (shift only read with HAS_SHIFT)."""
+    scale = tl.load(scale_row, mask=mask, other=0.0).to(tl.float32)
+    if LAYER_NORM:
+        h = tl.where(mask, h - tl.sum(h, axis=0) / width, 0.0)
+        normed = h * tl.rsqrt(tl.sum(h * h, axis=0) / width + eps) * scale
+    else:
+        normed = h * tl.rsqrt(tl.sum(h * h, axis=0) / width + eps) * (1.0 + scale)
+    if HAS_SHIFT:
+        normed += tl.load(shift_row, mask=mask, other=0.0).to(tl.float32)
+    return normed
 
 
 @triton.jit
@@ -93,6 +128,53 @@ def rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c
         dst = v_ptr + (cache_row * KV + head - H - KV) * HD
         tl.store(dst + d, x1.to(dst.dtype.element_ty), mask=ok)
         tl.store(dst + HALF + d, x2.to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def merge_row(part_o_ptr, part_lse_ptr, out_ptr, bk, row, ok, T, NUM_SPLITS, H: tl.constexpr, KV: tl.constexpr,
+              HD: tl.constexpr, SPLITS_P2: tl.constexpr, CG: tl.constexpr):
+    """triton_attention.py's merge of one packed query row (t, head) of sample-and-KV-head bk: the KV
+    splits' partial outputs weighted by their log-sum-exps (flash-decoding). Nothing happens where
+    `ok` is False. CG: load the partials through L2 only (.cg), for partials other programs of the
+    same kernel wrote (this SM's L1 may hold an earlier call's lines of the same buffer)."""
+    group = H // KV
+    s = tl.arange(0, SPLITS_P2)
+    s_ok = (s < NUM_SPLITS) & ok
+    part = (bk * NUM_SPLITS + s) * (T * group) + row
+    d = tl.arange(0, HD)
+    if CG:
+        lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + part[:, None] * HD + d[None, :], mask=s_ok[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+        o = tl.load(part_o_ptr + part[:, None] * HD + d[None, :], mask=s_ok[:, None], other=0.0)
+    m = tl.max(lse, axis=0)
+    w = tl.where(s_ok, tl.exp2(lse - m), 0.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    t = row // group
+    head = (bk % KV) * group + row % group
+    dst = out_ptr + (((bk // KV) * T + t) * H + head) * HD + d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=ok & (d < HD))
+
+
+@triton.jit
+def arrive_and_wait(counter, first, n, N_P2: tl.constexpr):
+    """Count this program in at `counter` (int32, zero when allocated, never reset) and wait until all
+    n programs of its group have come. Each group adds N_P2 (a power of two >= n) in all: the program
+    with `first` set adds N_P2 - n + 1, the others 1; so every group starts at a multiple of N_P2 and
+    its target is the next one, also across the int32 wrap (N_P2 divides 2^32; compared as a wrapped
+    difference). The release half of the add publishes this program's earlier writes, the acquire
+    polls make the others' visible (experiments/probe_grid_barrier.py: no stale reads this way on
+    the H200). Only for groups whose programs are all resident at once, else it deadlocks; never
+    under the interpreter, which runs programs one after another."""
+    tl.debug_barrier()  # every thread of the program has written before the release
+    step = tl.where(first, N_P2 - n + 1, 1)
+    old = tl.atomic_add(counter, step, sem="acq_rel", scope="gpu")
+    target = (old & -N_P2) + N_P2
+    seen = old + step
+    while seen - target < 0:
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit
