@@ -29,10 +29,18 @@ from policies.fast import kernels as K
 from policies.fast.pdl import launch_kwargs
 
 C = None  # policies.fast.triton_common once the kernel factory ran (triton is imported on first use only)
-# Columns of the 32-wide projections per register tile, and warps per program (one row each: 50
-# programs at PhyAI batch 1). Compiled here for sm_90 at width 1024: 8 columns and 8 warps take 63
-# registers and no spills in both kernels, 4 warps 87-96, 16 columns at 4 warps up to 255.
-CHUNK, WARPS = 8, 8
+# Columns of the 32-wide projections per register tile, and at most this many warps per program
+# (one row each: 50 programs at PhyAI batch 1). Compiled here for sm_90 at width 1024: 8 columns and
+# 8 warps take 63 registers and no spills in both kernels, 4 warps 87-96, 16 columns at 4 warps up
+# to 255.
+CHUNK, MAX_WARPS = 8, 8
+
+
+def _warps(block: int) -> int:
+    """No more threads than row elements: on the H200 (Triton 3.6) add_norm_action_out gave wrong
+    projections, erratically, at width 48 (a 64-wide row over 128 or 256 threads, each element held
+    by several threads), right ones at 1024, in every formulation tried."""
+    return max(1, min(MAX_WARPS, block // 32))
 
 
 def action_in_norm_reference(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, scale: Tensor,
@@ -130,7 +138,7 @@ def action_in_norm_triton(x: Tensor, weight: Tensor, bias: Tensor | None, dtype:
         x, weight, bias if bias is not None else weight, scale, shift if shift is not None else scale, h, out,
         t, x.stride(0), width, eps, K.row_stride(scale), K.row_stride(shift), D=d, D_BLOCK=_block(d),
         CHUNK=min(CHUNK, _block(d)), HAS_BIAS=bias is not None, HAS_SHIFT=shift is not None, BLOCK=_block(width),
-        PDL=pdl, num_warps=WARPS, **launch_kwargs(pdl),
+        PDL=pdl, num_warps=_warps(_block(width)), **launch_kwargs(pdl),
     )
     return h, out
 
@@ -146,7 +154,7 @@ def add_norm_action_out_triton(h: Tensor, y: Tensor, gate: Tensor | None, scale:
         bias if bias is not None else weight, v, width, eps, K.row_stride(gate), K.row_stride(scale),
         K.row_stride(shift), rows * width, Y_SPLITS=splits, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None,
         HAS_BIAS=bias is not None, N_OUT=n_out, N_BLOCK=_block(n_out), CHUNK=min(CHUNK, _block(n_out)),
-        BLOCK=_block(width), PDL=pdl, num_warps=WARPS, **launch_kwargs(pdl),
+        BLOCK=_block(width), PDL=pdl, num_warps=_warps(_block(width)), **launch_kwargs(pdl),
     )
     return v
 

@@ -32,7 +32,7 @@ def _randn(g, *shape, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d,width,per_row", [(32, 48, False), (7, 40, True), (12, 64, False)])
+@pytest.mark.parametrize("d,width,per_row", [(32, 48, False), (7, 40, True), (12, 64, False), (32, 1024, False)])
 def test_action_in_norm_matches_reference(dtype, d, width, per_row):
     """x is a (B, T, D) view of a chains buffer (batch stride > T x D), as chains[:, k] in the sampler."""
     g = torch.Generator().manual_seed(d * 100 + width)
@@ -63,10 +63,13 @@ def test_action_in_norm_reference_is_the_plain_layers():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits,n_out,with_gate", [(1, 32, True), (4, 32, True), (3, 7, False), (2, 12, True)])
-def test_add_norm_action_out_matches_reference(dtype, splits, n_out, with_gate):
+@pytest.mark.parametrize("splits,n_out,with_gate,width", [(1, 32, True, 48), (4, 32, True, 48), (3, 7, False, 40),
+                                                           (2, 12, True, 100), (8, 32, True, 1024)])
+def test_add_norm_action_out_matches_reference(dtype, splits, n_out, with_gate, width):
+    """Widths below the program's thread count too (on the H200 those gave wrong projections with more
+    threads than row elements: action_io._warps)."""
     g = torch.Generator().manual_seed(splits * 31 + n_out)
-    rows, width = 9, 48
+    rows = 9
     h = _randn(g, rows, width, dtype=dtype)
     y = _randn(g, splits, rows, width) if splits > 1 else _randn(g, rows, width, dtype=dtype)
     gate = _randn(g, width) if with_gate else None
