@@ -32,7 +32,7 @@ from experiments import bench_predict_common as common
 from experiments.results import write_result
 from policies.config import PolicyConfig
 from policies.fast import kernels as K
-from policies.fast import skinny, triton_attention
+from policies.fast import skinny
 from policies.fast.attention import graph_call_ms
 from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
@@ -61,9 +61,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--graph-timeline", action="store_true",
                    help="also profile one replay of the default settings' denoise graph at batch 1: per kernel "
                         "name its device time inside the graph, and the replay's span, idle gaps and overlap")
-    p.add_argument("--coop-merge", choices=["default", "on", "off"], default="default",
-                   help="the split-KV attention's merge: inside the attention kernel where safe (on), by the merge "
-                        "kernel (off), or triton_attention.COOP_MERGE's default")
     p.add_argument("--sweep", action="store_true", help="also sweep the skinny tiles of every expert projection")
     p.add_argument("--attention-sweep", action="store_true",
                    help="also sweep SDPA and the Triton attention's blocks (b = --batch-sizes)")
@@ -76,8 +73,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.coop_merge != "default":
-        triton_attention.COOP_MERGE = args.coop_merge == "on"
     device, dtype = common.run_device_and_dtype()
     base = PolicyConfig.preset(args.policy)
     record = {"args": vars(args), "denoise": [], "kernels": {}, "gemm_sweep": [], "attention_sweep": {}}

@@ -6,7 +6,7 @@ and the first AdaRMS norm, and ends with the last AdaRMS norm and action_out_pro
 chained by PDL (pdl.py): at PhyAI batch 1 about 80 us of each ~790 us step on the H200 (the graph
 timeline of profile_denoise_nvidia-h200_20261202-031734.json: sgemm_largek alone 15 us per call,
 and 380 us of the denoise graph idle between launches). Both projections are tiny per row (a
-32 x width fp32 matrix, 128 KB, read from L2), so one program per row does projection and norm:
+32 x width fp32 matrix, 128 KB), so one program per row does projection and norm:
 - `action_in_norm`: h = (x W_in^T + b_in) rounded to the activation dtype, normed = AdaRMS(h);
 - `add_norm_action_out`: h += y * gate (y: the last down projection, or its split-K partials),
   then v = AdaRMS(h), rounded to the activation dtype as the plain path's `normed` is, times
@@ -29,11 +29,11 @@ from policies.fast import kernels as K
 from policies.fast.pdl import launch_kwargs
 
 C = None  # policies.fast.triton_common once the kernel factory ran (triton is imported on first use only)
-# Columns of the 32-wide projections per register tile, and at most this many warps per program
-# (one row each: 50 programs at PhyAI batch 1). Compiled here for sm_90 at width 1024: 8 columns and
-# 8 warps take 63 registers and no spills in both kernels, 4 warps 87-96, 16 columns at 4 warps up
-# to 255.
-CHUNK, MAX_WARPS = 8, 8
+# The kernels hold the whole projection weight in registers, loaded before their PDL wait (during the
+# predecessor: each denoise step streams ~620 MB of expert weights through the 50 MB L2, so these
+# 128 KB are likely evicted between steps); up to MAX_TILE elements, 128 fp32 registers a thread
+# at MAX_WARPS warps (the expert's 1024 x 32), else the reference path runs.
+MAX_TILE, MAX_WARPS = 32768, 8
 
 
 def _warps(block: int) -> int:
@@ -73,24 +73,22 @@ def _kernels():
     @triton.jit
     def action_in_norm_kernel(
         x_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, h_ptr, out_ptr, tokens, x_batch_stride, width, eps,
-        scale_row_stride, shift_row_stride, D: tl.constexpr, D_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+        scale_row_stride, shift_row_stride, D: tl.constexpr, D_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
-        C.pdl_enter(PDL)  # pdl.py: wait for the predecessor (the last flow step) before reading x
         row = tl.program_id(0)
-        x_row = x_ptr + (row // tokens) * x_batch_stride + (row % tokens) * D  # x: a (B, T, D) view of the chains
         cols = tl.arange(0, BLOCK)
         mask = cols < width
-        acc = tl.zeros([BLOCK], tl.float32)
-        for d0 in tl.static_range(0, D_BLOCK, CHUNK):
-            d = d0 + tl.arange(0, CHUNK)
-            d_ok = d < D
-            x = tl.load(x_row + d, mask=d_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + cols[:, None] * D + d[None, :], mask=mask[:, None] & d_ok[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        h = acc.to(h_ptr.dtype.element_ty)
+        d = tl.arange(0, D_BLOCK)
+        d_ok = d < D
+        # the weights need nothing from the predecessor: in registers before the wait (see the module doc)
+        C.pdl_trigger_early(PDL)
+        w = tl.load(w_ptr + cols[:, None] * D + d[None, :], mask=mask[:, None] & d_ok[None, :], other=0.0)
+        bias = tl.load(b_ptr + cols, mask=mask & HAS_BIAS, other=0.0).to(tl.float32)
+        C.pdl_wait(PDL)  # the predecessor (the last flow step) is done: x is written
+        x_row = x_ptr + (row // tokens) * x_batch_stride + (row % tokens) * D  # x: a (B, T, D) view of the chains
+        x = tl.load(x_row + d, mask=d_ok, other=0.0).to(tl.float32)
+        h = (tl.sum(w.to(tl.float32) * x[None, :], axis=1) + bias).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * width + cols, h, mask=mask)
         normed = C.norm_row(h.to(tl.float32), mask, width, eps, scale_ptr + row * scale_row_stride + cols,
                             shift_ptr + row * shift_row_stride + cols, HAS_SHIFT, False)
@@ -101,25 +99,24 @@ def _kernels():
         h_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, w_ptr, b_ptr, v_ptr, width, eps,
         gate_row_stride, scale_row_stride, shift_row_stride, y_split_stride, Y_SPLITS: tl.constexpr,
         HAS_GATE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_BIAS: tl.constexpr, N_OUT: tl.constexpr,
-        N_BLOCK: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+        N_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
-        C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < width
+        n = tl.arange(0, N_BLOCK)
+        n_ok = n < N_OUT
+        C.pdl_trigger_early(PDL)  # the weights in registers before the wait, as action_in_norm_kernel
+        w = tl.load(w_ptr + n[:, None] * width + cols[None, :], mask=n_ok[:, None] & mask[None, :], other=0.0)
+        bias = tl.load(b_ptr + n, mask=n_ok & HAS_BIAS, other=0.0).to(tl.float32)
+        C.pdl_wait(PDL)  # the predecessor is done: its activations are visible
         h = C.residual_update(h_ptr, y_ptr, gate_ptr, row, cols, mask, width, gate_row_stride, y_split_stride,
                               Y_SPLITS, HAS_GATE)
         normed = C.norm_row(h, mask, width, eps, scale_ptr + row * scale_row_stride + cols,
                             shift_ptr + row * shift_row_stride + cols, HAS_SHIFT, False)
         x = normed.to(h_ptr.dtype.element_ty).to(tl.float32)  # the plain path's `normed.float()`
-        for n0 in tl.static_range(0, N_BLOCK, CHUNK):
-            n = n0 + tl.arange(0, CHUNK)
-            n_ok = n < N_OUT
-            w = tl.load(w_ptr + n[:, None] * width + cols[None, :], mask=n_ok[:, None] & mask[None, :], other=0.0)
-            v = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-            if HAS_BIAS:
-                v += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(v_ptr + row * N_OUT + n, v, mask=n_ok)
+        v = tl.sum(w.to(tl.float32) * x[None, :], axis=1) + bias
+        tl.store(v_ptr + row * N_OUT + n, v, mask=n_ok)
 
     return action_in_norm_kernel, add_norm_action_out_kernel
 
@@ -137,7 +134,7 @@ def action_in_norm_triton(x: Tensor, weight: Tensor, bias: Tensor | None, dtype:
     _kernels()[0][(b * t,)](
         x, weight, bias if bias is not None else weight, scale, shift if shift is not None else scale, h, out,
         t, x.stride(0), width, eps, K.row_stride(scale), K.row_stride(shift), D=d, D_BLOCK=_block(d),
-        CHUNK=min(CHUNK, _block(d)), HAS_BIAS=bias is not None, HAS_SHIFT=shift is not None, BLOCK=_block(width),
+        HAS_BIAS=bias is not None, HAS_SHIFT=shift is not None, BLOCK=_block(width),
         PDL=pdl, num_warps=_warps(_block(width)), **launch_kwargs(pdl),
     )
     return h, out
@@ -153,8 +150,8 @@ def add_norm_action_out_triton(h: Tensor, y: Tensor, gate: Tensor | None, scale:
         h, y, gate if gate is not None else h, scale, shift if shift is not None else scale, weight,
         bias if bias is not None else weight, v, width, eps, K.row_stride(gate), K.row_stride(scale),
         K.row_stride(shift), rows * width, Y_SPLITS=splits, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None,
-        HAS_BIAS=bias is not None, N_OUT=n_out, N_BLOCK=_block(n_out), CHUNK=min(CHUNK, _block(n_out)),
-        BLOCK=_block(width), PDL=pdl, num_warps=_warps(_block(width)), **launch_kwargs(pdl),
+        HAS_BIAS=bias is not None, N_OUT=n_out, N_BLOCK=_block(n_out), BLOCK=_block(width), PDL=pdl,
+        num_warps=_warps(_block(width)), **launch_kwargs(pdl),
     )
     return v
 
@@ -163,12 +160,17 @@ def _contiguous(*tensors: Tensor | None) -> bool:
     return all(t is None or t.is_contiguous() for t in tensors)
 
 
+def _fits(weight: Tensor) -> bool:
+    """The (padded) weight tile fits the kernels' registers (MAX_TILE)."""
+    return _block(weight.shape[0]) * _block(weight.shape[1]) <= MAX_TILE
+
+
 def action_in_norm(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, scale: Tensor,
                    shift: Tensor | None, eps: float, pdl: int = 0) -> tuple[Tensor, Tensor]:
     """x (B, T, D) fp32 (rows of D contiguous within a sample: chains[:, k]) -> (h, normed) (B*T, W) in
     `dtype`. pdl: pdl.py's mode code (CUDA only)."""
     rows_packed = x.stride(2) == 1 and x.stride(1) == x.shape[2]
-    if K.triton_usable(x) and rows_packed and _contiguous(weight, bias, scale, shift):
+    if K.triton_usable(x) and rows_packed and _contiguous(weight, bias, scale, shift) and _fits(weight):
         return action_in_norm_triton(x, weight, bias, dtype, scale, shift, eps, pdl)
     return action_in_norm_reference(x, weight, bias, dtype, scale, shift, eps)
 
@@ -177,6 +179,6 @@ def add_norm_action_out(h: Tensor, y: Tensor, gate: Tensor | None, scale: Tensor
                         weight: Tensor, bias: Tensor | None, pdl: int = 0) -> Tensor:
     """h (N, W) += y * gate in place (y (N, W), or (splits, N, W) fp32 split-K partials), then
     v (N, D) fp32 = AdaRMS(h) W^T + b. pdl: pdl.py's mode code (CUDA only)."""
-    if K.triton_usable(h) and _contiguous(h, y, gate, scale, shift, weight, bias):
+    if K.triton_usable(h) and _contiguous(h, y, gate, scale, shift, weight, bias) and _fits(weight):
         return add_norm_action_out_triton(h, y, gate, scale, shift, eps, weight, bias, pdl)
     return add_norm_action_out_reference(h, y, gate, scale, shift, eps, weight, bias)

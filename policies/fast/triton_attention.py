@@ -4,10 +4,8 @@ Why: the expert's attention is tiny per sample (H=50 queries x 8 heads against o
 ~1000 rows), so library prefill kernels run it on a handful of thread blocks, each walking the
 whole KV run: ~60 us per call at batch 1, 180 calls per sample. Here every query head of a KV
 head is packed into one row block (GQA: the K/V tile is loaded once for all 8 heads) and the
-KV run is split over several blocks when the batch alone cannot fill the GPU; the splits are
-merged by their log-sum-exp (flash-decoding): by a second small kernel, or, where every program is
-resident at once (COOP_MERGE), by the split programs of each row tile themselves, after waiting
-for each other on a counter (one launch and its ramp-up fewer per call).
+KV run is split over several blocks when the batch alone cannot fill the GPU; a second small
+kernel merges the splits by their log-sum-exp (flash-decoding).
 
 Shapes: q (B, T, H, hd); k_cache, v_cache (B, S, KV, hd); key_len (B,) int32: sample b attends
 to rows [0, key_len[b]). Output (B, T, H * hd) in q's dtype.
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 from torch import Tensor
@@ -38,11 +35,10 @@ def _kernels():
 
     @triton.jit
     def split_kv_attention(
-        q_ptr, k_ptr, v_ptr, key_len_ptr, out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
+        q_ptr, k_ptr, v_ptr, key_len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         qk_scale, T, S, NUM_SPLITS, SPLIT_ROWS,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, COOP_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLITS_P2: tl.constexpr,
-        PDL: tl.constexpr,
+        DIRECT: tl.constexpr, PDL: tl.constexpr,
     ):
         C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         group = H // KV
@@ -84,14 +80,6 @@ def _kernels():
             part = (bk * NUM_SPLITS + split) * (T * group) + rows
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
             tl.store(part_o_ptr + part[:, None] * HD + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
-            if COOP_MERGE:  # the row tile's split programs merge it together, MERGE_ROWS rows each
-                C.arrive_and_wait(counter_ptr + bk * tl.num_programs(1) + row_tile, split == 0, NUM_SPLITS, SPLITS_P2)
-                first = row_tile * BLOCK_M + split * MERGE_ROWS
-                for r in tl.static_range(MERGE_ROWS):
-                    row = first + r
-                    ok = (split * MERGE_ROWS + r < BLOCK_M) & (row < T * group)
-                    C.merge_row(part_o_ptr, part_lse_ptr, out_ptr, bk, row, ok, T, NUM_SPLITS, H, KV, HD, SPLITS_P2,
-                                True)
 
     @triton.jit
     def merge_splits(
@@ -99,8 +87,23 @@ def _kernels():
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr,
     ):
         C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
-        C.merge_row(part_o_ptr, part_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1), True, T, NUM_SPLITS, H, KV,
-                    HD, SPLITS_P2, False)
+        group = H // KV
+        bk = tl.program_id(0)
+        row = tl.program_id(1)
+        b = bk // KV
+        kvh = bk % KV
+        s = tl.arange(0, SPLITS_P2)
+        s_ok = s < NUM_SPLITS
+        part = (bk * NUM_SPLITS + s) * (T * group) + row
+        lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        w = tl.where(s_ok, tl.exp2(lse - m), 0.0)
+        d = tl.arange(0, HD)
+        o = tl.load(part_o_ptr + part[:, None] * HD + d[None, :], mask=s_ok[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+        t = row // group
+        head = kvh * group + row % group
+        tl.store(out_ptr + ((b * T + t) * H + head) * HD + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def kv1_attention_tma(
@@ -171,12 +174,6 @@ def tma_default(batch: int) -> bool:
     return batch >= 16
 
 
-# The KV splits merged inside the attention kernel (its programs of a row tile wait for each other, then
-# merge a share of the rows each) instead of by a second kernel, where that is safe: on CUDA, with
-# every program resident at once (no more programs than SMs). experiments/profile_denoise.py
-# --coop-merge on/off compares the two.
-COOP_MERGE = True
-
 # No KV split once the unsplit blocks fill this share of the target: on the H200 (profile_stages,
 # PhyAI's expert at batch 32: 128 blocks for 132 SMs) splitting in two cost a merge kernel of 21 us
 # per call on top of 59 us of attention, for blocks that already filled 97% of the SMs.
@@ -192,11 +189,10 @@ class TritonSplitKVAttention:
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, target_blocks: int | None = None, block_m: int | None = None,
                  block_n: int | None = None, warps: int | None = None, stages: int | None = None,
-                 tma: bool | None = None, coop_merge: bool | None = None):
+                 tma: bool | None = None):
         """block_m / block_n / warps / stages / target_blocks (programs aimed for; default: the SM
         count) override the class defaults (experiments/profile_denoise.py sweeps them). `tma`: the
-        one-KV-head kernel whose whole blocks load through TMA (None: where `tma_default` says).
-        `coop_merge`: merge the KV splits inside the attention kernel (None: COOP_MERGE where safe)."""
+        one-KV-head kernel whose whole blocks load through TMA (None: where `tma_default` says)."""
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
         packed_rows = queries * (heads // kv_heads)
@@ -218,10 +214,6 @@ class TritonSplitKVAttention:
         # split length: whole BLOCK_N multiples so no block straddles two splits
         self.split_rows = math.ceil(math.ceil(rows / self.num_splits) / self.BLOCK_N) * self.BLOCK_N
         self.tma = self._use_tma(tma, kv_heads, device, batch)
-        self.coop_merge = self._use_coop_merge(coop_merge, device, base_blocks)
-        # rows each split program merges (a power of two for tl.static_range; some merge none)
-        self.merge_rows = 1 << (math.ceil(self.BLOCK_M / self.num_splits) - 1).bit_length()
-        self.counters = torch.zeros(base_blocks if self.coop_merge else 1, dtype=torch.int32, device=device)
         if self.num_splits > 1:
             self.part_o = torch.empty(batch * kv_heads * self.num_splits * packed_rows, head_dim,
                                       dtype=torch.float32, device=device)
@@ -242,19 +234,6 @@ class TritonSplitKVAttention:
             raise ValueError(f"the TMA attention kernel needs a Hopper or newer GPU (TMA), got {device} with "
                              f"compute capability {torch.cuda.get_device_capability(device)}")
         return tma
-
-    def _use_coop_merge(self, coop_merge: bool | None, device: torch.device, base_blocks: int) -> bool:
-        """The in-kernel merge needs several splits, compiled CUDA (the interpreter runs programs one
-        after another: the first would wait forever) and all programs resident at once."""
-        if self.num_splits == 1 or self.tma or (coop_merge is None and not COOP_MERGE) or coop_merge is False:
-            return False
-        compiled = device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-        programs = base_blocks * self.num_splits
-        fits = compiled and programs <= torch.cuda.get_device_properties(device).multi_processor_count
-        if coop_merge and not fits:
-            raise ValueError(f"the in-kernel split merge needs compiled CUDA and at most one program per SM, got "
-                             f"{device} with {programs} programs")
-        return fits
 
     def plan(self, key_len: Tensor) -> None:
         self.key_len.copy_(key_len, non_blocking=True)
@@ -288,17 +267,16 @@ class TritonSplitKVAttention:
         direct = self.num_splits == 1
         part_o = out if direct else self.part_o
         part_lse = out if direct else self.part_lse
-        splits_p2 = max(2, 1 << (self.num_splits - 1).bit_length())
         attend[(b * kv, self.row_tiles, self.num_splits)](
-            q, k_cache, v_cache, self.key_len, out, part_o, part_lse, self.counters, hd ** -0.5 * LOG2_E, t,
-            k_cache.shape[1], self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M,
-            BLOCK_N=self.BLOCK_N, DIRECT=direct, COOP_MERGE=self.coop_merge, MERGE_ROWS=self.merge_rows,
-            SPLITS_P2=splits_p2, PDL=self.pdl, num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl),
+            q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5 * LOG2_E, t, k_cache.shape[1],
+            self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
+            DIRECT=direct, PDL=self.pdl, num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl),
         )
-        if not direct and not self.coop_merge:
+        if not direct:
             packed = t * (heads // kv)
             merge[(b * kv, packed)](
-                self.part_o, self.part_lse, out, t, self.num_splits, H=heads, KV=kv, HD=hd, SPLITS_P2=splits_p2,
-                PDL=self.pdl, num_warps=4, **launch_kwargs(self.pdl),
+                self.part_o, self.part_lse, out, t, self.num_splits, H=heads, KV=kv, HD=hd,
+                SPLITS_P2=max(2, 1 << (self.num_splits - 1).bit_length()), PDL=self.pdl, num_warps=4,
+                **launch_kwargs(self.pdl),
             )
         return out.view(b, t, heads * hd)

@@ -131,53 +131,6 @@ def rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c
 
 
 @triton.jit
-def merge_row(part_o_ptr, part_lse_ptr, out_ptr, bk, row, ok, T, NUM_SPLITS, H: tl.constexpr, KV: tl.constexpr,
-              HD: tl.constexpr, SPLITS_P2: tl.constexpr, CG: tl.constexpr):
-    """triton_attention.py's merge of one packed query row (t, head) of sample-and-KV-head bk: the KV
-    splits' partial outputs weighted by their log-sum-exps (flash-decoding). Nothing happens where
-    `ok` is False. CG: load the partials through L2 only (.cg), for partials other programs of the
-    same kernel wrote (this SM's L1 may hold an earlier call's lines of the same buffer)."""
-    group = H // KV
-    s = tl.arange(0, SPLITS_P2)
-    s_ok = (s < NUM_SPLITS) & ok
-    part = (bk * NUM_SPLITS + s) * (T * group) + row
-    d = tl.arange(0, HD)
-    if CG:
-        lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_o_ptr + part[:, None] * HD + d[None, :], mask=s_ok[:, None], other=0.0, cache_modifier=".cg")
-    else:
-        lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
-        o = tl.load(part_o_ptr + part[:, None] * HD + d[None, :], mask=s_ok[:, None], other=0.0)
-    m = tl.max(lse, axis=0)
-    w = tl.where(s_ok, tl.exp2(lse - m), 0.0)
-    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
-    t = row // group
-    head = (bk % KV) * group + row % group
-    dst = out_ptr + (((bk // KV) * T + t) * H + head) * HD + d
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=ok & (d < HD))
-
-
-@triton.jit
-def arrive_and_wait(counter, first, n, N_P2: tl.constexpr):
-    """Count this program in at `counter` (int32, zero when allocated, never reset) and wait until all
-    n programs of its group have come. Each group adds N_P2 (a power of two >= n) in all: the program
-    with `first` set adds N_P2 - n + 1, the others 1; so every group starts at a multiple of N_P2 and
-    its target is the next one, also across the int32 wrap (N_P2 divides 2^32; compared as a wrapped
-    difference). The release half of the add publishes this program's earlier writes, the acquire
-    polls make the others' visible (experiments/probe_grid_barrier.py: no stale reads this way on
-    the H200). Only for groups whose programs are all resident at once, else it deadlocks; never
-    under the interpreter, which runs programs one after another."""
-    tl.debug_barrier()  # every thread of the program has written before the release
-    step = tl.where(first, N_P2 - n + 1, 1)
-    old = tl.atomic_add(counter, step, sem="acq_rel", scope="gpu")
-    target = (old & -N_P2) + N_P2
-    seen = old + step
-    while seen - target < 0:
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
 def online_softmax(q, k, m_i, l_i, qk_scale, n_ok, MASKED: tl.constexpr):
     """The softmax half of attend_block: one K block's scores in log2 units (exp2 is one MUFU op) ->
     (new row max, new row sum, the old acc's rescale factor alpha, probabilities p (M, N))."""

@@ -150,46 +150,6 @@ def test_split_kv_attention_matches_masked_sdpa(dtype, heads, kv_heads, target_b
     assert rel(got, want) < (fp32_tol if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,t,heads,hd", [(1, 50, 8, 256), (3, 5, 4, 32)])  # PhyAI b1's expert shape, a small one
-def test_split_kv_coop_merge_matches_the_merge_kernel(b, t, heads, hd):
-    """Compiled, the split programs of a row tile wait for each other and merge it themselves
-    (COOP_MERGE): the merge kernel's result, on every call."""
-    from policies.fast.attention import SdpaAttention
-    from policies.fast.triton_attention import TritonSplitKVAttention
-
-    g = torch.Generator().manual_seed(b * t)
-    rows = 1018 if hd == 256 else 150
-    q = torch.randn(b, t, heads, hd, generator=g).to(DEVICE, torch.bfloat16)
-    k, v = (torch.randn(b, rows, 1, hd, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    key_len = torch.randint(rows // 2, rows + 1, (b,), generator=g, dtype=torch.int32).to(DEVICE)
-    outs = {}
-    for coop in (False, True):
-        attention = TritonSplitKVAttention(b, t, rows, heads, 1, hd, torch.device(DEVICE), coop_merge=coop)
-        assert attention.num_splits > 1 and attention.coop_merge == coop
-        attention.plan(key_len)
-        outs[coop] = [attention(q, k, v) for _ in range(3)]
-    for got in outs[True]:
-        assert rel(got, outs[False][0]) < 1e-6
-    assert all(torch.equal(got, outs[False][0]) for got in outs[False])
-    # each row tile's counter advanced by a power of two >= the split count per call
-    p2 = 1 << (attention.num_splits - 1).bit_length()
-    assert attention.counters.tolist() == [3 * p2] * attention.counters.numel()
-    exact = SdpaAttention(b, rows, torch.device(DEVICE))
-    exact.plan(key_len)
-    assert rel(outs[True][0], exact(q.float(), k.float(), v.float())) < 1e-2
-
-
-def test_coop_merge_refused_where_it_could_deadlock():
-    """Under the interpreter (programs run one after another) the in-kernel merge would wait forever."""
-    from policies.fast.triton_attention import TritonSplitKVAttention
-
-    cpu = torch.device("cpu")
-    assert not TritonSplitKVAttention(1, 50, 1018, 8, 1, 256, cpu, target_blocks=132).coop_merge
-    with pytest.raises(ValueError, match="at most one program per SM"):
-        TritonSplitKVAttention(1, 50, 1018, 8, 1, 256, cpu, target_blocks=132, coop_merge=True)
-
-
 def test_split_kv_attention_large_batch_blocks_match_masked_sdpa():
     """Batch >= 16 with > 128 packed query rows (the prefix, PhyAI's expert at large batch) runs
     default_blocks' 128 x 64 blocks with 8 warps; a row block straddles several query tokens."""
