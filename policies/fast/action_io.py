@@ -19,7 +19,6 @@ the tests compare the kernels against (on CPU through TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -121,10 +120,6 @@ def _kernels():
     return action_in_norm_kernel, add_norm_action_out_kernel
 
 
-def _block(n: int) -> int:
-    return 1 << max(4, math.ceil(math.log2(n)))
-
-
 def action_in_norm_triton(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, scale: Tensor,
                           shift: Tensor | None, eps: float, pdl: int = 0) -> tuple[Tensor, Tensor]:
     b, t, d = x.shape
@@ -133,9 +128,9 @@ def action_in_norm_triton(x: Tensor, weight: Tensor, bias: Tensor | None, dtype:
     out = torch.empty_like(h)
     _kernels()[0][(b * t,)](
         x, weight, bias if bias is not None else weight, scale, shift if shift is not None else scale, h, out,
-        t, x.stride(0), width, eps, K.row_stride(scale), K.row_stride(shift), D=d, D_BLOCK=_block(d),
-        HAS_BIAS=bias is not None, HAS_SHIFT=shift is not None, BLOCK=_block(width),
-        PDL=pdl, num_warps=_warps(_block(width)), **launch_kwargs(pdl),
+        t, x.stride(0), width, eps, K.row_stride(scale), K.row_stride(shift), D=d, D_BLOCK=K.row_block(d),
+        HAS_BIAS=bias is not None, HAS_SHIFT=shift is not None, BLOCK=K.row_block(width),
+        PDL=pdl, num_warps=_warps(K.row_block(width)), **launch_kwargs(pdl),
     )
     return h, out
 
@@ -150,8 +145,8 @@ def add_norm_action_out_triton(h: Tensor, y: Tensor, gate: Tensor | None, scale:
         h, y, gate if gate is not None else h, scale, shift if shift is not None else scale, weight,
         bias if bias is not None else weight, v, width, eps, K.row_stride(gate), K.row_stride(scale),
         K.row_stride(shift), rows * width, Y_SPLITS=splits, HAS_GATE=gate is not None, HAS_SHIFT=shift is not None,
-        HAS_BIAS=bias is not None, N_OUT=n_out, N_BLOCK=_block(n_out), BLOCK=_block(width), PDL=pdl,
-        num_warps=_warps(_block(width)), **launch_kwargs(pdl),
+        HAS_BIAS=bias is not None, N_OUT=n_out, N_BLOCK=K.row_block(n_out), BLOCK=K.row_block(width), PDL=pdl,
+        num_warps=_warps(K.row_block(width)), **launch_kwargs(pdl),
     )
     return v
 
@@ -162,7 +157,7 @@ def _contiguous(*tensors: Tensor | None) -> bool:
 
 def _fits(weight: Tensor) -> bool:
     """The (padded) weight tile fits the kernels' registers (MAX_TILE)."""
-    return _block(weight.shape[0]) * _block(weight.shape[1]) <= MAX_TILE
+    return K.row_block(weight.shape[0]) * K.row_block(weight.shape[1]) <= MAX_TILE
 
 
 def action_in_norm(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, scale: Tensor,

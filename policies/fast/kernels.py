@@ -215,13 +215,18 @@ def row_stride(t: Tensor | None) -> int:
     return 0 if t is None or t.dim() == 1 else t.stride(0)
 
 
+def row_block(n: int) -> int:
+    """The power-of-two block (>= 16) that holds n row elements in one program."""
+    return 1 << max(4, math.ceil(math.log2(n)))
+
+
 def _add_norm_triton(h, y, gate, scale, shift, eps, layer_norm: bool, y_splits: int = 1,
                      pdl: int = 0) -> tuple[Tensor, Tensor]:
     kernel = _triton_kernels()[0]
     width = h.shape[-1]
     rows = h.numel() // width
     out = torch.empty_like(h)
-    block = 1 << max(4, math.ceil(math.log2(width)))
+    block = row_block(width)
     kernel[(rows,)](
         h, y if y is not None else h, gate if gate is not None else h, scale,
         shift if shift is not None else scale, out, width, eps,

@@ -19,12 +19,7 @@ pytest.importorskip("triton")
 from policies.fast import action_io as A  # noqa: E402
 from policies.fast import kernels as K  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+from .test_fast_kernels import DEVICE, TOL, rel  # noqa: E402
 
 
 def _randn(g, *shape, dtype=torch.float32):
