@@ -93,7 +93,10 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             record["kernels"][name] = {v: kernel_breakdown(policy, spec, v, device) for v in args.breakdown}
         if args.graph_timeline and device.type == "cuda":
-            record.setdefault("graph_timeline", {})[name] = graph_timeline(policy, spec, device)
+            timeline = record.setdefault("graph_timeline", {})[name] = graph_timeline(policy, spec, device)
+            roles = "  ".join(f"{r} {v['mean_chain_us']:.2f}" for r, v in timeline.get("by_role", {}).items())
+            print(f"{name} b=1 graph replay {timeline.get('span_us', 0):.0f} us; per call on the critical path (us): "
+                  f"{roles}", flush=True)
         if args.attention_sweep:
             record["attention_sweep"][name] = attention_sweep(policy.cfg, spec, device, args)
         del policy
@@ -204,22 +207,60 @@ def timeline_summary(spans: list[tuple[float, float, str]], top: int = 15) -> di
     """(start, end, kernel name) spans of one replay -> per name its share of the critical path
     (`chain_us`: a kernel waits for its predecessor, so what it adds is how far its end lies past
     every earlier kernel's end; time it spent launched early and waiting is not counted) and its
-    device time (`us`); the span, the time no kernel ran, and the overlap (busy time beyond the span)."""
+    device time (`us`); the span, the time no kernel ran, the overlap (busy time beyond the span),
+    and the repeated kernels' shares per role (`by_role`, chain_by_role)."""
     spans = sorted(spans)
+    chains, idle = critical_path_shares(spans)
     per_name: dict[str, list[float]] = defaultdict(list)
     chain: dict[str, float] = defaultdict(float)
-    idle, reach = 0.0, spans[0][0]
-    for start, end, name in spans:
+    for (start, end, name), share in zip(spans, chains, strict=True):
         per_name[name].append(end - start)
-        idle += max(0.0, start - reach)
-        chain[name] += max(0.0, end - max(reach, start))
-        reach = max(reach, end)
-    span = reach - spans[0][0]
+        chain[name] += share
+    span = max(end for _, end, _ in spans) - spans[0][0]
     busy = sum(end - start for start, end, _ in spans)
     rows = sorted(((n, sum(v), len(v)) for n, v in per_name.items()), key=lambda r: -chain[r[0]])
     return {"kernels": len(spans), "span_us": span, "idle_us": idle, "overlap_us": busy - (span - idle),
             "top": [{"kernel": n[:140], "chain_us": chain[n], "us": us, "calls": c, "mean_chain_us": chain[n] / c,
-                     "mean_us": us / c} for n, us, c in rows[:top]]}
+                     "mean_us": us / c} for n, us, c in rows[:top]],
+            "by_role": chain_by_role([name for _, _, name in spans], chains)}
+
+
+def critical_path_shares(spans: list[tuple[float, float, str]]) -> tuple[list[float], float]:
+    """Spans sorted by start -> each one's share of the critical path (how far its end lies past every
+    earlier end) and the time no kernel ran."""
+    shares, idle, reach = [], 0.0, spans[0][0]
+    for start, end, _ in spans:
+        idle += max(0.0, start - reach)
+        shares.append(max(0.0, end - max(reach, start)))
+        reach = max(reach, end)
+    return shares, idle
+
+
+# The expert layer-step's skinny projections, in launch order; an AdaRMS norm is named by the
+# projection it feeds (the skinny call after it).
+SKINNY_ROLES = ("qkv", "o", "gate_up", "down")
+
+
+def chain_by_role(names: list[str], shares: list[float]) -> dict:
+    """Mean critical-path share per role of the layer-step's repeated kernels, from kernel names in
+    launch order: the i-th skinny_kernel call is projection SKINNY_ROLES[i mod 4], and an
+    add_norm_kernel is `norm_before_<role>` of the next skinny call. Empty without skinny calls."""
+    roles: list[str | None] = [None] * len(names)
+    pending, skinny_seen = [], 0
+    for i, name in enumerate(names):
+        if name == "skinny_kernel":
+            roles[i] = SKINNY_ROLES[skinny_seen % len(SKINNY_ROLES)]
+            skinny_seen += 1
+            for j in pending:
+                roles[j] = f"norm_before_{roles[i]}"
+            pending = []
+        elif name == "add_norm_kernel":
+            pending.append(i)
+    per_role: dict[str, list[float]] = defaultdict(list)
+    for role, share in zip(roles, shares, strict=True):
+        if role is not None:
+            per_role[role].append(share)
+    return {role: {"calls": len(v), "mean_chain_us": sum(v) / len(v)} for role, v in per_role.items()}
 
 
 def graph_time_us(fn, device, iters: int) -> float:

@@ -48,16 +48,27 @@ def residual_update(h_ptr, y_ptr, gate_ptr, row, cols, mask, width, gate_row_str
     """One row of the residual step h <- h + y * gate (gate optional), y given as Y_SPLITS fp32 split-K
     partials (skinny.py) or one tensor: stored back in h's dtype, returned in fp32."""
     h = tl.load(h_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
-    # the partials summed in split order; unrolled (a constexpr count) so loads issue ahead of the
-    # adds (ptxas keeps 2-3 in flight): a runtime loop waited out one L2 round trip per split
-    for split in tl.static_range(1, Y_SPLITS):
-        y += tl.load(y_ptr + split * y_split_stride + row * width + cols, mask=mask, other=0.0)
+    if Y_SPLITS == 1:
+        y = tl.load(y_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+    else:  # every partial in one (splits, BLOCK) load, so all of them are in flight before the first add
+        y = sum_rows(y_ptr + row * width + cols[None, :], y_split_stride, mask[None, :], Y_SPLITS)
     if HAS_GATE:
         y = y * tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     h = (h + y).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + row * width + cols, h, mask=mask)
     return h.to(tl.float32)
+
+
+@triton.jit
+def sum_rows(ptrs, row_stride, mask, ROWS: tl.constexpr):
+    """The sum over ROWS (>= 2) fp32 rows at ptrs + r * row_stride (ptrs, mask: (1, BLOCK)), loaded as one
+    (rows, BLOCK) tile: one load op, so every row's loads issue before the first add (ptxas kept only 2-3
+    in flight when each row was its own load), reduced inside each thread."""
+    ROWS_P2: tl.constexpr = 2 if ROWS <= 2 else 4 if ROWS <= 4 else 8 if ROWS <= 8 else 16
+    tl.static_assert(ROWS <= 16, "sum_rows: at most 16 rows")
+    r = tl.arange(0, ROWS_P2)[:, None]
+    tile = tl.load(ptrs + r * row_stride, mask=mask & (r < ROWS), other=0.0)
+    return tl.sum(tile, axis=0)
 
 
 @triton.jit

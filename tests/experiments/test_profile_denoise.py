@@ -16,3 +16,18 @@ def test_timeline_summary_splits_the_span_into_chain_shares_and_idle():
     assert (rows["c"]["chain_us"], rows["c"]["mean_us"]) == (0.0, 3.0)  # hidden inside a
     assert sum(r["chain_us"] for r in out["top"]) == out["span_us"] - out["idle_us"]
     assert len(profile_denoise.timeline_summary(spans, top=1)["top"]) == 1
+
+
+def test_chain_by_role_names_the_projections_and_the_norms_before_them():
+    step = ["add_norm_kernel", "skinny_kernel", "rope_scatter_kernel", "skinny_kernel", "add_norm_kernel",
+            "skinny_kernel", "skinny_kernel"]
+    names = step * 2 + ["add_norm_kernel"]  # a trailing norm with no projection after it has no role
+    shares = [float(i) for i in range(len(names))]
+    out = profile_denoise.chain_by_role(names, shares)
+    assert out["qkv"] == {"calls": 2, "mean_chain_us": (1 + 8) / 2}
+    assert out["o"]["mean_chain_us"] == (3 + 10) / 2 and out["gate_up"]["mean_chain_us"] == (5 + 12) / 2
+    assert out["down"]["mean_chain_us"] == (6 + 13) / 2
+    assert out["norm_before_qkv"] == {"calls": 2, "mean_chain_us": (0 + 7) / 2}
+    assert out["norm_before_gate_up"]["mean_chain_us"] == (4 + 11) / 2
+    assert set(out) == {"qkv", "o", "gate_up", "down", "norm_before_qkv", "norm_before_gate_up"}
+    assert profile_denoise.chain_by_role(["a", "b"], [1.0, 2.0]) == {}
