@@ -180,7 +180,7 @@ def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = 
 AHEAD_LINES = 1024
 # The `ahead` lines' L2 priority: evict-last keeps them over the partials and activations streamed
 # in between.
-AHEAD_EVICT_LAST = True
+AHEAD_EVICT_LAST = False
 
 
 def _ahead_regions(ahead: tuple[Tensor, ...]) -> list[tuple[Tensor, int]]:
