@@ -347,19 +347,18 @@ class FastSampler:
                                              ecfg.rms_norm_eps, pdl_code)
         last = len(w.expert) - 1
         for i, lw in enumerate(w.expert):
-            ahead = _weights_ahead(lw, w.expert[i + 1] if i < last else None)
-            qkv = _project(normed, lw["qkv"], tiles["qkv"], pdl_code, ahead["qkv"])
+            qkv = _project(normed, lw["qkv"], tiles["qkv"], pdl_code)
             K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], b, hlen, -1), cos, sin, ecfg.num_heads, ecfg.num_kv_heads,
                                q, bk.k_cache[i], bk.v_cache[i], bk.tensors["suffix_slots"], pdl_code)
             attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1)
-            o = _project(attn, lw["o"], tiles["o"], pdl_code, ahead["o"])
+            o = _project(attn, lw["o"], tiles["o"], pdl_code)
             scale, shift, post_gate = w.modulation(step, 2 * i + 1)
             h, normed = _add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
             if tiles["gate_up"] is not None:  # projection and GeGLU in one kernel
                 act = skinny.skinny_linear(normed, lw["gate_up"].weight, tiles["gate_up"], gelu_mul=True, pdl=pdl_code)
             else:
                 act = K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight))
-            mlp = _project(act, lw["down"], tiles["down"], pdl_code, ahead["down"])
+            mlp = _project(act, lw["down"], tiles["down"], pdl_code)
             scale, shift, gate = w.modulation(step, 2 * i + 2)  # next input norm, or the final norm
             if i < last:
                 h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
@@ -380,22 +379,12 @@ def _patch_embed(images: Tensor, patch, pos: Tensor, size: int) -> Tensor:
     return x.view(n, side * side, -1).add_(pos).view(n * side * side, -1)
 
 
-def _project(x: Tensor, lw, tile, pdl_code: int = 0, ahead: tuple[Tensor, ...] = ()) -> Tensor:
+def _project(x: Tensor, lw, tile, pdl_code: int = 0) -> Tensor:
     """x (M, K) @ W^T: cuBLAS (M, N) in x's dtype, or the skinny kernel's (splits, M, N) fp32 partials,
-    which the consumer (rope_scatter_qkv, _add_norm) sums; `ahead`: weights it pulls into L2 for later
-    kernels (skinny.skinny_linear)."""
+    which the consumer (rope_scatter_qkv, _add_norm) sums."""
     if tile is None:
         return F.linear(x, lw.weight)
-    return skinny.skinny_linear(x, lw.weight, tile, pdl=pdl_code, ahead=ahead)
-
-
-def _weights_ahead(layer: dict, next_layer: dict | None) -> dict[str, tuple[Tensor, ...]]:
-    """Which later weights each skinny projection of an expert layer-step pulls into L2 (bf16 ones only):
-    qkv those of o and gate_up (the rope, attention and merge kernels after it barely use HBM), o those of
-    down, down the next layer's qkv; gate_up none (it is the one that streams the most itself)."""
-    def bf16(*names, source=layer):
-        return tuple(source[n].weight for n in names if source is not None and source[n].weight.element_size() == 2)
-    return {"qkv": bf16("o", "gate_up"), "o": bf16("down"), "down": bf16("qkv", source=next_layer)}
+    return skinny.skinny_linear(x, lw.weight, tile, pdl=pdl_code)
 
 
 def _project_tail(x: Tensor, lw, skip: int) -> Tensor:

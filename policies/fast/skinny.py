@@ -82,10 +82,8 @@ def _kernel():
 
     @triton.jit
     def skinny_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, stride_xm, stride_wn, pair_offset,
-                      ahead0_ptr, ahead0_lines, ahead1_ptr, ahead1_lines,
                       K_SPLIT: tl.constexpr, GELU_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                      AHEAD: tl.constexpr, AHEAD_LINES: tl.constexpr, AHEAD_EVICT_LAST: tl.constexpr):
+                      BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
@@ -101,12 +99,6 @@ def _kernel():
             if GELU_MUL:
                 tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
                                           [slab + pair_offset * stride_wn], dtype=tl.int32, is_pure=False, pack=1)
-        if AHEAD > 0:  # later kernels' weights, shared out over every program (see skinny_linear's `ahead`)
-            programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            program = pid_n + tl.num_programs(0) * (split + tl.num_programs(1) * pid_m)
-            C.prefetch_l2_share(ahead0_ptr, ahead0_lines, program, programs, AHEAD_LINES, AHEAD_EVICT_LAST)
-            if AHEAD > 1:
-                C.prefetch_l2_share(ahead1_ptr, ahead1_lines, program, programs, AHEAD_LINES, AHEAD_EVICT_LAST)
         C.pdl_wait(PDL)  # the predecessor is done: its activations are visible
         x_tile = x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :]
         w_tile = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None]
@@ -140,13 +132,10 @@ def _kernel():
 
 
 def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = False,
-                  out: Tensor | None = None, pdl: int = 0, ahead: tuple[Tensor, ...] = ()) -> Tensor:
+                  out: Tensor | None = None, pdl: int = 0) -> Tensor:
     """x (M, K) (unit column stride), weight (N, K) contiguous -> partials (splits, M, N) fp32, or
     (gelu_mul) the GeGLU activation (M, N/2) in x's dtype. `out` reuses a buffer of that shape.
-    pdl: pdl.py's mode code (bf16 weights only: the L2 prefetch counts 64-element lines).
-    ahead: up to two contiguous 2-byte tensors (later projections' weights) that the programs pull
-    into L2 before their PDL wait, while HBM would otherwise idle through the attention and norm
-    kernels in between (PDL only; the results do not depend on it)."""
+    pdl: pdl.py's mode code (bf16 weights only: the L2 prefetch counts 64-element lines)."""
     m, k = x.shape
     n = weight.shape[0]
     problem = tile.fits(m, n, k, gelu_mul)
@@ -166,32 +155,11 @@ def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = 
     if pdl and (weight.element_size() != 2 or k_split % 64 or lines & (lines - 1)):
         pdl = 0  # the prefetch walks a power-of-two count of 128-byte lines of bf16 rows
     grid = (cols // tile.block_n, tile.splits, -(-m // tile.block_m))
-    regions = _ahead_regions(ahead) if pdl else []
-    (a0, lines0), (a1, lines1) = (regions + [(weight, 0)] * 2)[:2]
-    _kernel()[grid](x, weight, out, m, cols, x.stride(0), weight.stride(0), cols, a0, lines0, a1, lines1,
-                    K_SPLIT=k_split, GELU_MUL=gelu_mul, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
+    _kernel()[grid](x, weight, out, m, cols, x.stride(0), weight.stride(0), cols, K_SPLIT=k_split,
+                    GELU_MUL=gelu_mul, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
                     UPCAST=os.environ.get("TRITON_INTERPRET") == "1", IEEE=x.dtype == torch.float32, PDL=pdl,
-                    AHEAD=len(regions), AHEAD_LINES=AHEAD_LINES, AHEAD_EVICT_LAST=AHEAD_EVICT_LAST,
                     num_warps=tile.warps, num_stages=tile.stages, **launch_kwargs(pdl))
     return out
-
-
-# 128-byte lines each program prefetches per loop trip of its `ahead` share (8 per thread at 4 warps).
-AHEAD_LINES = 1024
-# The `ahead` lines' L2 priority: evict-last keeps them over the partials and activations streamed
-# in between.
-AHEAD_EVICT_LAST = False
-
-
-def _ahead_regions(ahead: tuple[Tensor, ...]) -> list[tuple[Tensor, int]]:
-    """(tensor, whole 128-byte lines) per `ahead` tensor; errors name the tensor that cannot be prefetched."""
-    if len(ahead) > 2:
-        raise ValueError(f"skinny_linear prefetches at most two tensors ahead, got {len(ahead)}")
-    for i, t in enumerate(ahead):
-        if t.element_size() != 2 or not t.is_contiguous():
-            raise ValueError(f"skinny_linear ahead[{i}] must be a contiguous 2-byte tensor, got {t.dtype} with "
-                             f"strides {t.stride()}")
-    return [(t, t.numel() * 2 // 128) for t in ahead]
 
 
 # ----------------------------------------------------------------------------- choosing tiles

@@ -34,24 +34,6 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2_share(base, lines, program, programs, LINES: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """Program `program` of `programs` pulls its share of the `lines` 128-byte lines from `base` (a
-    2-byte element pointer) into L2; no result, no wait (skinny.py's weights for later kernels).
-    EVICT_LAST: the lines get L2's evict-last priority."""
-    per = tl.cdiv(lines, programs)
-    first = program * per
-    for offset in range(0, per, LINES):
-        line = tl.minimum(first + offset + tl.arange(0, LINES), lines - 1)  # the tail repeats the last line
-        addresses = base + line.to(tl.int64) * 64
-        if EVICT_LAST:
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [addresses],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addresses],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def gelu_tanh(x):
     """gelu_tanh(x) in fp32 as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the same function
     as 0.5 x (1 + tanh(u)) in one exp2 and one division (no 1 + (tanh - 1) cancellation for

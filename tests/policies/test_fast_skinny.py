@@ -74,34 +74,6 @@ def test_tile_that_does_not_fit_names_the_problem():
         skinny.skinny_linear(x, w[:63], SkinnyTile(block_n=16, block_k=32), gelu_mul=True)
 
 
-def test_ahead_names_the_tensor_it_cannot_prefetch():
-    x, w = _operands(16, 64, 64, seed=2)
-    tile = SkinnyTile(block_n=32, block_k=32, block_m=16)
-    with pytest.raises(ValueError, match=r"ahead\[1\] must be a contiguous 2-byte tensor, got torch.float32"):
-        skinny.skinny_linear(x, w, tile, pdl=1, ahead=(w, w.float()))
-    with pytest.raises(ValueError, match="at most two tensors ahead, got 3"):
-        skinny.skinny_linear(x, w, tile, pdl=1, ahead=(w, w, w))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("evict_last", [False, True])
-def test_prefetching_ahead_changes_no_bit(evict_last, monkeypatch):
-    """The L2 prefetch of later weights (PDL only) must leave the partials and the GeGLU output bit-identical."""
-    from policies.fast import pdl
-
-    if not pdl.supported():
-        pytest.skip("the ahead prefetch runs with PDL: compute capability >= 9.0 and Triton's grid-dependency control")
-    monkeypatch.setattr(skinny, "AHEAD_EVICT_LAST", evict_last)
-    later = [torch.randn(n, 1024, device="cuda", dtype=torch.bfloat16) for n in (8192, 1000)]  # 1000 rows: odd share
-    for n, k, gelu, splits in ((2560, 1024, False, 4), (8192, 1024, True, 1)):
-        x, w = _operands(50, n, k, seed=n)
-        tile = SkinnyTile(block_n=64 if not gelu else 32, block_k=64, splits=splits, block_m=64)
-        plain = skinny.skinny_linear(x, w, tile, gelu_mul=gelu, pdl=1)
-        ahead = skinny.skinny_linear(x, w, tile, gelu_mul=gelu, pdl=1, ahead=tuple(later))
-        assert torch.equal(plain, ahead)
-        assert rel(plain, skinny.skinny_linear_reference(x, w, splits, gelu)) < 1e-2
-
-
 @pytest.mark.parametrize("splits", [1, 3])
 def test_add_rms_norm_reads_partials(splits):
     g = torch.Generator().manual_seed(splits)
