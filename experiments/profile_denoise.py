@@ -120,12 +120,23 @@ def _sampler(policy, batch: int, prompt_len: int, graphs: bool = True, **fast) -
                                                 prompt_buckets=[prompt_len], cuda_graphs=graphs, **fast))
 
 
-# Alternative skinny.TUNED sets (variant "skinny@<name>/..."): fewer K splits leave less for the
-# consuming kernels (add_rms_norm, rope_scatter) to add up, at some cost in the GEMM itself.
+# Alternative skinny.TUNED sets (variant "skinny@<name>/..."), timed inside the whole denoise graph
+# (the tile sweep times each projection alone, with its weights hot in L2 between repeats):
+# - s4, s2: fewer K splits leave less for the consuming kernels (add_rms_norm, rope_scatter) to add up,
+#   at some cost in the GEMM itself;
+# - one projection each with more programs (narrower slabs), more K per load, or a deeper pipeline.
 T = skinny.SkinnyTile
 TILE_SETS = {
     "s4": {"qkv": T(32, 64, 2), "o": T(32, 64, 4), "gate_up": T(32, 64, 1), "down": T(32, 64, 4)},
     "s2": {"qkv": T(16, 64, 2), "o": T(16, 64, 2), "gate_up": T(32, 64, 1), "down": T(16, 128, 2)},
+    "gu16": {"gate_up": T(16, 64, 1)},
+    "gu16k128": {"gate_up": T(16, 128, 1)},
+    "gu32k128": {"gate_up": T(32, 128, 1)},
+    "gu32st6": {"gate_up": T(32, 64, 1, stages=6)},
+    "qkv32": {"qkv": T(32, 64, 4)},
+    "o32": {"o": T(32, 64, 8)},
+    "down32": {"down": T(32, 64, 8)},
+    "down16s": {"down": T(64, 64, 16)},
 }
 
 
