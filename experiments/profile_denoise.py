@@ -139,7 +139,7 @@ TILE_SETS = {
     "down16s": {"down": T(64, 64, 16)},
     "s4gu": {"qkv": T(32, 64, 2), "o": T(32, 64, 4), "gate_up": T(32, 128, 1), "down": T(32, 64, 4)},
     "s4gu16": {"qkv": T(32, 64, 2), "o": T(32, 64, 4), "gate_up": T(16, 128, 1), "down": T(32, 64, 4)},
-    "gu32k256": {"gate_up": T(32, 256, 1)},
+    "gu32k256": {"gate_up": T(32, 256, 1, stages=2)},  # 4 stages need 256 KB of shared memory
 }
 
 
