@@ -13,7 +13,8 @@ One run, one JSON (runs/profile_denoise/, or --out-dir):
 3. `gemm_sweep`: each expert projection shape at each row count, cuBLAS (F.linear) against every
    skinny tile candidate, timed as 20 back-to-back calls captured in one CUDA graph (what the
    denoise graph sees), with the bandwidth each reaches reading the weight once.
-The best tile per (N, K, GeGLU) at <= 64 rows is what skinny.TUNED should hold.
+The best tile per (N, K, GeGLU) at <= 64 rows is what skinny.TUNED should hold; where a tile set
+(variant "skinny@<set>/...", timed inside the denoise graph) wins at some rows, skinny.TUNED_BY_ROWS.
 """
 
 from __future__ import annotations
@@ -162,12 +163,15 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     for variant in args.variants:
         gemm, attention, pdl_mode = variant.split("/")
         gemm, _, tile_set = gemm.partition("@")
-        saved, skinny.TUNED = skinny.TUNED, tuned_for(policy, tile_set or None)
+        saved = skinny.TUNED, skinny.TUNED_BY_ROWS
+        skinny.TUNED = tuned_for(policy, tile_set or None)
+        if tile_set:  # the set's tiles at every row count
+            skinny.TUNED_BY_ROWS = {s: r for s, r in skinny.TUNED_BY_ROWS.items() if skinny.TUNED[s] == saved[0].get(s)}
         try:
             fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode)
             chains[variant] = fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
         finally:
-            skinny.TUNED = saved
+            skinny.TUNED, skinny.TUNED_BY_ROWS = saved
         bucket = next(iter(fast.buckets.values()))
         ms = common.timed_ms(lambda f=fast, b=bucket: f.run_stage(b, "denoise"), device, 3, args.iters)
         out[variant] = {"ms": ms, "pdl_code": fast.pdl, "attention": getattr(bucket.expert_attn, "name", "?"),

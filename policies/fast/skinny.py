@@ -176,6 +176,25 @@ TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
     (8192, 1024, True): SkinnyTile(block_n=32, block_k=64, splits=1),  # gate_up + GeGLU
     (1024, 4096, False): SkinnyTile(block_n=64, block_k=64, splits=8),  # down
 }
+# Row ranges where another tile won inside the whole denoise graph (profile_denoise's tile sets, where
+# the weights stream from HBM, not from L2 as between the sweep's repeats): (first row, last row, tile),
+# before TUNED. H200, PhyAI b1 (50 rows) / b2 (100) and LIBERO b1 (10) / b2 (20), denoise stage in ms,
+# TUNED's tile against these (profile_denoise_nvidia-h200_20261202-062929.json and ..._062950.json):
+# gate_up 16 x 128 at 50 rows 6.89 / 6.93 against 7.10 / 7.12 (at 10 rows 2.51 against 2.31, at 100
+# rows 9.90 against 9.18); 32 x 128 at 20 rows 2.78 / 2.80 against 2.85 / 2.85 (at 50 rows 7.00).
+TUNED_BY_ROWS: dict[tuple[int, int, bool], tuple[tuple[int, int, SkinnyTile], ...]] = {
+    (8192, 1024, True): ((17, 32, SkinnyTile(block_n=32, block_k=128, splits=1)),
+                         (33, 64, SkinnyTile(block_n=16, block_k=128, splits=1))),
+}
+
+
+def tuned_tile(m: int, n: int, k: int, gelu_mul: bool) -> SkinnyTile | None:
+    """The tuned tile of an (m, n, k) projection: TUNED_BY_ROWS's where m lies in one of its ranges, else
+    TUNED's (None for a shape neither holds)."""
+    for first, last, tile in TUNED_BY_ROWS.get((n, k, gelu_mul), ()):
+        if first <= m <= last:
+            return tile
+    return TUNED.get((n, k, gelu_mul))
 
 
 def rows_block(m: int) -> int:
@@ -207,7 +226,7 @@ def choose_tile(mode: str, m: int, n: int, k: int, gelu_mul: bool, device: torch
         return None
     if n % 16 or k % 16:
         return None
-    tuned = TUNED.get((n, k, gelu_mul))
+    tuned = tuned_tile(m, n, k, gelu_mul)
     tile = tuned if tuned is not None else default_tile(m, n, k, gelu_mul)
     tile = SkinnyTile(tile.block_n, tile.block_k, tile.splits, rows_block(m), tile.warps, tile.stages)
     return tile if tile.fits(m, n, k, gelu_mul) is None else None

@@ -148,3 +148,14 @@ def test_auto_keeps_cublas_on_cpu_and_above_the_row_limit():
     assert skinny.expert_tiles("skinny", 500, layer, cpu)["down"].block_m == 64
     with pytest.raises(ValueError, match="policy.fast.gemm must be one of"):
         skinny.choose_tile("fast", 50, 1024, 1024, False, cpu)
+
+
+def test_gate_up_tile_follows_the_row_count():
+    """TUNED_BY_ROWS before TUNED: the GeGLU projection's in-graph winners at 17-32 and 33-64 rows."""
+    shape = (8192, 1024, True)
+    assert skinny.tuned_tile(10, *shape) == skinny.TUNED[shape]
+    assert skinny.tuned_tile(100, *shape) == skinny.TUNED[shape]
+    assert (skinny.tuned_tile(20, *shape).block_n, skinny.tuned_tile(20, *shape).block_k) == (32, 128)
+    tile = skinny.choose_tile("skinny", 50, *shape, torch.device("cpu"))
+    assert (tile.block_n, tile.block_k, tile.block_m) == (16, 128, 64)
+    assert skinny.tuned_tile(50, 2560, 1024, False) == skinny.TUNED[(2560, 1024, False)]
