@@ -62,11 +62,13 @@ class GegluTile:
         return None
 
 
-# "auto" fuses from this many prefix rows up. H200 sweeps (sweep_large_batch_nvidia-h200_20261201-
-# 220235 / -220255 / -220703), cuBLAS gate/up + GeGLU kernel against the tuned tile, per layer: 968
-# rows (PhyAI b1) 0.197 against 0.207 ms; 30976 rows (PhyAI b32) 6.78-6.85 against 6.54; 35840 rows
-# (LIBERO b64) 7.93-8.04 against 7.52-7.62. Between 968 and 30976 rows nothing was measured.
-AUTO_MIN_ROWS = 8192
+# "auto" fuses from this many prefix rows up. H200 sweeps, cuBLAS gate/up + GeGLU kernel against the
+# tuned tile, per layer: with today's wide tile (sweep_large_batch_nvidia-h200_20261202-064525) 968
+# rows (PhyAI b1) 0.196 against 0.187 ms, 560 rows (LIBERO b1) 0.119 against 0.121; with the earlier
+# two-dot tile (..._20261201-220235 / -220255 / -220703) 968 rows 0.197 against 0.207, 30976 rows
+# (PhyAI b32) 6.78-6.85 against 6.54, 35840 rows (LIBERO b64) 7.93-8.04 against 7.52-7.62. Between
+# 968 and 30976 rows nothing was measured.
+AUTO_MIN_ROWS = 968
 # Wide (one 64 x 256 wgmma per K step) with group 16, timed in one run beside the earlier tuned tile
 # (group 8, gate and up as two dots; sweep_large_batch_nvidia-h200_20261202-012308): 6.17 against
 # 6.51 ms at PhyAI b32, 7.41 against 7.53 at LIBERO b64. The variants differ only in block order and

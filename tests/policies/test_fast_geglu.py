@@ -103,7 +103,8 @@ def test_gpu_prefix_shapes_every_candidate(m):
 def test_choose_tile_follows_the_mode():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert geglu_gemm.choose_tile("cublas", 10**5, 32768, 2048, cuda) is None
-    assert geglu_gemm.choose_tile("auto", 968, 32768, 2048, cuda) is None  # below AUTO_MIN_ROWS
+    assert geglu_gemm.choose_tile("auto", 560, 32768, 2048, cuda) is None  # below AUTO_MIN_ROWS
+    assert geglu_gemm.choose_tile("auto", 968, 32768, 2048, cuda) == geglu_gemm.TUNED
     assert geglu_gemm.choose_tile("auto", 35840, 32768, 2048, cuda) == geglu_gemm.TUNED
     assert geglu_gemm.choose_tile("auto", 35840, 32768, 2048, cpu) is None
     assert geglu_gemm.choose_tile("fused", 35840, 32768, 2048, cuda, torch.float32) is None  # fp32: cuBLAS
