@@ -82,12 +82,11 @@ def _kernels():
         d_ok = d < D
         # the weights need nothing from the predecessor: in registers before the wait (see the module doc)
         C.pdl_trigger_early(PDL)
-        w = tl.load(w_ptr + cols[:, None] * D + d[None, :], mask=mask[:, None] & d_ok[None, :], other=0.0)
-        bias = tl.load(b_ptr + cols, mask=mask & HAS_BIAS, other=0.0).to(tl.float32)
+        w, bias = C.load_linear(w_ptr, b_ptr, cols, mask, d, d_ok, D, HAS_BIAS)
         C.pdl_wait(PDL)  # the predecessor (the last flow step) is done: x is written
         x_row = x_ptr + (row // tokens) * x_batch_stride + (row % tokens) * D  # x: a (B, T, D) view of the chains
         x = tl.load(x_row + d, mask=d_ok, other=0.0).to(tl.float32)
-        h = (tl.sum(w.to(tl.float32) * x[None, :], axis=1) + bias).to(h_ptr.dtype.element_ty)
+        h = C.apply_linear(w, bias, x).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * width + cols, h, mask=mask)
         normed = C.norm_row(h.to(tl.float32), mask, width, eps, scale_ptr + row * scale_row_stride + cols,
                             shift_ptr + row * shift_row_stride + cols, HAS_SHIFT, False)
@@ -106,15 +105,14 @@ def _kernels():
         n = tl.arange(0, N_BLOCK)
         n_ok = n < N_OUT
         C.pdl_trigger_early(PDL)  # the weights in registers before the wait, as action_in_norm_kernel
-        w = tl.load(w_ptr + n[:, None] * width + cols[None, :], mask=n_ok[:, None] & mask[None, :], other=0.0)
-        bias = tl.load(b_ptr + n, mask=n_ok & HAS_BIAS, other=0.0).to(tl.float32)
+        w, bias = C.load_linear(w_ptr, b_ptr, n, n_ok, cols, mask, width, HAS_BIAS)
         C.pdl_wait(PDL)  # the predecessor is done: its activations are visible
         h = C.residual_update(h_ptr, y_ptr, gate_ptr, row, cols, mask, width, gate_row_stride, y_split_stride,
                               Y_SPLITS, HAS_GATE)
         normed = C.norm_row(h, mask, width, eps, scale_ptr + row * scale_row_stride + cols,
                             shift_ptr + row * shift_row_stride + cols, HAS_SHIFT, False)
         x = normed.to(h_ptr.dtype.element_ty).to(tl.float32)  # the plain path's `normed.float()`
-        v = tl.sum(w.to(tl.float32) * x[None, :], axis=1) + bias
+        v = C.apply_linear(w, bias, x)
         tl.store(v_ptr + row * N_OUT + n, v, mask=n_ok)
 
     return action_in_norm_kernel, add_norm_action_out_kernel

@@ -72,6 +72,22 @@ def sum_rows(ptrs, row_stride, mask, ROWS: tl.constexpr):
 
 
 @triton.jit
+def load_linear(w_ptr, b_ptr, out_idx, out_ok, in_idx, in_ok, in_stride, HAS_BIAS: tl.constexpr):
+    """A small linear layer's parameters into registers: the (out, in) weight tile of a row-major
+    weight with `in_stride` elements per output row, and the fp32 bias (0 without HAS_BIAS)."""
+    w = tl.load(w_ptr + out_idx[:, None] * in_stride + in_idx[None, :], mask=out_ok[:, None] & in_ok[None, :],
+                other=0.0)
+    bias = tl.load(b_ptr + out_idx, mask=out_ok & HAS_BIAS, other=0.0).to(tl.float32)
+    return w, bias
+
+
+@triton.jit
+def apply_linear(w, bias, x):
+    """One row through load_linear's parameters in fp32: w x + bias, x of the tile's `in` length."""
+    return tl.sum(w.to(tl.float32) * x[None, :], axis=1) + bias
+
+
+@triton.jit
 def norm_row(h, mask, width, eps, scale_row, shift_row, HAS_SHIFT: tl.constexpr, LAYER_NORM: tl.constexpr):
     """One row's norm in fp32 (masked columns of h are 0): Gemma RMSNorm / AdaRMS h * rstd * (1 + scale)
     + shift, or with LAYER_NORM (h - mean) * rstd * scale + shift; scale_row / shift_row point at the
