@@ -144,14 +144,17 @@ TILE_SETS = {
 }
 
 
-def tuned_for(policy, tile_set: str | None) -> dict:
-    """skinny.TUNED with `tile_set`'s tiles for this policy's expert shapes (None: unchanged)."""
+def tuned_for(policy, tile_set: str | None) -> tuple[dict, dict]:
+    """(skinny.TUNED, skinny.TUNED_BY_ROWS) with `tile_set`'s tiles for this policy's expert shapes, at
+    every row count: the row table loses the shapes the set names (None: both unchanged)."""
     if tile_set is None:
-        return dict(skinny.TUNED)
+        return dict(skinny.TUNED), dict(skinny.TUNED_BY_ROWS)
     if tile_set not in TILE_SETS:
         raise ValueError(f"unknown tile set {tile_set!r}; known: {sorted(TILE_SETS)}")
     shapes = expert_shapes(policy)
-    return {**skinny.TUNED, **{shapes[name]: tile for name, tile in TILE_SETS[tile_set].items()}}
+    overrides = {shapes[name]: tile for name, tile in TILE_SETS[tile_set].items()}
+    by_rows = {shape: rows for shape, rows in skinny.TUNED_BY_ROWS.items() if shape not in overrides}
+    return {**skinny.TUNED, **overrides}, by_rows
 
 
 def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
@@ -164,9 +167,7 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
         gemm, attention, pdl_mode = variant.split("/")
         gemm, _, tile_set = gemm.partition("@")
         saved = skinny.TUNED, skinny.TUNED_BY_ROWS
-        skinny.TUNED = tuned_for(policy, tile_set or None)
-        if tile_set:  # the set's tiles at every row count
-            skinny.TUNED_BY_ROWS = {s: r for s, r in skinny.TUNED_BY_ROWS.items() if skinny.TUNED[s] == saved[0].get(s)}
+        skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
         try:
             fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode)
             chains[variant] = fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()

@@ -31,3 +31,17 @@ def test_chain_by_role_names_the_projections_and_the_norms_before_them():
     assert out["norm_before_gate_up"]["mean_chain_us"] == (4 + 11) / 2
     assert set(out) == {"qkv", "o", "gate_up", "down", "norm_before_qkv", "norm_before_gate_up"}
     assert profile_denoise.chain_by_role(["a", "b"], [1.0, 2.0]) == {}
+
+
+def test_tile_set_replaces_the_row_table_for_the_shapes_it_names(monkeypatch):
+    """A set's tile runs at every row count, also where it equals TUNED's (s4's gate_up)."""
+    from policies.fast import skinny
+
+    shapes = {"qkv": (2560, 1024, False), "o": (1024, 2048, False), "gate_up": (8192, 1024, True),
+              "down": (1024, 4096, False)}
+    monkeypatch.setattr(profile_denoise, "expert_shapes", lambda policy: shapes)
+    tuned, by_rows = profile_denoise.tuned_for(None, "s4")
+    assert tuned[shapes["gate_up"]] == profile_denoise.TILE_SETS["s4"]["gate_up"] and shapes["gate_up"] not in by_rows
+    tuned, by_rows = profile_denoise.tuned_for(None, "qkv32")
+    assert by_rows == skinny.TUNED_BY_ROWS and tuned[shapes["qkv"]] == profile_denoise.TILE_SETS["qkv32"]["qkv"]
+    assert profile_denoise.tuned_for(None, None) == (skinny.TUNED, skinny.TUNED_BY_ROWS)
