@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -26,6 +26,11 @@ from torch import Tensor
 from policies.fast.config import GEGLU_CHOICES
 
 C = None  # policies.fast.triton_common once the kernel factory ran (triton is imported on first use only)
+GELU_FORMS = ("exp2", "tanh_approx")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,9 @@ class GegluTile:
     epilogue); `wide`: the gate and up blocks as one 2*BN-wide operand (a 3-D TMA box over W viewed
     (2, F, K)), so each K step is one 64 x 2BN wgmma per warpgroup instead of two 64 x BN ones (A is
     read from shared memory once, not twice); GeGLU pairs column c with c + BN of the one accumulator,
-    which the wgmma layout keeps in the same thread (no shuffle: checked in the compiled sm_90 code)."""
+    which the wgmma layout keeps in the same thread (no shuffle: checked in the compiled sm_90 code);
+    `gelu`: the epilogue's gelu_tanh, "exp2" (triton_common.gelu_tanh: exp2 and a division) or
+    "tanh_approx" (triton_common.gelu_tanh_approx: the GPU's tanh.approx, half the MUFU ops; CUDA only)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -48,6 +55,11 @@ class GegluTile:
     persistent: bool = False
     flatten: bool = False
     wide: bool = False
+    gelu: str = "exp2"
+
+    def __post_init__(self):
+        if self.gelu not in GELU_FORMS:
+            raise ValueError(f"GegluTile.gelu must be one of {GELU_FORMS}, got {self.gelu!r}")
 
     def fits(self, m: int, n: int, k: int) -> str | None:
         """Why this tile cannot run x (m, k) @ W (n, k)^T with GeGLU, or None when it can."""
@@ -59,6 +71,8 @@ class GegluTile:
             return f"K = {k} is not a multiple of block_k = {self.block_k}"
         if min(self.block_m, self.block_n, self.block_k) < 16:
             return "tl.dot needs block sizes >= 16"
+        if self.gelu == "tanh_approx" and _interpreting():
+            return "gelu 'tanh_approx' is inline PTX, which the Triton interpreter cannot run"
         return None
 
 
@@ -99,7 +113,8 @@ def tile_label(tile: GegluTile | None) -> str | None:
     if tile is None:
         return None
     return (f"m{tile.block_m}n{tile.block_n}k{tile.block_k}s{tile.stages}w{tile.warps}g{tile.group_m}"
-            + "_ptr" * (not tile.tma) + "_persistent" * tile.persistent + "_flat" * tile.flatten + "_wide" * tile.wide)
+            + "_ptr" * (not tile.tma) + "_persistent" * tile.persistent + "_flat" * tile.flatten + "_wide" * tile.wide
+            + "_tanh" * (tile.gelu == "tanh_approx"))
 
 
 def _fitting_small_tile(n: int, k: int) -> GegluTile | None:
@@ -124,7 +139,8 @@ def _kernel():
     def geglu_gemm_kernel(x_desc, w_desc, out_desc, x_ptr, w_ptr, out_ptr, M, F, K,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                           TMA: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
-                          FLATTEN: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
+                          FLATTEN: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
+                          TANH_APPROX: tl.constexpr):
         row_blocks = tl.cdiv(M, BM)
         col_blocks = F // BN
         blocks = row_blocks * col_blocks
@@ -177,7 +193,8 @@ def _kernel():
                     acc_up = tl.dot(x, w_up.T, acc_up, input_precision=PRECISION)
             if WIDE:  # column c pairs with c + BN (the same thread's registers in the wgmma layout)
                 acc_gate, acc_up = acc.reshape(BM, 2, BN).permute(0, 2, 1).split()
-            act = (C.gelu_tanh(acc_gate) * acc_up).to(out_ptr.dtype.element_ty)
+            gelu = C.gelu_tanh_approx(acc_gate) if TANH_APPROX else C.gelu_tanh(acc_gate)
+            act = (gelu * acc_up).to(out_ptr.dtype.element_ty)
             if TMA:  # the store drops rows past M
                 out_desc.store([off_m, off_n], act)
             else:
@@ -234,8 +251,8 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
     _kernel()[(programs,)](x_desc, w_desc, out_desc, x, weight, out, m, f, k,
                            BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
                            TMA=tile.tma, PERSISTENT=tile.persistent, PROGRAMS=programs, FLATTEN=tile.flatten,
-                           UPCAST=os.environ.get("TRITON_INTERPRET") == "1", PRECISION=_dot_precision(x.dtype),
-                           WIDE=tile.wide, num_warps=tile.warps, num_stages=tile.stages)
+                           UPCAST=_interpreting(), PRECISION=_dot_precision(x.dtype), WIDE=tile.wide,
+                           TANH_APPROX=tile.gelu == "tanh_approx", num_warps=tile.warps, num_stages=tile.stages)
     return out
 
 
@@ -258,4 +275,9 @@ def candidates() -> list[GegluTile]:
     for bk, stages, group_m, persistent in ((64, 3, 8, True), (64, 4, 8, True), (64, 3, 16, True), (64, 3, 8, False),
                                             (32, 6, 8, True)):
         tiles.append(GegluTile(128, 128, bk, group_m=group_m, stages=stages, warps=8, persistent=persistent, wide=True))
-    return tiles
+    return tiles + epilogue_candidates()[1:]
+
+
+def epilogue_candidates() -> list[GegluTile]:
+    """TUNED with each form of the epilogue's gelu_tanh (TUNED's own first)."""
+    return [TUNED] + [replace(TUNED, gelu=form) for form in GELU_FORMS if form != TUNED.gelu]

@@ -100,6 +100,37 @@ def test_gpu_prefix_shapes_every_candidate(m):
         assert relative_l2(got, want) < 8e-3, tile
 
 
+def test_gelu_form_is_validated_and_labelled():
+    with pytest.raises(ValueError, match="GegluTile.gelu must be one of"):
+        GegluTile(gelu="erf")
+    tanh = replace(geglu_gemm.TUNED, gelu="tanh_approx")
+    assert geglu_gemm.tile_label(tanh) == geglu_gemm.tile_label(geglu_gemm.TUNED) + "_tanh"
+    assert geglu_gemm.epilogue_candidates() == [geglu_gemm.TUNED, tanh]
+    assert tanh in geglu_gemm.candidates()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's refusal; the GPU runs the form")
+def test_interpreter_refuses_the_inline_ptx_gelu():
+    x, w = _operands(16, 32, 32, seed=0, dtype=torch.float32)
+    with pytest.raises(ValueError, match="tanh_approx"):
+        geglu_gemm.geglu_linear(x, w, GegluTile(16, 16, 32, stages=2, warps=4, gelu="tanh_approx"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [968, 4133])
+def test_gpu_tanh_approx_epilogue_near_exp2(m):
+    """TUNED with the tanh.approx epilogue against TUNED's exp2 form and the fp32 reference: the same
+    accumulators, so the activations differ only by the two gelu_tanh forms' error, far under bf16's."""
+    x, w = _operands(m, 16384, 2048, seed=m + 2, dtype=torch.bfloat16)
+    exact = geglu_gemm.geglu_linear(x, w, geglu_gemm.TUNED)
+    fast = geglu_gemm.geglu_linear(x, w, replace(geglu_gemm.TUNED, gelu="tanh_approx"))
+    want = skinny_linear_reference(x, w, gelu_mul=True)
+    assert relative_l2(fast, exact) < 4e-3
+    assert relative_l2(fast, want) < 8e-3
+    assert (fast.float() - exact.float()).abs().max() < 0.05 * exact.float().abs().max()
+
+
 def test_choose_tile_follows_the_mode():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert geglu_gemm.choose_tile("cublas", 10**5, 32768, 2048, cuda) is None
