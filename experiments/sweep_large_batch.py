@@ -57,9 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
     p.add_argument("--batches", nargs="+", type=int, default=None,
                    help="batch sizes to run every configuration at (default: PhyAI 32, LIBERO 64)")
-    p.add_argument("--geglu-tiles", choices=["candidates", "epilogue"], default="candidates",
-                   help="geglu section: every candidate tile, or TUNED with each gelu form of its epilogue, "
-                        "alternately, --geglu-rounds times (same card, same operands)")
+    p.add_argument("--geglu-tiles", choices=["candidates", "epilogue", "neighbours"], default="candidates",
+                   help="geglu section: every candidate tile; TUNED with each gelu form of its epilogue; or TUNED "
+                        "alternating with its neighbours; the last two --geglu-rounds times (same card and operands)")
     p.add_argument("--geglu-rounds", type=int, default=2)
     p.add_argument("--out-dir", default=None)
     p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
@@ -224,7 +224,7 @@ def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None
                geglu_rounds=2, **_) -> list[dict]:
     """cuBLAS gate/up + the GeGLU kernel (the runner's bf16 prefix MLP input) against the fused kernel;
     with `expert_rows` the expert's gate/up at that many rows (batch x chunk). geglu_tiles "epilogue":
-    TUNED with each gelu form, alternately, geglu_rounds times."""
+    TUNED with each gelu form, "neighbours": TUNED alternating with its neighbours, geglu_rounds times."""
     from policies.fast import geglu_gemm
 
     p = cfg.prefix if expert_rows is None else cfg.expert
@@ -237,8 +237,8 @@ def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None
     rows = [_row("geglu", "cublas_then_kernel", lambda: K.gelu_tanh_mul(F.linear(x, w)))]
     tiles = geglu_gemm.candidates() if not tiny else [geglu_gemm.GegluTile(16, 16, 32, warps=4, stages=2, wide=wide)
                                                       for wide in (False, True)]
-    if geglu_tiles == "epilogue" and not tiny:
-        tiles = geglu_gemm.epilogue_candidates() * geglu_rounds
+    if geglu_tiles != "candidates" and not tiny:
+        tiles = getattr(geglu_gemm, f"{geglu_tiles}_candidates")() * geglu_rounds
     if expert_rows is not None and not tiny:  # few row blocks: smaller tiles for more programs
         tiles = [geglu_gemm.TUNED, geglu_gemm.GegluTile(128, 128, 64, stages=3, warps=8)]
         tiles += [geglu_gemm.GegluTile(bm, bn, 64, stages=4, warps=4) for bm, bn in ((128, 64), (64, 128), (64, 64))]

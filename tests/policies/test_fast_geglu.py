@@ -103,10 +103,14 @@ def test_gpu_prefix_shapes_every_candidate(m):
 def test_gelu_form_is_validated_and_labelled():
     with pytest.raises(ValueError, match="GegluTile.gelu must be one of"):
         GegluTile(gelu="erf")
-    tanh = replace(geglu_gemm.TUNED, gelu="tanh_approx")
-    assert geglu_gemm.tile_label(tanh) == geglu_gemm.tile_label(geglu_gemm.TUNED) + "_tanh"
-    assert geglu_gemm.epilogue_candidates() == [geglu_gemm.TUNED, tanh]
-    assert tanh in geglu_gemm.candidates()
+    exp2 = replace(geglu_gemm.TUNED, gelu="exp2")
+    assert geglu_gemm.TUNED.gelu == "tanh_approx"
+    assert geglu_gemm.tile_label(geglu_gemm.TUNED) == geglu_gemm.tile_label(exp2) + "_tanh"
+    assert geglu_gemm.epilogue_candidates() == [geglu_gemm.TUNED, exp2]
+    candidates = geglu_gemm.candidates()
+    assert geglu_gemm.TUNED in candidates and exp2 in candidates and len(set(candidates)) == len(candidates)
+    neighbours = geglu_gemm.neighbour_candidates()
+    assert neighbours[::2] == [geglu_gemm.TUNED] * 3 and geglu_gemm.TUNED not in neighbours[1::2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's refusal; the GPU runs the form")
@@ -123,7 +127,7 @@ def test_gpu_tanh_approx_epilogue_near_exp2(m):
     """TUNED with the tanh.approx epilogue against TUNED's exp2 form and the fp32 reference: the same
     accumulators, so the activations differ only by the two gelu_tanh forms' error, far under bf16's."""
     x, w = _operands(m, 16384, 2048, seed=m + 2, dtype=torch.bfloat16)
-    exact = geglu_gemm.geglu_linear(x, w, geglu_gemm.TUNED)
+    exact = geglu_gemm.geglu_linear(x, w, replace(geglu_gemm.TUNED, gelu="exp2"))
     fast = geglu_gemm.geglu_linear(x, w, replace(geglu_gemm.TUNED, gelu="tanh_approx"))
     want = skinny_linear_reference(x, w, gelu_mul=True)
     assert relative_l2(fast, exact) < 4e-3
