@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
     p.add_argument("--batches", nargs="+", type=int, default=None,
                    help="batch sizes to run every configuration at (default: PhyAI 32, LIBERO 64)")
-    p.add_argument("--geglu-tiles", choices=["candidates", "epilogue", "neighbours"], default="candidates",
+    p.add_argument("--geglu-tiles", choices=list(geglu_tile_lists()), default="candidates",
                    help="geglu section: every candidate tile; TUNED with each gelu form of its epilogue; or TUNED "
                         "alternating with its neighbours; the last two --geglu-rounds times (same card and operands)")
     p.add_argument("--geglu-rounds", type=int, default=2)
@@ -220,6 +220,14 @@ def gate_up_rows(images, prefix_tokens, device, dtype, cfg, **_) -> list[dict]:
     return rows
 
 
+def geglu_tile_lists() -> dict:
+    """--geglu-tiles' choices: the tile list each one times."""
+    from policies.fast import geglu_gemm
+
+    return {"candidates": geglu_gemm.candidates, "epilogue": geglu_gemm.epilogue_candidates,
+            "neighbours": geglu_gemm.neighbour_candidates}
+
+
 def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None, geglu_tiles="candidates",
                geglu_rounds=2, **_) -> list[dict]:
     """cuBLAS gate/up + the GeGLU kernel (the runner's bf16 prefix MLP input) against the fused kernel;
@@ -238,7 +246,7 @@ def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None
     tiles = geglu_gemm.candidates() if not tiny else [geglu_gemm.GegluTile(16, 16, 32, warps=4, stages=2, wide=wide)
                                                       for wide in (False, True)]
     if geglu_tiles != "candidates" and not tiny:
-        tiles = getattr(geglu_gemm, f"{geglu_tiles}_candidates")() * geglu_rounds
+        tiles = geglu_tile_lists()[geglu_tiles]() * geglu_rounds
     if expert_rows is not None and not tiny:  # few row blocks: smaller tiles for more programs
         tiles = [geglu_gemm.TUNED, geglu_gemm.GegluTile(128, 128, 64, stages=3, warps=8)]
         tiles += [geglu_gemm.GegluTile(bm, bn, 64, stages=4, warps=4) for bm, bn in ((128, 64), (64, 128), (64, 64))]
