@@ -141,6 +141,9 @@ TILE_SETS = {
     "s4gu": {"qkv": T(32, 64, 2), "o": T(32, 64, 4), "gate_up": T(32, 128, 1), "down": T(32, 64, 4)},
     "s4gu16": {"qkv": T(32, 64, 2), "o": T(32, 64, 4), "gate_up": T(16, 128, 1), "down": T(32, 64, 4)},
     "gu32k256": {"gate_up": T(32, 256, 1, stages=2)},  # 4 stages need 256 KB of shared memory
+    # gate_up's PDL prefetch (16.8 MB) while the norm before it runs: none, or the first half of each slab
+    "gu16k128np": {"gate_up": T(16, 128, 1, prefetch=0)},
+    "gu16k128half": {"gate_up": T(16, 128, 1, prefetch=2)},
 }
 
 

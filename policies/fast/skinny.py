@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -33,11 +33,14 @@ from policies.fast.config import GEMM_CHOICES
 from policies.fast.pdl import launch_kwargs
 
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
+PREFETCH_SHARES = (0, 1, 2, 4)  # SkinnyTile.prefetch: none, all, the first half or quarter of the slab
 
 
 @dataclass(frozen=True)
 class SkinnyTile:
-    """block_n x block_k weight tiles, `splits` slices of K (1 for gelu_mul), block_m rows per program."""
+    """block_n x block_k weight tiles, `splits` slices of K (1 for gelu_mul), block_m rows per program;
+    with PDL each program first pulls 1/`prefetch` of its weight slab into L2 (0: none), while the
+    predecessor still runs."""
 
     block_n: int = 32
     block_k: int = 128
@@ -45,6 +48,11 @@ class SkinnyTile:
     block_m: int = 64
     warps: int = 4
     stages: int = 4
+    prefetch: int = 1
+
+    def __post_init__(self):
+        if self.prefetch not in PREFETCH_SHARES:
+            raise ValueError(f"SkinnyTile.prefetch must be one of {PREFETCH_SHARES}, got {self.prefetch!r}")
 
     def fits(self, m: int, n: int, k: int, gelu_mul: bool = False) -> str | None:
         """Why this tile cannot run an (m, n, k) projection, or None when it can."""
@@ -83,7 +91,8 @@ def _kernel():
     @triton.jit
     def skinny_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, stride_xm, stride_wn, pair_offset,
                       K_SPLIT: tl.constexpr, GELU_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                      BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                      PREFETCH_LINES: tl.constexpr):
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
@@ -91,8 +100,8 @@ def _kernel():
         row_ok = rows < M
         k0 = split * K_SPLIT
         C.pdl_trigger_early(PDL)
-        if PDL:  # the weights need nothing from the predecessor: pull this program's slab into L2 first
-            lines = tl.arange(0, K_SPLIT // 64)  # 128-byte lines of one bf16 row segment
+        if PDL and PREFETCH_LINES > 0:  # the weights need nothing from the predecessor: into L2 first
+            lines = tl.arange(0, PREFETCH_LINES)  # 128-byte lines of one bf16 row segment
             slab = w_ptr + cols[:, None].to(tl.int64) * stride_wn + k0 + lines[None, :] * 64
             tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [slab],
                                       dtype=tl.int32, is_pure=False, pack=1)
@@ -158,6 +167,7 @@ def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = 
     _kernel()[grid](x, weight, out, m, cols, x.stride(0), weight.stride(0), cols, K_SPLIT=k_split,
                     GELU_MUL=gelu_mul, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
                     UPCAST=os.environ.get("TRITON_INTERPRET") == "1", IEEE=x.dtype == torch.float32, PDL=pdl,
+                    PREFETCH_LINES=lines // tile.prefetch if tile.prefetch else 0,
                     num_warps=tile.warps, num_stages=tile.stages, **launch_kwargs(pdl))
     return out
 
@@ -228,7 +238,7 @@ def choose_tile(mode: str, m: int, n: int, k: int, gelu_mul: bool, device: torch
         return None
     tuned = tuned_tile(m, n, k, gelu_mul)
     tile = tuned if tuned is not None else default_tile(m, n, k, gelu_mul)
-    tile = SkinnyTile(tile.block_n, tile.block_k, tile.splits, rows_block(m), tile.warps, tile.stages)
+    tile = replace(tile, block_m=rows_block(m))
     return tile if tile.fits(m, n, k, gelu_mul) is None else None
 
 
