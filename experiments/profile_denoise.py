@@ -144,6 +144,9 @@ TILE_SETS = {
     # gate_up's PDL prefetch (16.8 MB) while the norm before it runs: none, or the first half of each slab
     "gu16k128np": {"gate_up": T(16, 128, 1, prefetch=0)},
     "gu16k128half": {"gate_up": T(16, 128, 1, prefetch=2)},
+    "gu16k128pf": {"gate_up": T(16, 128, 1)},  # with its prefetch: the 50-row tile before round 10
+    "gu32np": {"gate_up": T(32, 64, 1, prefetch=0)},
+    "gu32k128np": {"gate_up": T(32, 128, 1, prefetch=0)},
 }
 
 

@@ -191,10 +191,13 @@ TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
 # before TUNED. H200, PhyAI b1 (50 rows) / b2 (100) and LIBERO b1 (10) / b2 (20), denoise stage in ms,
 # TUNED's tile against these (profile_denoise_nvidia-h200_20261202-062929.json and ..._062950.json):
 # gate_up 16 x 128 at 50 rows 6.89 / 6.93 against 7.10 / 7.12 (at 10 rows 2.51 against 2.31, at 100
-# rows 9.90 against 9.18); 32 x 128 at 20 rows 2.78 / 2.80 against 2.85 / 2.85 (at 50 rows 7.00).
+# rows 9.90 against 9.18); 32 x 128 at 20 rows 2.78 / 2.80 against 2.85 / 2.85 (at 50 rows 7.00). At 50
+# rows without the PDL prefetch of its 16.8 MB of weights (which slowed the norm kernel before it):
+# 6.62 / 6.63 against 6.89 / 6.90 with it, half of it 6.62 / 6.64 (profile_denoise_nvidia-h200_
+# 20261202-081216.json and ..._081230.json).
 TUNED_BY_ROWS: dict[tuple[int, int, bool], tuple[tuple[int, int, SkinnyTile], ...]] = {
     (8192, 1024, True): ((17, 32, SkinnyTile(block_n=32, block_k=128, splits=1)),
-                         (33, 64, SkinnyTile(block_n=16, block_k=128, splits=1))),
+                         (33, 64, SkinnyTile(block_n=16, block_k=128, splits=1, prefetch=0))),
 }
 
 
