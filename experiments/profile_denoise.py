@@ -147,6 +147,13 @@ TILE_SETS = {
     "gu16k128pf": {"gate_up": T(16, 128, 1)},  # with its prefetch: the 50-row tile before round 10
     "gu32np": {"gate_up": T(32, 64, 1, prefetch=0)},
     "gu32k128np": {"gate_up": T(32, 128, 1, prefetch=0)},
+    # the other projections' TUNED tiles without their PDL prefetch (not yet timed): down's 8.4 MB runs
+    # while gate_up streams its own 16.8 MB, qkv's 5.2 MB during the norm before it, o's 4.2 MB during merge
+    "qkvnp": {"qkv": T(64, 64, 4, prefetch=0)},
+    "onp": {"o": T(64, 64, 8, prefetch=0)},
+    "downnp": {"down": T(64, 64, 8, prefetch=0)},
+    "allnp": {"qkv": T(64, 64, 4, prefetch=0), "o": T(64, 64, 8, prefetch=0),
+              "gate_up": T(16, 128, 1, prefetch=0), "down": T(64, 64, 8, prefetch=0)},
 }
 
 

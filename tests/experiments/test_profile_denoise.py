@@ -45,3 +45,15 @@ def test_tile_set_replaces_the_row_table_for_the_shapes_it_names(monkeypatch):
     tuned, by_rows = profile_denoise.tuned_for(None, "qkv32")
     assert by_rows == skinny.TUNED_BY_ROWS and tuned[shapes["qkv"]] == profile_denoise.TILE_SETS["qkv32"]["qkv"]
     assert profile_denoise.tuned_for(None, None) == (skinny.TUNED, skinny.TUNED_BY_ROWS)
+
+
+def test_every_tile_set_fits_the_expert_at_the_goal_row_counts():
+    """The sets are timed on the H200 only: a tile that cannot run pi0.5's expert shape would end the
+    call there. PhyAI b1 (50 rows) and LIBERO b1 (10)."""
+    shapes = {"qkv": (2560, 1024, False), "o": (1024, 2048, False), "gate_up": (8192, 1024, True),
+              "down": (1024, 4096, False)}
+    for name, tiles in profile_denoise.TILE_SETS.items():
+        for projection, tile in tiles.items():
+            n, k, gelu_mul = shapes[projection]
+            for rows in (10, 50):
+                assert tile.fits(rows, n, k, gelu_mul) is None, (name, projection, rows)
