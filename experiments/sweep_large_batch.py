@@ -243,13 +243,13 @@ def geglu_rows(images, prefix_tokens, device, dtype, cfg, tiny, expert_rows=None
     out = torch.empty(m, f, device=device, dtype=dtype)
     reference = K.gelu_tanh_mul(F.linear(x, w))
     rows = [_row("geglu", "cublas_then_kernel", lambda: K.gelu_tanh_mul(F.linear(x, w)))]
-    tiles = geglu_gemm.candidates() if not tiny else [geglu_gemm.GegluTile(16, 16, 32, warps=4, stages=2, wide=wide)
-                                                      for wide in (False, True)]
-    if geglu_tiles != "candidates" and not tiny:
-        tiles = geglu_tile_lists()[geglu_tiles]() * geglu_rounds
-    if expert_rows is not None and not tiny:  # few row blocks: smaller tiles for more programs
+    if tiny:
+        tiles = [geglu_gemm.GegluTile(16, 16, 32, warps=4, stages=2, wide=wide) for wide in (False, True)]
+    elif expert_rows is not None:  # few row blocks: smaller tiles for more programs
         tiles = [geglu_gemm.TUNED, geglu_gemm.GegluTile(128, 128, 64, stages=3, warps=8)]
         tiles += [geglu_gemm.GegluTile(bm, bn, 64, stages=4, warps=4) for bm, bn in ((128, 64), (64, 128), (64, 64))]
+    else:
+        tiles = geglu_tile_lists()[geglu_tiles]() * (1 if geglu_tiles == "candidates" else geglu_rounds)
     for tile in tiles:
         if tile.fits(m, 2 * f, k) is None:
             run = functools.partial(geglu_gemm.geglu_linear, x, w, tile, out)

@@ -161,14 +161,9 @@ def test_gate_up_tile_follows_the_row_count():
     assert skinny.tuned_tile(50, 2560, 1024, False) == skinny.TUNED[(2560, 1024, False)]
 
 
-def test_prefetch_share_is_validated_and_kept_by_choose_tile():
+def test_prefetch_share_is_validated_and_kept_by_choose_tile(monkeypatch):
     with pytest.raises(ValueError, match="SkinnyTile.prefetch must be one of"):
         SkinnyTile(prefetch=3)
-    saved = dict(skinny.TUNED)
-    try:
-        skinny.TUNED[(64, 32, False)] = SkinnyTile(block_n=16, block_k=16, splits=2, prefetch=0)
-        tile = skinny.choose_tile("skinny", 10, 64, 32, False, torch.device("cpu"))
-    finally:
-        skinny.TUNED.clear()
-        skinny.TUNED.update(saved)
+    monkeypatch.setitem(skinny.TUNED, (64, 32, False), SkinnyTile(block_n=16, block_k=16, splits=2, prefetch=0))
+    tile = skinny.choose_tile("skinny", 10, 64, 32, False, torch.device("cpu"))
     assert tile.prefetch == 0 and tile.block_m == skinny.rows_block(10)
