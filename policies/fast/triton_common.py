@@ -196,3 +196,48 @@ def attend_block(q, k, v, m_i, l_i, acc, qk_scale, n_ok, MASKED: tl.constexpr):
     score -inf."""
     m_new, l_i, alpha, p = online_softmax(q, k, m_i, l_i, qk_scale, n_ok, MASKED)
     return m_new, l_i, accumulate_values(acc, alpha, p, v)
+
+
+@triton.jit
+def rows_rstd(stats_ptr, rows, row_ok, M, STRIPS: tl.constexpr, width, eps):
+    """1 / rms of each row from STRIPS per-strip sums of squares (stats (STRIPS, M) fp32, added in strip
+    order): the AdaRMS statistic skinny.py's residual epilogue leaves for the next projection."""
+    ss = tl.load(stats_ptr + rows, mask=row_ok, other=0.0)
+    for strip in tl.static_range(1, STRIPS):
+        ss += tl.load(stats_ptr + strip * M + rows, mask=row_ok, other=0.0)
+    return tl.rsqrt(ss / width + eps)
+
+
+@triton.jit
+def normed_projection(acc, rstd, shift_proj_ptr, cols, ADD_SHIFT):
+    """A NormIn projection's (rows, cols) result from acc = (h (1 + scale)) W^T: rstd * acc + (shift W^T)[cols]
+    (ADD_SHIFT: the shift term belongs to split 0 only)."""
+    shift_proj = tl.load(shift_proj_ptr + cols)
+    return acc * rstd[:, None] + tl.where(ADD_SHIFT, shift_proj, 0.0)[None, :]
+
+
+@triton.jit
+def sum_partials_tile(part_ptr, offsets, mask, split_stride, SPLITS: tl.constexpr):
+    """A (rows, cols) tile of SPLITS fp32 split-K partials (split s at part_ptr + s * split_stride), added in
+    split order. .cg loads: other programs stored them, so they come from L2, never from this SM's L1."""
+    y = tl.load(part_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+    for split in tl.static_range(1, SPLITS):
+        y += tl.load(part_ptr + split * split_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+    return y
+
+
+@triton.jit
+def residual_strip(y, h_ptr, gate_ptr, stats_ptr, next_scale_ptr, scaled_ptr, rows, row_ok, cols, M, N, strip):
+    """The residual step of one (rows, cols) strip of the projection y (fp32): h <- h + gate * y in h's
+    dtype (residual_update's order); the strip's per-row sum of squares of the new h to
+    stats_ptr[strip, rows] (rows_rstd's input), and h (1 + next scale) in h's dtype to scaled_ptr (the
+    next projection's input)."""
+    mask = row_ok[:, None]
+    offsets = rows[:, None] * N + cols[None, :]
+    h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    h = (h + y * tl.load(gate_ptr + cols)[None, :]).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + offsets, h, mask=mask)
+    hf = h.to(tl.float32)
+    tl.store(stats_ptr + strip * M + rows, tl.sum(hf * hf, axis=1), mask=row_ok)
+    scaled = hf * (1.0 + tl.load(next_scale_ptr + cols)[None, :])
+    tl.store(scaled_ptr + offsets, scaled.to(scaled_ptr.dtype.element_ty), mask=mask)
