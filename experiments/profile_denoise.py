@@ -35,7 +35,7 @@ from policies.config import PolicyConfig
 from policies.fast import kernels as K
 from policies.fast import skinny
 from policies.fast.attention import graph_call_ms
-from policies.fast.config import FUSED_NORM_CHOICES, FastConfig
+from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
 from policies.lerobot_bridge import relative_l2
 from policies.policy import build_policy
@@ -56,15 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--variants", nargs="+", default=["cublas/sdpa/off", "cublas/triton/off", "skinny/triton/off",
                                                      "skinny/triton/on", "skinny/triton/early", "auto/auto/auto"],
-                   help="gemm[@tile set]/attention/pdl[/fused_norms] settings of policy.fast to time (the first is "
-                        "the chains' reference)")
+                   help="gemm/attention/pdl settings of policy.fast to time (the first is the chains' reference)")
     p.add_argument("--breakdown", nargs="*", default=["cublas/sdpa", "skinny/triton"],
                    help="gemm/attention settings profiled kernel by kernel (eager)")
     p.add_argument("--graph-timeline", action="store_true",
                    help="also profile one replay of the default settings' denoise graph at batch 1: per kernel "
                         "name its device time inside the graph, and the replay's span, idle gaps and overlap")
-    p.add_argument("--timeline-norms", nargs="+", default=["auto"], choices=list(FUSED_NORM_CHOICES),
-                   help="policy.fast.fused_norms settings of the --graph-timeline replays (one each)")
     p.add_argument("--sweep", action="store_true", help="also sweep the skinny tiles of every expert projection")
     p.add_argument("--attention-sweep", action="store_true",
                    help="also sweep SDPA and the Triton attention's blocks (b = --batch-sizes)")
@@ -96,12 +93,10 @@ def main(argv=None) -> None:
                       flush=True)
         if device.type == "cuda":
             record["kernels"][name] = {v: kernel_breakdown(policy, spec, v, device) for v in args.breakdown}
-        for norms in (args.timeline_norms if args.graph_timeline and device.type == "cuda" else []):
-            key = name if norms == "auto" else f"{name}/fused_norms={norms}"
-            timeline = record.setdefault("graph_timeline", {})[key] = graph_timeline(policy, spec, device,
-                                                                                    fused_norms=norms)
+        if args.graph_timeline and device.type == "cuda":
+            timeline = record.setdefault("graph_timeline", {})[name] = graph_timeline(policy, spec, device)
             roles = "  ".join(f"{r} {v['mean_chain_us']:.2f}" for r, v in timeline.get("by_role", {}).items())
-            print(f"{key} b=1 graph replay {timeline.get('span_us', 0):.0f} us; per call on the critical path (us): "
+            print(f"{name} b=1 graph replay {timeline.get('span_us', 0):.0f} us; per call on the critical path (us): "
                   f"{roles}", flush=True)
         if args.attention_sweep:
             record["attention_sweep"][name] = attention_sweep(policy.cfg, spec, device, args)
@@ -182,11 +177,12 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     stoch = torch.zeros(batch, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
     out, chains = {}, {}
     for variant in args.variants:
-        tile_set, settings = parse_variant(variant)
+        gemm, attention, pdl_mode = variant.split("/")
+        gemm, _, tile_set = gemm.partition("@")
         saved = skinny.TUNED, skinny.TUNED_BY_ROWS
-        skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set)
+        skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
         try:
-            fast = _sampler(policy, batch, spec["prompt_len"], **settings)
+            fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode)
             chains[variant] = fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
         finally:
             skinny.TUNED, skinny.TUNED_BY_ROWS = saved
@@ -194,27 +190,13 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
         ms = common.timed_ms(lambda f=fast, b=bucket: f.run_stage(b, "denoise"), device, 3, args.iters)
         out[variant] = {"ms": ms, "pdl_code": fast.pdl, "attention": getattr(bucket.expert_attn, "name", "?"),
                         "tiles": {k: None if t is None else vars(t) for k, t in bucket.tiles.items()},
-                        "fused_norms": sorted(bucket.fused_norms),
                         "chains_rel_l2_vs_first": relative_l2(chains[variant], chains[args.variants[0]])}
         del fast
     for variant in args.variants:
-        fields = variant.split("/")
-        twin = "/".join([*fields[:2], "off", *fields[3:]])
+        twin = variant.rsplit("/", 1)[0] + "/off"
         if twin in chains and twin != variant:
             out[variant]["bit_equal_to_pdl_off"] = bool(torch.equal(chains[variant], chains[twin]))
     return out
-
-
-def parse_variant(variant: str) -> tuple[str | None, dict]:
-    """"gemm[@tile set]/attention/pdl[/fused_norms]" -> (the tile set or None, policy.fast settings)."""
-    fields = variant.split("/")
-    if len(fields) not in (3, 4):
-        raise ValueError(f"variant {variant!r} is not gemm[@tile set]/attention/pdl[/fused_norms]")
-    gemm, _, tile_set = fields[0].partition("@")
-    settings = {"gemm": gemm, "attention": fields[1], "pdl": fields[2]}
-    if len(fields) == 4:
-        settings["fused_norms"] = fields[3]
-    return tile_set or None, settings
 
 
 def _batch1_bucket(policy, spec: dict, device, graphs: bool = True, **fast_settings):
@@ -233,14 +215,14 @@ def kernel_breakdown(policy, spec: dict, variant: str, device) -> dict:
     return common.kernel_table(lambda: fast.run_stage(bucket, "denoise"), device, top=25)
 
 
-def graph_timeline(policy, spec: dict, device, **fast_settings) -> dict:
+def graph_timeline(policy, spec: dict, device) -> dict:
     """One replay of the default settings' denoise graph at batch 1 under torch.profiler, per kernel
     name: its share of the replay's critical path (`chain_us`) and its device time from launch to end
     (`us`: with PDL a kernel launches early and waits, so these overlap); and the replay's span, the
     time no kernel ran, and the overlap."""
     from torch.profiler import ProfilerActivity, profile
 
-    fast, bucket = _batch1_bucket(policy, spec, device, **fast_settings)
+    fast, bucket = _batch1_bucket(policy, spec, device)
     for _ in range(3):
         fast.run_stage(bucket, "denoise")
     torch.cuda.synchronize(device)

@@ -14,9 +14,6 @@ PRECISIONS = ("bf16", "fp8")
 GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
 GEGLU_CHOICES = ("auto", "cublas", "fused")  # policies/fast/geglu_gemm.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
-# AdaRMS norms of the denoise loop folded into the skinny projections around them (skinny.py ResidualOut /
-# NormIn): "mlp" the norm before gate/up (o -> gate_up), "attention" the norm before qkv (down -> qkv)
-FUSED_NORM_CHOICES = ("auto", "off", "mlp", "attention", "both")
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -51,12 +48,7 @@ class FastConfig:
     geglu: the prefix's bf16 gate/up projection and GeGLU: "fused" as one Triton GEMM that writes
     only the activation (policies/fast/geglu_gemm.py), "cublas" as cuBLAS + a GeGLU kernel, "auto"
     fused on CUDA from geglu_gemm.AUTO_MIN_ROWS prefix rows (batch x tokens) up. An FP8 gate/up
-    projection always runs through cuBLAS.
-    fused_norms: the denoise loop's AdaRMS norms without kernels of their own (policies/fast/skinny.py):
-    the skinny projection before a norm adds itself into the residual stream and leaves the rows' sums
-    of squares, the one after it normalises its input as it loads it. "mlp" folds the norm before
-    gate/up, "attention" the one before qkv, "both", "off", or "auto" (skinny.AUTO_FUSED_NORMS).
-    Only where all four expert projections run skinny."""
+    projection always runs through cuBLAS."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -70,7 +62,6 @@ class FastConfig:
     gemm: str = "auto"
     pdl: str = "auto"
     geglu: str = "auto"
-    fused_norms: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
 
     def __post_init__(self) -> None:
@@ -92,8 +83,6 @@ class FastConfig:
             raise ValueError(f"{key}.gemm must be one of {GEMM_CHOICES}, got {self.gemm!r}")
         if self.geglu not in GEGLU_CHOICES:
             raise ValueError(f"{key}.geglu must be one of {GEGLU_CHOICES}, got {self.geglu!r}")
-        if self.fused_norms not in FUSED_NORM_CHOICES:
-            raise ValueError(f"{key}.fused_norms must be one of {FUSED_NORM_CHOICES}, got {self.fused_norms!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
         if self.attention not in ATTENTION_CHOICES:

@@ -110,7 +110,6 @@ def modulation_table(sampler) -> Tensor:
     table = sampler.model.modulation_table(sampler.w.grid[:-1]).float()
     with torch.no_grad():
         sampler.w.table.copy_(table)
-        sampler.w.refresh_shift_projections()  # the fused norms' shift terms follow the table
     return table
 
 

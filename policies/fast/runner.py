@@ -46,7 +46,6 @@ class Bucket:
     expert_attn: object = None
     graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
     tiles: dict = field(default_factory=dict)  # expert projection -> skinny.SkinnyTile, or None: cuBLAS
-    fused_norms: frozenset = frozenset()  # skinny.fused_norms: the AdaRMS norms the projections fold
     geglu_tile: object = None  # geglu_gemm.GegluTile of the prefix's gate/up + GeGLU, or None: cuBLAS
     host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
     staged: object = None  # CUDA event recorded after the last copy out of host_pack
@@ -219,12 +218,6 @@ class FastSampler:
         caches = [[z(batch, rows, kv, hd, dtype=self.dtype) for _ in range(cfg.expert.depth)] for _ in range(2)]
         bucket = Bucket(batch, prompt_len, tensors, caches[0], caches[1])
         bucket.tiles = skinny.expert_tiles(self.fast.gemm, batch * h, self.w.expert[0], dev)
-        bucket.fused_norms = skinny.fused_norms(self.fast.fused_norms, bucket.tiles)
-        if bucket.fused_norms:  # skinny.ResidualOut's workspaces: per column strip the rows' sums of squares
-            width, row_blocks = cfg.expert.width, -(-batch * h // 16)
-            tensors["norm_stats"] = z(width // 16, batch * h)
-            tensors["norm_counts"] = z(row_blocks * (width // 16), dtype=torch.int32)
-            tensors["norm_scaled"] = z(batch * h, width, dtype=self.dtype)
         gate_up = self.w.prefix[0]["gate_up"]
         if gate_up.fp8 is None and gate_up.bias is None:
             bucket.geglu_tile = geglu_gemm.choose_tile(self.fast.geglu, batch * p, *gate_up.weight.shape, dev,
@@ -346,52 +339,34 @@ class FastSampler:
     def _velocity(self, bk: Bucket, x: Tensor, step: int, cos: Tensor, sin: Tensor) -> Tensor:
         ecfg, w = self.cfg.expert, self.w
         b, hlen, d = x.shape
-        tiles, pdl_code, eps = bk.tiles, self._pdl_for(bk), ecfg.rms_norm_eps
+        tiles, pdl_code = bk.tiles, self._pdl_for(bk)
         q = torch.empty(b, hlen, ecfg.num_heads, ecfg.head_dim, dtype=self.dtype, device=self.device)
         scale, shift, gate = w.modulation(step, 0)
         # fp32 action_in_proj and the first AdaRMS norm in one kernel (action_io.py)
         h, normed = action_io.action_in_norm(x, w.action_in.weight, w.action_in.bias, self.dtype, scale, shift,
-                                             eps, pdl_code)
-        norm_in = None  # the qkv input: `normed`, or h (1 + scale) normalised inside the projection (NormIn)
-        scaled = bk.tensors.get("norm_scaled")
+                                             ecfg.rms_norm_eps, pdl_code)
         last = len(w.expert) - 1
         for i, lw in enumerate(w.expert):
-            qkv = _project(normed if norm_in is None else scaled, lw["qkv"], tiles["qkv"], pdl_code, norm_in=norm_in)
+            qkv = _project(normed, lw["qkv"], tiles["qkv"], pdl_code)
             K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], b, hlen, -1), cos, sin, ecfg.num_heads, ecfg.num_kv_heads,
                                q, bk.k_cache[i], bk.v_cache[i], bk.tensors["suffix_slots"], pdl_code)
             attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1)
+            o = _project(attn, lw["o"], tiles["o"], pdl_code)
             scale, shift, post_gate = w.modulation(step, 2 * i + 1)
-            h, normed, norm_in = self._residual_norm(bk, "mlp", h, attn, lw["o"], gate, scale, shift, pdl_code, step, i)
-            x_mlp = normed if norm_in is None else scaled
+            h, normed = _add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
             if tiles["gate_up"] is not None:  # projection and GeGLU in one kernel
-                act = skinny.skinny_linear(x_mlp, lw["gate_up"].weight, tiles["gate_up"], gelu_mul=True, pdl=pdl_code,
-                                           norm_in=norm_in)
+                act = skinny.skinny_linear(normed, lw["gate_up"].weight, tiles["gate_up"], gelu_mul=True, pdl=pdl_code)
             else:
                 act = K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight))
+            mlp = _project(act, lw["down"], tiles["down"], pdl_code)
             scale, shift, gate = w.modulation(step, 2 * i + 2)  # next input norm, or the final norm
             if i < last:
-                h, normed, norm_in = self._residual_norm(bk, "attention", h, act, lw["down"], post_gate, scale, shift,
-                                                         pdl_code, step, i + 1)
+                h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
         # the final norm feeds only the fp32 action_out_proj: one kernel for both (action_io.py)
-        mlp = _project(act, lw["down"], tiles["down"], pdl_code)
-        out = action_io.add_norm_action_out(h, mlp, post_gate, scale, shift, eps, w.action_out.weight,
+        out = action_io.add_norm_action_out(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, w.action_out.weight,
                                             w.action_out.bias, pdl_code)
         return out.view(b, hlen, d)
 
-    def _residual_norm(self, bk: Bucket, norm: str, h: Tensor, x: Tensor, lw, gate, scale, shift, pdl_code: int,
-                       step: int, layer: int):
-        """The projection x W^T into the residual stream (h += gate * x W^T) and the AdaRMS norm after it ->
-        (h, normed, None); where the bucket folds `norm` ("mlp": after o, feeding `layer`'s gate_up;
-        "attention": after down, feeding `layer`'s qkv) the projection's epilogue does the add and leaves
-        h (1 + scale) in the bucket's norm_scaled, and the next projection applies the norm -> (h, None, NormIn)."""
-        tile, eps = bk.tiles["o" if norm == "mlp" else "down"], self.cfg.expert.rms_norm_eps
-        if norm not in bk.fused_norms:
-            return (*_add_norm(h, _project(x, lw, tile, pdl_code), gate, scale, shift, eps, pdl_code), None)
-        t = bk.tensors
-        residual = skinny.ResidualOut(h, gate, scale, t["norm_scaled"], t["norm_stats"], t["norm_counts"])
-        skinny.skinny_linear(x, lw.weight, tile, pdl=pdl_code, residual=residual)
-        shift_proj = self.w.shift_projection("gate_up" if norm == "mlp" else "qkv", step, layer)
-        return h, None, skinny.NormIn(skinny.strip_stats(residual, tile, h.shape[1]), shift_proj, eps)
 
 def _patch_embed(images: Tensor, patch, pos: Tensor, size: int) -> Tensor:
     """SigLIP's patch embedding, (N, 3, R, R) -> (N * R*R/size^2, width) with the position embedding
@@ -404,13 +379,12 @@ def _patch_embed(images: Tensor, patch, pos: Tensor, size: int) -> Tensor:
     return x.view(n, side * side, -1).add_(pos).view(n * side * side, -1)
 
 
-def _project(x: Tensor, lw, tile, pdl_code: int = 0, norm_in=None) -> Tensor:
+def _project(x: Tensor, lw, tile, pdl_code: int = 0) -> Tensor:
     """x (M, K) @ W^T: cuBLAS (M, N) in x's dtype, or the skinny kernel's (splits, M, N) fp32 partials,
-    which the consumer (rope_scatter_qkv, _add_norm) sums; norm_in: x is the residual stream, normalised
-    inside the skinny kernel (skinny.NormIn)."""
+    which the consumer (rope_scatter_qkv, _add_norm) sums."""
     if tile is None:
         return F.linear(x, lw.weight)
-    return skinny.skinny_linear(x, lw.weight, tile, pdl=pdl_code, norm_in=norm_in)
+    return skinny.skinny_linear(x, lw.weight, tile, pdl=pdl_code)
 
 
 def _project_tail(x: Tensor, lw, skip: int) -> Tensor:

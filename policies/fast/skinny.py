@@ -29,8 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from policies.fast.config import FUSED_NORM_CHOICES, GEMM_CHOICES
-from policies.fast.kernels import sum_partials
+from policies.fast.config import GEMM_CHOICES
 from policies.fast.pdl import launch_kwargs
 
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
@@ -69,63 +68,6 @@ class SkinnyTile:
         return None
 
 
-@dataclass(frozen=True)
-class ResidualOut:
-    """The projection's epilogue adds it into the residual stream, so the AdaRMS norm after it needs no
-    kernel of its own (with NormIn on the next projection). In a split-K tile the last split of each
-    column strip to finish (an atomic counter per strip) adds the strip's partials in split order:
-    h (M, N) <- h + gate * (x W^T) in place; stats[strip] <- the rows' sums of squares of the new h
-    over the strip; scaled (M, N) <- h (1 + next_scale) in h's dtype, the next projection's input.
-    stats: (>= N / block_n, M) fp32; counts: int32 zeros (>= row blocks x N / block_n), which the
-    kernel leaves zeroed."""
-
-    h: Tensor
-    gate: Tensor
-    next_scale: Tensor
-    scaled: Tensor
-    stats: Tensor
-    counts: Tensor
-
-
-@dataclass(frozen=True)
-class NormIn:
-    """The projection's input x is ResidualOut.scaled, h (1 + scale), and the AdaRMS norm
-    h rstd (1 + scale) + shift is applied through the projection's linearity: rstd * (x W^T) + shift W^T,
-    rstd = 1 / rms(h) from ResidualOut.stats (strips, M) added in strip order; shift_proj (N,) fp32 is
-    shift W^T (FastWeights.shift_projection). No per-element work on x: its tiles load as plain ones."""
-
-    stats: Tensor
-    shift_proj: Tensor
-    eps: float
-
-
-def strip_stats(residual: ResidualOut, tile: SkinnyTile, n: int) -> Tensor:
-    """The rows of residual.stats that an (., n) projection with `tile` fills."""
-    return residual.stats[: n // tile.block_n]
-
-
-def residual_reference(partials: Tensor, residual: ResidualOut, block_n: int) -> None:
-    """What ResidualOut does, in plain PyTorch: h += gate * (partials added in split order), the
-    per-strip sums of squares of the new h into stats, h (1 + next_scale) into scaled."""
-    h = residual.h
-    h.copy_((h.float() + sum_partials(partials) * residual.gate.float()).to(h.dtype))
-    hf = h.float()
-    strips = h.shape[1] // block_n
-    residual.stats[:strips].copy_(hf.square().view(h.shape[0], strips, block_n).sum(-1).t())
-    residual.scaled.copy_(hf * (1.0 + residual.next_scale.float()))
-
-
-def norm_in_reference(x: Tensor, weight: Tensor, norm: NormIn, splits: int = 1, gelu_mul: bool = False) -> Tensor:
-    """What a NormIn projection computes, in plain PyTorch fp32 (skinny_linear_reference's outputs)."""
-    rstd = torch.rsqrt(sum_partials(norm.stats) / x.shape[1] + norm.eps)[:, None]
-    parts = skinny_linear_reference(x, weight, splits) * rstd
-    parts[0] += norm.shift_proj.float()
-    if gelu_mul:
-        gate, up = sum_partials(parts).chunk(2, dim=-1)
-        return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
-    return parts
-
-
 def skinny_linear_reference(x: Tensor, weight: Tensor, splits: int = 1, gelu_mul: bool = False) -> Tensor:
     """What the kernel computes, in plain PyTorch fp32: x (M, K), weight (N, K) ->
     partials (splits, M, N) fp32, or with gelu_mul gelu_tanh(x Wg^T) * (x Wu^T) (M, N/2) in x's dtype."""
@@ -148,12 +90,9 @@ def _kernel():
 
     @triton.jit
     def skinny_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, stride_xm, stride_wn, pair_offset,
-                      stats_in_ptr, shift_proj_ptr, width_in, eps, h_ptr, gate_ptr, stats_out_ptr, next_scale_ptr,
-                      scaled_ptr, count_ptr,
                       K_SPLIT: tl.constexpr, GELU_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                      PREFETCH_LINES: tl.constexpr, NORM_STRIPS: tl.constexpr, RESIDUAL: tl.constexpr,
-                      SPLITS: tl.constexpr):
+                      PREFETCH_LINES: tl.constexpr):
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
@@ -170,8 +109,6 @@ def _kernel():
                 tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
                                           [slab + pair_offset * stride_wn], dtype=tl.int32, is_pure=False, pack=1)
         C.pdl_wait(PDL)  # the predecessor is done: its activations are visible
-        if NORM_STRIPS:  # NormIn: x is h (1 + scale); the rows' 1 / rms comes from the producer's strip sums
-            rstd = C.rows_rstd(stats_in_ptr, rows, row_ok, M, NORM_STRIPS, width_in, eps)
         x_tile = x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :]
         w_tile = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -195,43 +132,22 @@ def _kernel():
                     acc_up = tl.dot(x, w_up, acc_up)
             x_tile += BK
             w_tile += BK
-        if NORM_STRIPS:  # the AdaRMS norm's per-row and shift terms of the projection
-            acc = C.normed_projection(acc, rstd, shift_proj_ptr, cols, split == 0)
-            if GELU_MUL:
-                acc_up = C.normed_projection(acc_up, rstd, shift_proj_ptr, cols + pair_offset, split == 0)
         if GELU_MUL:  # gelu_tanh(gate) * up, the GeGLU kernel's formula
             acc = C.gelu_tanh(acc) * acc_up
         dst = out_ptr + split * M * N_OUT + rows[:, None] * N_OUT + cols[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        if RESIDUAL:  # ResidualOut: the strip's last split to finish adds the projection into h
-            if SPLITS == 1:
-                C.residual_strip(acc, h_ptr, gate_ptr, stats_out_ptr, next_scale_ptr, scaled_ptr, rows, row_ok, cols, M,
-                                 N_OUT, pid_n)
-            else:
-                tl.debug_barrier()  # every thread's partial is stored before the release below
-                counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                    tl.store(counter, 0)  # ready for the next projection (a later kernel)
-                    y = C.sum_partials_tile(out_ptr, rows[:, None] * N_OUT + cols[None, :], row_ok[:, None],
-                                            M * N_OUT, SPLITS)
-                    C.residual_strip(y, h_ptr, gate_ptr, stats_out_ptr, next_scale_ptr, scaled_ptr, rows, row_ok, cols,
-                                     M, N_OUT, pid_n)
 
     return skinny_kernel
 
 
 def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = False,
-                  out: Tensor | None = None, pdl: int = 0, norm_in: NormIn | None = None,
-                  residual: ResidualOut | None = None) -> Tensor:
+                  out: Tensor | None = None, pdl: int = 0) -> Tensor:
     """x (M, K) (unit column stride), weight (N, K) contiguous -> partials (splits, M, N) fp32, or
     (gelu_mul) the GeGLU activation (M, N/2) in x's dtype. `out` reuses a buffer of that shape.
-    pdl: pdl.py's mode code (bf16 weights only: the L2 prefetch counts 64-element lines).
-    norm_in: x is a ResidualOut's `scaled` and the result the projection of the AdaRMS-normed residual
-    (NormIn); residual: the partials are also added into the residual stream (ResidualOut; not with
-    gelu_mul)."""
+    pdl: pdl.py's mode code (bf16 weights only: the L2 prefetch counts 64-element lines)."""
     m, k = x.shape
     n = weight.shape[0]
-    problem = tile.fits(m, n, k, gelu_mul) or _fusion_problem(x, n, tile, gelu_mul, norm_in, residual)
+    problem = tile.fits(m, n, k, gelu_mul)
     if problem is not None:
         raise ValueError(f"skinny tile {tile} cannot run x {tuple(x.shape)} @ W {tuple(weight.shape)}^T: {problem}")
     if x.stride(1) != 1 or not weight.is_contiguous():
@@ -247,70 +163,16 @@ def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = 
     lines = k_split // 64
     if pdl and (weight.element_size() != 2 or k_split % 64 or lines & (lines - 1)):
         pdl = 0  # the prefetch walks a power-of-two count of 128-byte lines of bf16 rows
-    norm = norm_in or NormIn(out, out, 0.0)  # unused pointers when absent
-    res = residual or ResidualOut(out, out, out, out, out, out)
     grid = (cols // tile.block_n, tile.splits, -(-m // tile.block_m))
-    _kernel()[grid](x, weight, out, m, cols, x.stride(0), weight.stride(0), cols, norm.stats, norm.shift_proj, k,
-                    norm.eps, res.h, res.gate, res.stats, res.next_scale, res.scaled, res.counts, K_SPLIT=k_split,
+    _kernel()[grid](x, weight, out, m, cols, x.stride(0), weight.stride(0), cols, K_SPLIT=k_split,
                     GELU_MUL=gelu_mul, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
                     UPCAST=os.environ.get("TRITON_INTERPRET") == "1", IEEE=x.dtype == torch.float32, PDL=pdl,
                     PREFETCH_LINES=lines // tile.prefetch if tile.prefetch else 0,
-                    NORM_STRIPS=0 if norm_in is None else norm_in.stats.shape[0], RESIDUAL=residual is not None,
-                    SPLITS=tile.splits, num_warps=tile.warps, num_stages=tile.stages, **launch_kwargs(pdl))
+                    num_warps=tile.warps, num_stages=tile.stages, **launch_kwargs(pdl))
     return out
 
 
-def _fusion_problem(x: Tensor, n: int, tile: SkinnyTile, gelu_mul: bool, norm_in: NormIn | None,
-                    residual: ResidualOut | None) -> str | None:
-    """Why norm_in / residual do not fit this projection (x (M, K), N outputs), or None."""
-    m, k = x.shape
-    if norm_in is not None:
-        stats, shift_proj = norm_in.stats, norm_in.shift_proj
-        if stats.dim() != 2 or stats.shape[1] != m or stats.dtype != torch.float32 or not stats.is_contiguous():
-            return f"NormIn.stats must be a contiguous fp32 (strips, {m}), got {tuple(stats.shape)} {stats.dtype}"
-        if not 1 <= stats.shape[0] <= 64:
-            return f"NormIn.stats must have 1..64 strips, got {stats.shape[0]}"
-        if tuple(shift_proj.shape) != (n,) or shift_proj.dtype != torch.float32 or not shift_proj.is_contiguous():
-            return (f"NormIn.shift_proj must be a contiguous fp32 ({n},), got {tuple(shift_proj.shape)} "
-                    f"{shift_proj.dtype}")
-    if residual is not None:
-        h, strips, blocks = residual.h, n // tile.block_n, -(-m // tile.block_m)
-        if gelu_mul:
-            return "ResidualOut cannot follow a gelu_mul projection"
-        if tuple(h.shape) != (m, n) or not h.is_contiguous():
-            return f"ResidualOut.h must be a contiguous ({m}, {n}), got {tuple(h.shape)} strides {h.stride()}"
-        for name in ("gate", "next_scale"):
-            vector = getattr(residual, name)
-            if tuple(vector.shape) != (n,) or not vector.is_contiguous():
-                return f"ResidualOut.{name} must be a contiguous ({n},), got {tuple(vector.shape)}"
-        if tuple(residual.scaled.shape) != (m, n) or not residual.scaled.is_contiguous():
-            return f"ResidualOut.scaled must be a contiguous ({m}, {n}), got {tuple(residual.scaled.shape)}"
-        st = residual.stats
-        if st.dim() != 2 or st.shape[0] < strips or st.shape[1] != m or st.dtype != torch.float32 \
-                or not st.is_contiguous():
-            return f"ResidualOut.stats must be a contiguous fp32 (>= {strips}, {m}), got {tuple(st.shape)} {st.dtype}"
-        if residual.counts.dtype != torch.int32 or residual.counts.numel() < strips * blocks:
-            return (f"ResidualOut.counts must be int32 with >= {strips * blocks} entries, got "
-                    f"{residual.counts.numel()} {residual.counts.dtype}")
-    return None
-
-
 # ----------------------------------------------------------------------------- choosing tiles
-
-# What policy.fast.fused_norms "auto" folds (FUSED_NORM_CHOICES): not yet measured on the H200.
-AUTO_FUSED_NORMS = "off"
-
-
-def fused_norms(mode: str, tiles: dict[str, SkinnyTile | None]) -> frozenset[str]:
-    """Which AdaRMS norms of the expert layer the skinny projections fold (policy.fast.fused_norms):
-    "mlp" (o -> gate_up) and / or "attention" (down -> qkv); none unless all four projections run skinny."""
-    if mode not in FUSED_NORM_CHOICES:
-        raise ValueError(f"policy.fast.fused_norms must be one of {FUSED_NORM_CHOICES}, got {mode!r}")
-    mode = AUTO_FUSED_NORMS if mode == "auto" else mode
-    if mode == "off" or any(tiles.get(name) is None for name in ("qkv", "o", "gate_up", "down")):
-        return frozenset()
-    return frozenset(("mlp", "attention")) if mode == "both" else frozenset((mode,))
-
 
 # "auto" uses the skinny kernels up to this many rows (batch x chunk); above it cuBLAS's tiles fill
 # the card: the sweep measured a tie at 160 rows and cuBLAS 1.3-2x faster at 320.

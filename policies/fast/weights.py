@@ -59,7 +59,6 @@ class FastWeights:
         self.action_out = LinearW(model.action_out_proj.weight, model.action_out_proj.bias)
         self.grid = flow.time_grid(num_steps, self.embed.device)
         self.table = torch.empty(0)
-        self._shift_projections: dict[str, Tensor] | None = None  # built on first use (fused norms)
         self.refresh_tables()
 
     def cast(self, param: Tensor) -> Tensor:
@@ -116,33 +115,6 @@ class FastWeights:
             self.table = table.contiguous()
         else:
             self.table.copy_(table)
-        self.refresh_shift_projections()
-
-    @torch.no_grad()
-    def refresh_shift_projections(self) -> None:
-        """Recompute shift_projection's buffers in place (after the table or an expert weight changed)."""
-        if self._shift_projections is not None:
-            for name, values in self._compute_shift_projections().items():
-                self._shift_projections[name].copy_(values)
-
-    def shift_projection(self, name: str, step: int, layer: int) -> Tensor:
-        """shift W^T (N,) fp32 of expert projection `name` ("qkv": the input norm 2 layer's shift, "gate_up":
-        norm 2 layer + 1's) at grid step `step`: the AdaRMS shift's share of the normed projection
-        (skinny.NormIn). Fixed buffers, refreshed with the table, so graphs that read them stay valid."""
-        if self._shift_projections is None:
-            with torch.no_grad():
-                self._shift_projections = self._compute_shift_projections()
-        return self._shift_projections[name][step, layer]
-
-    def _compute_shift_projections(self) -> dict[str, Tensor]:
-        """{"qkv", "gate_up"}: (steps, layers, N) fp32, shift (fp32) times the weight upcast to fp32."""
-        width = self.table.shape[-1] // 3
-        shifts = self.table[..., width: 2 * width]  # (steps, 2L+1, W)
-        out = {}
-        for name, offset in (("qkv", 0), ("gate_up", 1)):
-            out[name] = torch.stack([shifts[:, 2 * i + offset] @ layer[name].weight.float().t()
-                                     for i, layer in enumerate(self.expert)], dim=1).contiguous()
-        return out
 
     def modulation(self, step: int, norm: int) -> tuple[Tensor, Tensor, Tensor]:
         """[scale, shift, gate] (each (W,), fp32 views) of expert norm `norm` at grid step `step`."""

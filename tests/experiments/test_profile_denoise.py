@@ -1,7 +1,5 @@
 """experiments/profile_denoise.py's graph timeline: its critical-path summary on hand-made spans."""
 
-import pytest
-
 from experiments import profile_denoise
 
 
@@ -59,13 +57,3 @@ def test_every_tile_set_fits_the_expert_at_the_goal_row_counts():
             n, k, gelu_mul = shapes[projection]
             for rows in (10, 50):
                 assert tile.fits(rows, n, k, gelu_mul) is None, (name, projection, rows)
-
-
-def test_variant_names_its_settings_and_tile_set():
-    from experiments.profile_denoise import parse_variant
-
-    assert parse_variant("skinny@allnp/triton/on") == ("allnp", {"gemm": "skinny", "attention": "triton", "pdl": "on"})
-    assert parse_variant("auto/auto/auto/both") == (None, {"gemm": "auto", "attention": "auto", "pdl": "auto",
-                                                          "fused_norms": "both"})
-    with pytest.raises(ValueError, match="is not gemm"):
-        parse_variant("skinny/triton")

@@ -1,7 +1,6 @@
 """Skinny split-K GEMMs (policies/fast/skinny.py) and their partial-sum consumers against plain
 PyTorch on fresh random inputs: Triton's interpreter on CPU, compiled on a CUDA machine."""
 
-import dataclasses
 import os
 
 import pytest
@@ -111,8 +110,7 @@ def test_rope_scatter_reads_partials(t, all_heads, monkeypatch):
 
 def test_sampler_with_skinny_gemms_matches_cublas_path():
     """The whole denoise loop with every expert projection through the skinny kernels (fp32 tiny
-    policy; Triton interpreter on CPU), with and without the AdaRMS norms folded into them, equals the
-    F.linear path."""
+    policy; Triton interpreter on CPU) equals the F.linear path."""
     from policies.config import PolicyConfig
     from policies.fast.config import FastConfig
     from policies.fast.runner import FastSampler
@@ -129,18 +127,14 @@ def test_sampler_with_skinny_gemms_matches_cublas_path():
     stoch = torch.zeros(3, cfg.sampling.num_steps, dtype=torch.bool, device=DEVICE)
     stoch[:, 1] = True
     outs = {}
-    variants = [("cublas", "off"), ("skinny", "off"), ("skinny", "mlp"), ("skinny", "attention"), ("skinny", "both")]
-    for gemm, norms in variants:
+    for gemm in ("cublas", "skinny"):
         fast = FastSampler(policy.model, FastConfig(dtype="float32", batch_buckets=[4], prompt_buckets=[16],
-                                                    gemm=gemm, cuda_graphs=False, attention="sdpa",
-                                                    fused_norms=norms))
-        outs[gemm, norms] = fast.sample_chains(inputs, noise, step_noise, stoch)
-        bucket = next(iter(fast.buckets.values()))
-        assert all((t is None) == (gemm == "cublas") for t in bucket.tiles.values()), bucket.tiles
-        assert bucket.fused_norms == ({"mlp", "attention"} if norms == "both" else set() if norms == "off" else {norms})
-    for variant in variants[1:]:
-        for got, want in zip(outs[variant], outs["cublas", "off"], strict=True):
-            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (variant, (got - want).abs().max())
+                                                    gemm=gemm, cuda_graphs=False, attention="sdpa"))
+        outs[gemm] = fast.sample_chains(inputs, noise, step_noise, stoch)
+        tiles = next(iter(fast.buckets.values())).tiles
+        assert all((t is None) == (gemm == "cublas") for t in tiles.values()), tiles
+    for got, want in zip(outs["skinny"], outs["cublas"], strict=True):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
 
 def test_auto_keeps_cublas_on_cpu_and_above_the_row_limit():
@@ -173,100 +167,3 @@ def test_prefetch_share_is_validated_and_kept_by_choose_tile(monkeypatch):
     monkeypatch.setitem(skinny.TUNED, (64, 32, False), SkinnyTile(block_n=16, block_k=16, splits=2, prefetch=0))
     tile = skinny.choose_tile("skinny", 10, 64, 32, False, torch.device("cpu"))
     assert tile.prefetch == 0 and tile.block_m == skinny.rows_block(10)
-
-
-def _fused_operands(m, width, seed):
-    """A residual h (m, width) bf16, a projection x, W into it, a ResidualOut on a copy of h, and the
-    next norm's AdaRMS shift."""
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
-    h = r(m, width).to(torch.bfloat16)
-    x, w = _operands(m, width, 64, seed=seed + 1)
-    blocks = -(-m // skinny.rows_block(m))
-    nan = lambda *s: torch.full(s, float("nan"), device=DEVICE)  # noqa: E731
-    residual = skinny.ResidualOut(h.clone(), r(width), r(width), nan(m, width).to(torch.bfloat16), nan(width // 4, m),
-                                  torch.zeros(blocks * width // 16 + 3, dtype=torch.int32, device=DEVICE))
-    return h, x, w, residual, r(width)
-
-
-@pytest.mark.parametrize("m,splits", [(10, 1), (50, 4), (70, 2)])
-def test_residual_epilogue_and_norm_in_equal_the_norm_kernel(m, splits):
-    """o -> gate_up with the norm folded: the producer's epilogue (ResidualOut) updates h, leaves the
-    strips' sums of squares and h (1 + scale); the consumer (NormIn) then equals the projection of
-    add_rms_norm's output."""
-    width, block_n = 64, 16
-    h, x, w, residual, shift = _fused_operands(m, width, seed=m + splits)
-    tile = SkinnyTile(block_n=block_n, block_k=16, splits=splits, block_m=skinny.rows_block(m))
-    partials = skinny.skinny_linear(x, w, tile, residual=residual)
-    want = skinny.ResidualOut(h.clone(), residual.gate, residual.next_scale, residual.scaled.clone(),
-                              residual.stats.clone(), residual.counts)
-    skinny.residual_reference(partials, want, block_n)
-    # bf16 h within its rounding (the CPU interpreter's fp32 -> bf16 cast truncates), far nearer than before
-    assert rel(residual.h, want.h) < 1e-2 and rel(residual.h, want.h) < rel(h, want.h) / 50
-    assert rel(residual.scaled, want.scaled) < 1e-2
-    strips = skinny.strip_stats(residual, tile, width)
-    assert strips.shape == (width // block_n, m)
-    mine = skinny.ResidualOut(residual.h, residual.gate, residual.next_scale, residual.scaled.clone(),
-                              residual.stats.clone(), residual.counts)
-    skinny.residual_reference(torch.zeros_like(partials), mine, block_n)  # from the kernel's own h
-    assert torch.allclose(strips, skinny.strip_stats(mine, tile, width), rtol=1e-5)
-    assert rel(residual.scaled, mine.scaled) < 1e-2
-    assert int(residual.counts.abs().sum()) == 0  # left zeroed for the next projection
-    # the consumer: 96 outputs (gelu_mul: 48) of the normed residual
-    w2 = (torch.randn(96, width, generator=torch.Generator().manual_seed(m)) / width**0.5).to(DEVICE, torch.bfloat16)
-    _, normed = K.add_rms_norm_reference(h.clone(), K.sum_partials(partials), residual.gate, residual.next_scale,
-                                         shift, 1e-6)
-    for gelu_mul, consumer_splits in ((False, 2), (True, 1)):
-        norm = skinny.NormIn(strips, shift @ w2.float().t(), 1e-6)
-        ctile = SkinnyTile(block_n=16, block_k=16, splits=consumer_splits, block_m=skinny.rows_block(m))
-        got = skinny.skinny_linear(residual.scaled, w2, ctile, gelu_mul=gelu_mul, norm_in=norm)
-        assert rel(got, skinny.norm_in_reference(residual.scaled, w2, norm, consumer_splits, gelu_mul)) < 1e-2
-        plain = skinny.skinny_linear_reference(normed, w2, 1, gelu_mul)
-        assert rel(got if gelu_mul else K.sum_partials(got), plain if gelu_mul else plain[0]) < 2e-2
-
-
-def test_fusion_misuse_names_the_problem():
-    h, x, w, residual, shift = _fused_operands(10, 64, seed=3)
-    tile = SkinnyTile(block_n=16, block_k=16, splits=2, block_m=16)
-    with pytest.raises(ValueError, match="ResidualOut.gate must be"):
-        skinny.skinny_linear(x, w, tile, residual=dataclasses.replace(residual, gate=shift[:8]))
-    with pytest.raises(ValueError, match="ResidualOut cannot follow a gelu_mul"):
-        skinny.skinny_linear(x, torch.cat([w, w]), SkinnyTile(block_n=16, block_k=16, block_m=16), gelu_mul=True,
-                             residual=residual)
-    with pytest.raises(ValueError, match=r"NormIn.stats must be a contiguous fp32 \(strips, 10\)"):
-        skinny.skinny_linear(x, w, tile, norm_in=skinny.NormIn(residual.stats[:, :5], shift, 1e-6))
-    with pytest.raises(ValueError, match=r"NormIn.shift_proj must be a contiguous fp32 \(64,\)"):
-        skinny.skinny_linear(x, w, tile, norm_in=skinny.NormIn(residual.stats[:, :10].contiguous(), shift[:8], 1e-6))
-
-
-def test_fused_norms_choice(monkeypatch):
-    tiles = {name: SkinnyTile() for name in ("qkv", "o", "gate_up", "down")}
-    assert skinny.fused_norms("both", tiles) == {"mlp", "attention"}
-    assert skinny.fused_norms("attention", tiles) == {"attention"}
-    assert skinny.fused_norms("both", {**tiles, "o": None}) == set()  # a cuBLAS projection: no folding
-    monkeypatch.setattr(skinny, "AUTO_FUSED_NORMS", "mlp")
-    assert skinny.fused_norms("auto", tiles) == {"mlp"}
-    with pytest.raises(ValueError, match="policy.fast.fused_norms must be one of"):
-        skinny.fused_norms("all", tiles)
-
-
-def test_shift_projection_follows_weight_updates_in_place():
-    """NormIn's shift W^T per (step, layer): the AdaRMS shift of the norm before the projection, kept in
-    fixed buffers that refresh() rewrites (graphs that read them need no re-capture)."""
-    from policies.config import PolicyConfig
-    from policies.fast.weights import FastWeights
-    from policies.policy import build_policy
-
-    policy = build_policy(PolicyConfig.preset("tiny"), device="cpu")
-    w = FastWeights(policy.model, torch.float32, num_steps=3)
-    width = policy.cfg.expert.width
-    got = w.shift_projection("gate_up", 2, 1)
-    shift = w.modulation(2, 3)[1]  # layer 1's norm before gate_up: 2 * 1 + 1
-    assert torch.allclose(got, shift @ w.expert[1]["gate_up"].weight.float().t(), rtol=1e-5, atol=1e-6)
-    assert w.shift_projection("qkv", 0, 0).shape == (w.expert[0]["qkv"].weight.shape[0],) and width == shift.numel()
-    with torch.no_grad():
-        policy.model.expert.layers[1].gate_up.weight.mul_(2.0)
-    w.refresh()
-    after = w.shift_projection("gate_up", 2, 1)
-    assert after.data_ptr() == got.data_ptr()
-    assert torch.allclose(after, shift @ w.expert[1]["gate_up"].weight.float().t(), rtol=1e-5, atol=1e-6)
