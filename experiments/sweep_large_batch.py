@@ -208,27 +208,6 @@ def vision_mlp_rows(images, prefix_tokens, device, dtype, cfg, **_) -> list[dict
     ]
 
 
-def vision_fc1_rows(images, prefix_tokens, device, dtype, cfg, tiny, **_) -> list[dict]:
-    """SigLIP's fc1 + GELU: cuBLASLt's GELU-bias epilogue (what the runner calls) against the fused
-    activation GEMM (geglu_gemm.gelu_linear) with each of geglu_gemm.gelu_candidates()."""
-    from policies.fast import geglu_gemm
-
-    v = cfg.vision
-    m, k, n = (images * v.num_patches, v.width, v.mlp_dim) if not tiny else (64, 64, 80)
-    x = torch.randn(m, k, device=device, dtype=dtype)
-    w = torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
-    b = torch.randn(n, device=device, dtype=dtype) * 0.1
-    out = torch.empty(m, n, device=device, dtype=dtype)
-    reference = K.linear_gelu_tanh(x, w, b)
-    rows = [_row("vision_fc1", "cublas_gelu_bias", lambda: K.linear_gelu_tanh(x, w, b))]
-    tiles = [geglu_gemm.GegluTile(16, 16, 32, warps=4, stages=2, wide=True)] if tiny else geglu_gemm.gelu_candidates()
-    for tile in tiles:
-        if tile.fits_plain(m, n, k) is None:
-            run = functools.partial(geglu_gemm.gelu_linear, x, w, b, tile, out)
-            rows.append(_row("vision_fc1", geglu_gemm.tile_label(tile), run, reference))
-    return rows
-
-
 def gate_up_rows(images, prefix_tokens, device, dtype, cfg, **_) -> list[dict]:
     p = cfg.prefix
     m = prefix_tokens if device.type == "cuda" else 64
@@ -374,7 +353,6 @@ def expert_geglu_rows(batch, cfg, **shapes) -> list[dict]:
 
 
 SECTIONS = {"vision_attention": vision_attention_rows, "residual": residual_rows, "vision_mlp": vision_mlp_rows,
-            "vision_fc1": vision_fc1_rows,
             "gate_up": gate_up_rows, "geglu": geglu_rows, "expert_geglu": expert_geglu_rows,
             "prefix_attention": prefix_attention_rows, "expert_attention": expert_attention_rows}
 

@@ -45,12 +45,10 @@ class FastConfig:
     "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk).
     pdl: programmatic dependent launch of the denoise graph's Triton kernels (policies/fast/pdl.py):
     "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs).
-    geglu: the fused activation GEMMs (policies/fast/geglu_gemm.py). The prefix's bf16 gate/up projection
-    and GeGLU: "fused" as one Triton GEMM that writes only the activation, "cublas" as cuBLAS + a GeGLU
-    kernel, "auto" fused on CUDA from geglu_gemm.AUTO_MIN_ROWS prefix rows (batch x tokens) up. SigLIP's
-    bf16 fc1 and GELU: "fused" through the same kernel (gelu_linear), "cublas" through cuBLASLt's
-    GELU-bias epilogue, "auto" fused from geglu_gemm.GELU_AUTO_MIN_ROWS vision rows. FP8 projections
-    always run through cuBLAS."""
+    geglu: the prefix's bf16 gate/up projection and GeGLU: "fused" as one Triton GEMM that writes
+    only the activation (policies/fast/geglu_gemm.py), "cublas" as cuBLAS + a GeGLU kernel, "auto"
+    fused on CUDA from geglu_gemm.AUTO_MIN_ROWS prefix rows (batch x tokens) up. An FP8 gate/up
+    projection always runs through cuBLAS."""
 
     enabled: bool = False
     cuda_graphs: bool = True

@@ -61,18 +61,6 @@ class GegluTile:
         if self.gelu not in GELU_FORMS:
             raise ValueError(f"GegluTile.gelu must be one of {GELU_FORMS}, got {self.gelu!r}")
 
-    def fits_plain(self, m: int, n: int, k: int) -> str | None:
-        """Why this tile cannot run gelu_linear's x (m, k) @ W (n, k)^T + b, or None when it can."""
-        if not self.wide:
-            return "gelu_linear needs a wide tile (one 2 x block_n accumulator)"
-        if self.tma and n % 8:
-            return f"TMA needs 16-byte rows: N = {n} is not a multiple of 8"
-        if k % self.block_k:
-            return f"K = {k} is not a multiple of block_k = {self.block_k}"
-        if min(self.block_m, self.block_n, self.block_k) < 16:
-            return "tl.dot needs block sizes >= 16"
-        return None
-
     def fits(self, m: int, n: int, k: int) -> str | None:
         """Why this tile cannot run x (m, k) @ W (n, k)^T with GeGLU, or None when it can."""
         if n % 2:
@@ -122,25 +110,6 @@ def choose_tile(mode: str, rows: int, n: int, k: int, device: torch.device,
     return tile if tile is not None and tile.fits(rows, n, k) is None else None
 
 
-# gelu_linear (SigLIP's fc1) under "auto" from this many vision rows (images x patches) up: not yet measured
-# on the H200, so "auto" keeps cuBLASLt's GELU-bias epilogue everywhere.
-GELU_AUTO_MIN_ROWS = None
-
-
-def choose_gelu_tile(mode: str, rows: int, n: int, k: int, device: torch.device,
-                     dtype: torch.dtype = torch.bfloat16) -> GegluTile | None:
-    """gelu_linear's tile for SigLIP's fc1 (`rows` x K @ (N, K)^T + b), or None for cuBLASLt's GELU-bias
-    epilogue; mode policy.fast.geglu, as choose_tile ("auto" from GELU_AUTO_MIN_ROWS rows on CUDA)."""
-    if mode not in GEGLU_CHOICES:
-        raise ValueError(f"policy.fast.geglu must be one of {GEGLU_CHOICES}, got {mode!r}")
-    auto_off = GELU_AUTO_MIN_ROWS is None or rows < GELU_AUTO_MIN_ROWS or device.type != "cuda"
-    if mode == "cublas" or (mode == "auto" and auto_off) or (device.type == "cuda" and dtype.itemsize != 2):
-        return None
-    tile = TUNED if device.type == "cuda" else GegluTile(block_m=32, block_n=16, block_k=16, stages=2, warps=4,
-                                                         wide=True)
-    return tile if tile.fits_plain(rows, n, k) is None else None
-
-
 def tile_label(tile: GegluTile | None) -> str | None:
     """The tile's name in sweep rows and result JSONs (None: cuBLAS + the GeGLU kernel)."""
     if tile is None:
@@ -169,15 +138,13 @@ def _kernel():
     from policies.fast import triton_common as C
 
     @triton.jit
-    def geglu_gemm_kernel(x_desc, w_desc, out_desc, x_ptr, w_ptr, out_ptr, b_ptr, M, F, K,
+    def geglu_gemm_kernel(x_desc, w_desc, out_desc, x_ptr, w_ptr, out_ptr, M, F, K,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                           TMA: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
                           FLATTEN: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr,
-                          TANH_APPROX: tl.constexpr, GATED: tl.constexpr):
-        """GATED: act (M, F) = GeGLU through W = [gate; up] (2F, K); else (WIDE only) act (M, F) =
-        gelu_tanh(x W^T + b) through W (F, K) in 2BN-column blocks, the last one cut at F."""
+                          TANH_APPROX: tl.constexpr):
         row_blocks = tl.cdiv(M, BM)
-        col_blocks = F // BN if GATED else tl.cdiv(F, 2 * BN)
+        col_blocks = F // BN
         blocks = row_blocks * col_blocks
         step = PROGRAMS if PERSISTENT else blocks
         for block in tl.range(tl.program_id(0), blocks, step, flatten=FLATTEN):
@@ -191,13 +158,10 @@ def _kernel():
             rows = off_m + tl.arange(0, BM)
             cols = off_n + tl.arange(0, BN)
             ks = tl.arange(0, BK)
-            if WIDE:  # one (BM, 2BN) accumulator: columns [0, BN) gate, [BN, 2BN) up (GATED), else 2BN columns
+            if WIDE:  # one (BM, 2BN) accumulator: columns [0, BN) gate, [BN, 2BN) up
                 acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
                 pair = tl.arange(0, 2 * BN)
-                if GATED:
-                    pair_rows = (pair // BN) * F + off_n + pair % BN  # the pointer path's rows of W
-                else:
-                    pair_rows = 2 * off_n + pair
+                pair_rows = (pair // BN) * F + off_n + pair % BN  # the pointer path's rows of W
             else:
                 acc_gate = tl.zeros((BM, BN), dtype=tl.float32)
                 acc_up = tl.zeros((BM, BN), dtype=tl.float32)
@@ -210,15 +174,10 @@ def _kernel():
                 if UPCAST:  # the CPU interpreter's bf16 tl.dot returns garbage (Triton 3.x): fp32 there
                     x = x.to(tl.float32)
                 if WIDE:
-                    if TMA and GATED:  # the (2, BN, BK) box [gate rows; up rows] is one (2BN, BK) tile in shared memory
+                    if TMA:  # the (2, BN, BK) box [gate rows; up rows] is one (2BN, BK) tile in shared memory
                         w = w_desc.load([0, off_n, k0]).reshape(2 * BN, BK)
-                    elif TMA:  # rows past F come back as zeros
-                        w = w_desc.load([2 * off_n, k0])
-                    elif GATED:
-                        w = tl.load(w_ptr + pair_rows[:, None].to(tl.int64) * K + (k0 + ks)[None, :])
                     else:
-                        w = tl.load(w_ptr + pair_rows[:, None].to(tl.int64) * K + (k0 + ks)[None, :],
-                                    mask=(pair_rows < F)[:, None], other=0.0)
+                        w = tl.load(w_ptr + pair_rows[:, None].to(tl.int64) * K + (k0 + ks)[None, :])
                     if UPCAST:
                         w = w.to(tl.float32)
                     acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
@@ -234,23 +193,14 @@ def _kernel():
                         w_gate, w_up = w_gate.to(tl.float32), w_up.to(tl.float32)
                     acc_gate = tl.dot(x, w_gate.T, acc_gate, input_precision=PRECISION)
                     acc_up = tl.dot(x, w_up.T, acc_up, input_precision=PRECISION)
-            if not GATED:  # gelu_tanh(acc + b) over the block's 2BN columns
-                acc += tl.load(b_ptr + pair_rows, mask=pair_rows < F, other=0.0).to(tl.float32)[None, :]
-                act = (C.gelu_tanh_approx(acc) if TANH_APPROX else C.gelu_tanh(acc)).to(out_ptr.dtype.element_ty)
-                if TMA:  # the store drops rows past M and columns past F
-                    out_desc.store([off_m, 2 * off_n], act)
-                else:
-                    tl.store(out_ptr + rows[:, None].to(tl.int64) * F + pair_rows[None, :], act,
-                             mask=(rows < M)[:, None] & (pair_rows < F)[None, :])
+            if WIDE:  # column c pairs with c + BN (the same thread's registers in the wgmma layout)
+                acc_gate, acc_up = acc.reshape(BM, 2, BN).permute(0, 2, 1).split()
+            gelu = C.gelu_tanh_approx(acc_gate) if TANH_APPROX else C.gelu_tanh(acc_gate)
+            act = (gelu * acc_up).to(out_ptr.dtype.element_ty)
+            if TMA:  # the store drops rows past M
+                out_desc.store([off_m, off_n], act)
             else:
-                if WIDE:  # column c pairs with c + BN (the same thread's registers in the wgmma layout)
-                    acc_gate, acc_up = acc.reshape(BM, 2, BN).permute(0, 2, 1).split()
-                gelu = C.gelu_tanh_approx(acc_gate) if TANH_APPROX else C.gelu_tanh(acc_gate)
-                act = (gelu * acc_up).to(out_ptr.dtype.element_ty)
-                if TMA:  # the store drops rows past M
-                    out_desc.store([off_m, off_n], act)
-                else:
-                    tl.store(out_ptr + rows[:, None].to(tl.int64) * F + cols[None, :], act, mask=(rows < M)[:, None])
+                tl.store(out_ptr + rows[:, None].to(tl.int64) * F + cols[None, :], act, mask=(rows < M)[:, None])
 
     return geglu_gemm_kernel
 
@@ -274,44 +224,22 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
     m, k = x.shape
     n = weight.shape[0]
     problem = tile.fits(m, n, k)
-    return _launch(x, weight, None, tile, n // 2, problem, out, max_programs, "GeGLU")
-
-
-def gelu_linear(x: Tensor, weight: Tensor, bias: Tensor, tile: GegluTile, out: Tensor | None = None,
-                max_programs: int | None = None) -> Tensor:
-    """SigLIP's fc1: x (M, K), weight (N, K), bias (N,) -> gelu_tanh(x W^T + b) (M, N) in x's dtype, the
-    bias and GELU in the GEMM's epilogue (fp32, one rounding). A `wide` tile: 2 x block_n output
-    columns per block, the last block cut at N (TMA's bounds, or masks). `out`, `max_programs`:
-    as geglu_linear."""
-    m, k = x.shape
-    n = weight.shape[0]
-    problem = tile.fits_plain(m, n, k)
-    if problem is None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
-        problem = f"the bias must be a contiguous ({n},), got {tuple(bias.shape)}"
-    return _launch(x, weight, bias, tile, n, problem, out, max_programs, "GELU")
-
-
-def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, tile: GegluTile, f: int, problem: str | None,
-            out: Tensor | None, max_programs: int | None, what: str) -> Tensor:
-    """The kernel for geglu_linear (bias None: GeGLU, f = N / 2) or gelu_linear (f = N), after the checks
-    they share: the interpreter, dtypes, contiguity, `out`."""
-    m, k = x.shape
     if problem is None and tile.gelu == "tanh_approx" and _interpreting():
         problem = "gelu 'tanh_approx' is inline PTX, which the Triton interpreter cannot run"
     if problem is None and (weight.shape[1] != k or x.dtype != weight.dtype):
         problem = f"x {tuple(x.shape)} {x.dtype} does not match the weight {tuple(weight.shape)} {weight.dtype}"
     if problem is not None:
-        raise ValueError(f"{what} tile {tile} cannot run x {tuple(x.shape)} @ W {tuple(weight.shape)}^T: {problem}")
+        raise ValueError(f"GeGLU tile {tile} cannot run x {tuple(x.shape)} @ W {tuple(weight.shape)}^T: {problem}")
     if not (x.is_contiguous() and weight.is_contiguous()):
-        raise ValueError(f"{what} GEMM needs a contiguous x and weight, got strides {x.stride()} and {weight.stride()}")
+        raise ValueError(f"geglu_linear needs a contiguous x and weight, "
+                         f"got strides {x.stride()} and {weight.stride()}")
+    f = n // 2
     if out is None:
         out = torch.empty(m, f, dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != (m, f) or not out.is_contiguous() or out.dtype != x.dtype:
-        raise ValueError(f"{what} GEMM out must be a contiguous {(m, f)} {x.dtype}, "
+        raise ValueError(f"geglu_linear out must be a contiguous {(m, f)} {x.dtype}, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    gated = bias is None
-    out_cols = tile.block_n * (1 if gated else 2)
-    blocks = -(-m // tile.block_m) * -(-f // out_cols)
+    blocks = -(-m // tile.block_m) * (f // tile.block_n)
     programs = blocks
     if tile.persistent:
         limit = max_programs if max_programs is not None else _sm_count(x.device.index or 0) if x.is_cuda else blocks
@@ -321,17 +249,14 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, tile: GegluTile, f: 
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
-        if gated and tile.wide:
-            w_desc = TensorDescriptor.from_tensor(weight.view(2, f, k), [2, tile.block_n, tile.block_k])
-        else:
-            w_desc = TensorDescriptor.from_tensor(weight, [out_cols, tile.block_k])
-        out_desc = TensorDescriptor.from_tensor(out, [tile.block_m, out_cols])
-    _kernel()[(programs,)](x_desc, w_desc, out_desc, x, weight, out, out if gated else bias, m, f, k,
+        w_desc = (TensorDescriptor.from_tensor(weight.view(2, f, k), [2, tile.block_n, tile.block_k]) if tile.wide
+                  else TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]))
+        out_desc = TensorDescriptor.from_tensor(out, [tile.block_m, tile.block_n])
+    _kernel()[(programs,)](x_desc, w_desc, out_desc, x, weight, out, m, f, k,
                            BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
                            TMA=tile.tma, PERSISTENT=tile.persistent, PROGRAMS=programs, FLATTEN=tile.flatten,
                            UPCAST=_interpreting(), PRECISION=_dot_precision(x.dtype), WIDE=tile.wide,
-                           TANH_APPROX=tile.gelu == "tanh_approx", GATED=gated, num_warps=tile.warps,
-                           num_stages=tile.stages)
+                           TANH_APPROX=tile.gelu == "tanh_approx", num_warps=tile.warps, num_stages=tile.stages)
     return out
 
 
@@ -355,17 +280,6 @@ def candidates() -> list[GegluTile]:
                                             (32, 6, 8, True)):
         tiles.append(GegluTile(128, 128, bk, group_m=group_m, stages=stages, warps=8, persistent=persistent, wide=True))
     return tiles + [tile for tile in epilogue_candidates() if tile not in tiles]
-
-
-def gelu_candidates() -> list[GegluTile]:
-    """The tiles experiments/sweep_large_batch.py (section vision_fc1) times for gelu_linear against
-    cuBLASLt's GELU-bias epilogue: TUNED (2 x 128 output columns per block), its exp2 form, grouping
-    and persistence, and 128-column blocks (SigLIP's 4304 columns waste less in the last block).
-    Compiled for sm_90 (Triton 3.9), TUNED's plain form needs 208 KB of shared memory (a 128 x 256
-    output tile): 4 stages, or 2 of BK 128, would need 256 KB, more than the H200's 227."""
-    return [TUNED, replace(TUNED, gelu="exp2"), replace(TUNED, group_m=8), replace(TUNED, persistent=False),
-            replace(TUNED, block_n=64, stages=4), replace(TUNED, block_n=64, stages=4, warps=4),
-            replace(TUNED, block_n=64, stages=3, group_m=8)]
 
 
 def epilogue_candidates() -> list[GegluTile]:

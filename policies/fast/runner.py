@@ -47,7 +47,6 @@ class Bucket:
     graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
     tiles: dict = field(default_factory=dict)  # expert projection -> skinny.SkinnyTile, or None: cuBLAS
     geglu_tile: object = None  # geglu_gemm.GegluTile of the prefix's gate/up + GeGLU, or None: cuBLAS
-    fc1_tile: object = None  # geglu_gemm.GegluTile of SigLIP's fc1 + GELU (gelu_linear), or None: cuBLASLt
     host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
     staged: object = None  # CUDA event recorded after the last copy out of host_pack
     layout_key: tuple | None = None  # the masks whose token layout index_pack and the attention plans hold
@@ -223,10 +222,6 @@ class FastSampler:
         if gate_up.fp8 is None and gate_up.bias is None:
             bucket.geglu_tile = geglu_gemm.choose_tile(self.fast.geglu, batch * p, *gate_up.weight.shape, dev,
                                                        self.dtype)
-        fc1, fc2 = self.w.vision["layers"][0]["fc1"], self.w.vision["layers"][0]["fc2"]
-        if fc1.fp8 is None and fc2.fp8 is None and fc1.bias is not None:
-            bucket.fc1_tile = geglu_gemm.choose_gelu_tile(self.fast.geglu, batch * cams * cfg.vision.num_patches,
-                                                          *fc1.weight.shape, dev, self.dtype)
         bucket.host_pack = torch.empty(pack.numel(), dtype=torch.long, pin_memory=dev.type == "cuda")
         full = torch.full((batch,), p, dtype=torch.int32)
         heads = cfg.prefix.num_heads
@@ -298,11 +293,7 @@ class FastSampler:
             a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape(n * tok, width)
             out = fp8.project(a, lw["out"])
             h, y = K.add_layer_norm(h, out, lw["ln2"].weight, lw["ln2"].bias, eps)
-            if bk.fc1_tile is not None:  # fc1's bias and GELU in the fused activation GEMM (geglu_gemm.py)
-                act = geglu_gemm.gelu_linear(y, lw["fc1"].weight, lw["fc1"].bias, bk.fc1_tile)
-                mlp = F.linear(act, lw["fc2"].weight, lw["fc2"].bias)
-            else:
-                mlp = fp8.mlp(y, lw["fc1"], lw["fc2"], "gelu_tanh")
+            mlp = fp8.mlp(y, lw["fc1"], lw["fc2"], "gelu_tanh")
             norm = layers[i + 1]["ln1"] if i + 1 < len(layers) else w["post_ln"]  # next pre-norm, or post_ln
             h, y = K.add_layer_norm(h, mlp, norm.weight, norm.bias, eps)
         img = fp8.project(y, w["proj"]).view(bk.batch, -1, self.cfg.prefix.width)

@@ -181,15 +181,14 @@ def _sampler_outputs(model, cfg, geglu, device, dtype):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU twin of test_gpu_sampler_fused_near_cublas")
 def test_sampler_with_the_fused_geglu_matches_cublas_path():
-    """The tiny policy in fp32 on CPU: the prefix MLP and SigLIP's fc1 through the fused kernel
-    (interpreter) give the chains and log-probs of the unfused path."""
+    """The tiny policy in fp32 on CPU: the prefix MLP through the fused kernel (interpreter) gives the
+    chains and log-probs of the unfused path."""
     cfg = PolicyConfig.preset("tiny")
     model = build_policy(cfg).model
     fused, got, _ = _sampler_outputs(model, cfg, "fused", "cpu", "float32")
     plain, want, _ = _sampler_outputs(model, cfg, "cublas", "cpu", "float32")
-    fused_bucket, plain_bucket = next(iter(fused.buckets.values())), next(iter(plain.buckets.values()))
-    assert fused_bucket.geglu_tile is not None and fused_bucket.fc1_tile is not None  # SigLIP's fc1 too
-    assert plain_bucket.geglu_tile is None and plain_bucket.fc1_tile is None
+    assert next(iter(fused.buckets.values())).geglu_tile is not None
+    assert next(iter(plain.buckets.values())).geglu_tile is None
     for a, b in zip(got, want, strict=True):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
 
@@ -197,16 +196,14 @@ def test_sampler_with_the_fused_geglu_matches_cublas_path():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_sampler_fused_near_cublas_and_sees_weight_updates():
-    """bf16 graphs with the fused prefix MLP and SigLIP fc1: near the cuBLAS path, replays bit-identical,
-    and an in-place update of the weights reaches the captured graphs without re-capture."""
+    """bf16 graphs with the fused prefix MLP: near the cuBLAS path, replays bit-identical, and an
+    in-place update of the prefix weights reaches the captured graphs without re-capture."""
     from .test_fast_gpu import gpu_cfg  # a GPU-sized tiny policy (that module is GPU-marked)
 
-    # SigLIP 128 wide (TUNED's BK 64 divides it) with 200 MLP columns (fc1's one block cut at 200)
-    policy = build_policy(gpu_cfg("bfloat16").replace(vision={"width": 128, "mlp_dim": 200}), device="cuda")
+    policy = build_policy(gpu_cfg("bfloat16"), device="cuda")
     cfg = policy.cfg
     fused, got, replay = _sampler_outputs(policy.model, cfg, "fused", "cuda", "bfloat16")
-    bucket = next(iter(fused.buckets.values()))
-    assert bucket.geglu_tile == geglu_gemm.TUNED and bucket.fc1_tile == geglu_gemm.TUNED
+    assert next(iter(fused.buckets.values())).geglu_tile == geglu_gemm.TUNED
     _, want, _ = _sampler_outputs(policy.model, cfg, "cublas", "cuda", "bfloat16")
     assert relative_l2(got[0], want[0]) < 2e-2
     for a, b in zip(replay(), got, strict=True):
@@ -220,70 +217,3 @@ def test_gpu_sampler_fused_near_cublas_and_sees_weight_updates():
     assert not torch.equal(after[0], got[0])
     for a, b in zip(after, fresh, strict=True):
         assert torch.equal(a, b)
-
-
-def _gelu_reference(x, w, b):
-    return torch.nn.functional.gelu(x.float() @ w.float().t() + b.float(), approximate="tanh")
-
-
-@pytest.mark.parametrize("tma", [True, False])
-@pytest.mark.parametrize("m,n,programs", [(5, 64, None), (37, 80, 3), (64, 136, 2)])
-def test_gelu_linear_matches_reference(m, n, programs, tma):
-    """SigLIP's fc1 through the same kernel (not gated): bias and GELU in the epilogue; N not a multiple
-    of the 2 x block_n columns of a block (SigLIP's 4304): TMA's bounds or the masks cut the last block."""
-    g = torch.Generator().manual_seed(m + n)
-    x = torch.randn(m, 32, generator=g).to(DEVICE)
-    w = (torch.randn(n, 32, generator=g) / 32**0.5).to(DEVICE)
-    b = torch.randn(n, generator=g).to(DEVICE)
-    tile = GegluTile(16, 16, 16, group_m=2, stages=2, warps=4, tma=tma, wide=True, persistent=programs is not None)
-    out = torch.full((m, n), float("nan"), device=DEVICE)
-    got = geglu_gemm.gelu_linear(x, w, b, tile, out=out, max_programs=programs)
-    assert got is out and torch.isfinite(got).all()
-    assert relative_l2(got, _gelu_reference(x, w, b)) < 1e-5
-    bf = geglu_gemm.gelu_linear(x.bfloat16(), w.bfloat16(), b.bfloat16(), tile)
-    assert bf.dtype == torch.bfloat16 and relative_l2(bf, K.linear_gelu_tanh(x.bfloat16(), w.bfloat16(),
-                                                                              b.bfloat16())) < 2e-2
-
-
-def test_gelu_linear_names_what_does_not_fit():
-    x, w, b = torch.zeros(8, 32, device=DEVICE), torch.zeros(64, 32, device=DEVICE), torch.zeros(64, device=DEVICE)
-    with pytest.raises(ValueError, match="needs a wide tile"):
-        geglu_gemm.gelu_linear(x, w, b, GegluTile(16, 16, 16, stages=2, warps=4))
-    with pytest.raises(ValueError, match="N = 60 is not a multiple of 8"):
-        geglu_gemm.gelu_linear(x, w[:60], b[:60], GegluTile(16, 16, 16, stages=2, warps=4, wide=True))
-    with pytest.raises(ValueError, match=r"the bias must be a contiguous \(64,\)"):
-        geglu_gemm.gelu_linear(x, w, b[:32], GegluTile(16, 16, 16, stages=2, warps=4, wide=True))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [768, 1000])
-def test_gpu_siglip_fc1_every_gelu_candidate(m):
-    """SigLIP's fc1 (K 1152, N 4304: the last 256-column block cut at 4304) at PhyAI b1's 768 rows and a
-    ragged count: every tile the sweep times, compiled, against the fp32 reference and cuBLASLt's epilogue."""
-    g = torch.Generator().manual_seed(m)
-    x = torch.randn(m, 1152, generator=g).to(DEVICE, torch.bfloat16)
-    w = (torch.randn(4304, 1152, generator=g) / 1152**0.5).to(DEVICE, torch.bfloat16)
-    b = (torch.randn(4304, generator=g) * 0.1).to(DEVICE, torch.bfloat16)
-    want = _gelu_reference(x, w, b)
-    cublas = K.linear_gelu_tanh(x, w, b)
-    for tile in geglu_gemm.gelu_candidates():
-        got = geglu_gemm.gelu_linear(x, w, b, tile)
-        assert relative_l2(got, want) < 8e-3, tile
-        assert relative_l2(got, cublas) < 1e-2, tile
-
-
-def test_choose_gelu_tile_follows_the_mode(monkeypatch):
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(geglu_gemm, "GELU_AUTO_MIN_ROWS", 10000)
-    assert geglu_gemm.choose_gelu_tile("auto", 32768, 4304, 1152, cuda) == geglu_gemm.TUNED
-    assert geglu_gemm.choose_gelu_tile("auto", 768, 4304, 1152, cuda) is None  # below the threshold
-    assert geglu_gemm.choose_gelu_tile("auto", 32768, 4304, 1152, cpu) is None
-    assert geglu_gemm.choose_gelu_tile("cublas", 32768, 4304, 1152, cuda) is None
-    assert geglu_gemm.choose_gelu_tile("fused", 768, 4304, 1152, cuda, torch.float32) is None  # fp32: cuBLASLt
-    assert geglu_gemm.choose_gelu_tile("fused", 768, 4300, 1152, cuda) is None  # 4300 x 2 bytes: no TMA rows
-    assert geglu_gemm.choose_gelu_tile("fused", 50, 64, 32, cpu).fits_plain(50, 64, 32) is None
-    monkeypatch.setattr(geglu_gemm, "GELU_AUTO_MIN_ROWS", None)  # not measured: auto never fuses
-    assert geglu_gemm.choose_gelu_tile("auto", 32768, 4304, 1152, cuda) is None
-    with pytest.raises(ValueError, match="policy.fast.geglu"):
-        geglu_gemm.choose_gelu_tile("triton", 50, 64, 32, cpu)
