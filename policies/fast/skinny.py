@@ -194,10 +194,14 @@ TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
 # rows 9.90 against 9.18); 32 x 128 at 20 rows 2.78 / 2.80 against 2.85 / 2.85 (at 50 rows 7.00). At 50
 # rows without the PDL prefetch of its 16.8 MB of weights (which slowed the norm kernel before it):
 # 6.62 / 6.63 against 6.89 / 6.90 with it, half of it 6.62 / 6.64 (profile_denoise_nvidia-h200_
-# 20261202-081216.json and ..._081230.json).
+# 20261202-081216.json and ..._081230.json). o with 4 K splits instead of 8 at 50 rows (tile set o_s4,
+# timed with that gate_up tile): 6.474 / 6.450 / 6.445 against 6.626-6.662 for TUNED's in five
+# placements over two calls; at 10, 20 and 100 rows within +0.03 / -0.05 ms of TUNED's
+# (profile_denoise_nvidia-h200_20261202-094209.json and ..._094247.json).
 TUNED_BY_ROWS: dict[tuple[int, int, bool], tuple[tuple[int, int, SkinnyTile], ...]] = {
     (8192, 1024, True): ((17, 32, SkinnyTile(block_n=32, block_k=128, splits=1)),
                          (33, 64, SkinnyTile(block_n=16, block_k=128, splits=1, prefetch=0))),
+    (1024, 2048, False): ((33, 64, SkinnyTile(block_n=64, block_k=64, splits=4)),),
 }
 
 

@@ -161,6 +161,14 @@ def test_gate_up_tile_follows_the_row_count():
     assert skinny.tuned_tile(50, 2560, 1024, False) == skinny.TUNED[(2560, 1024, False)]
 
 
+def test_o_tile_splits_k_four_ways_at_33_to_64_rows():
+    """The o projection's in-graph winner at PhyAI b1 (50 rows): 4 K splits; TUNED's 8 elsewhere."""
+    shape = (1024, 2048, False)
+    assert skinny.tuned_tile(50, *shape).splits == 4 and skinny.tuned_tile(64, *shape).splits == 4
+    assert skinny.tuned_tile(10, *shape) == skinny.TUNED[shape] == skinny.tuned_tile(100, *shape)
+    assert skinny.choose_tile("skinny", 50, *shape, torch.device("cpu")).splits == 4
+
+
 def test_prefetch_share_is_validated_and_kept_by_choose_tile(monkeypatch):
     with pytest.raises(ValueError, match="SkinnyTile.prefetch must be one of"):
         SkinnyTile(prefetch=3)
