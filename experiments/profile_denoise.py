@@ -159,6 +159,13 @@ TILE_SETS = {
     "down_s4": {"down": T(64, 64, 4)},
     "o_s4": {"o": T(64, 64, 4)},
     "down32_s4": {"down": T(32, 64, 4)},
+    # after o_s4 won at 50 rows: the split count of qkv and o around it
+    "qkv_s2": {"qkv": T(64, 64, 2)},
+    "qkv_s8": {"qkv": T(64, 64, 8)},
+    "qkv32_s2": {"qkv": T(32, 64, 2)},
+    "o_s2": {"o": T(64, 64, 2)},
+    "o32_s4": {"o": T(32, 64, 4)},
+    "o_s4k128": {"o": T(64, 128, 4)},
 }
 
 
