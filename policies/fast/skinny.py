@@ -197,11 +197,14 @@ TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
 # 20261202-081216.json and ..._081230.json). o with 4 K splits instead of 8 at 50 rows (tile set o_s4,
 # timed with that gate_up tile): 6.474 / 6.450 / 6.445 against 6.626-6.662 for TUNED's in five
 # placements over two calls; at 10, 20 and 100 rows within +0.03 / -0.05 ms of TUNED's
-# (profile_denoise_nvidia-h200_20261202-094209.json and ..._094247.json).
+# (profile_denoise_nvidia-h200_20261202-094209.json and ..._094247.json). Then qkv with 2 K splits
+# instead of 4 at 50 rows (tile set qkv_s2, with that o tile): 6.355 / 6.351 / 6.338 against 6.458-6.470;
+# at 10, 20 and 100 rows -0.02 / +0.02 / -0.03 ms (..._094827.json and ..._094903.json).
 TUNED_BY_ROWS: dict[tuple[int, int, bool], tuple[tuple[int, int, SkinnyTile], ...]] = {
     (8192, 1024, True): ((17, 32, SkinnyTile(block_n=32, block_k=128, splits=1)),
                          (33, 64, SkinnyTile(block_n=16, block_k=128, splits=1, prefetch=0))),
     (1024, 2048, False): ((33, 64, SkinnyTile(block_n=64, block_k=64, splits=4)),),
+    (2560, 1024, False): ((33, 64, SkinnyTile(block_n=64, block_k=64, splits=2)),),
 }
 
 

@@ -42,8 +42,10 @@ def test_tile_set_replaces_the_row_table_for_the_shapes_it_names(monkeypatch):
     monkeypatch.setattr(profile_denoise, "expert_shapes", lambda policy: shapes)
     tuned, by_rows = profile_denoise.tuned_for(None, "s4")
     assert tuned[shapes["gate_up"]] == profile_denoise.TILE_SETS["s4"]["gate_up"] and shapes["gate_up"] not in by_rows
+    tuned, by_rows = profile_denoise.tuned_for(None, "down32")  # down has no row table: by_rows unchanged
+    assert by_rows == skinny.TUNED_BY_ROWS and tuned[shapes["down"]] == profile_denoise.TILE_SETS["down32"]["down"]
     tuned, by_rows = profile_denoise.tuned_for(None, "qkv32")
-    assert by_rows == skinny.TUNED_BY_ROWS and tuned[shapes["qkv"]] == profile_denoise.TILE_SETS["qkv32"]["qkv"]
+    assert shapes["qkv"] not in by_rows and tuned[shapes["qkv"]] == profile_denoise.TILE_SETS["qkv32"]["qkv"]
     assert profile_denoise.tuned_for(None, None) == (skinny.TUNED, skinny.TUNED_BY_ROWS)
 
 

@@ -158,15 +158,15 @@ def test_gate_up_tile_follows_the_row_count():
     assert (skinny.tuned_tile(20, *shape).block_n, skinny.tuned_tile(20, *shape).block_k) == (32, 128)
     tile = skinny.choose_tile("skinny", 50, *shape, torch.device("cpu"))
     assert (tile.block_n, tile.block_k, tile.block_m) == (16, 128, 64)
-    assert skinny.tuned_tile(50, 2560, 1024, False) == skinny.TUNED[(2560, 1024, False)]
+    assert skinny.tuned_tile(20, 2560, 1024, False) == skinny.TUNED[(2560, 1024, False)]
 
 
-def test_o_tile_splits_k_four_ways_at_33_to_64_rows():
-    """The o projection's in-graph winner at PhyAI b1 (50 rows): 4 K splits; TUNED's 8 elsewhere."""
-    shape = (1024, 2048, False)
-    assert skinny.tuned_tile(50, *shape).splits == 4 and skinny.tuned_tile(64, *shape).splits == 4
+@pytest.mark.parametrize("shape,splits", [((1024, 2048, False), 4), ((2560, 1024, False), 2)])
+def test_o_and_qkv_split_k_less_at_33_to_64_rows(shape, splits):
+    """The in-graph winners at PhyAI b1 (50 rows): o with 4 K splits, qkv with 2; TUNED's elsewhere."""
+    assert skinny.tuned_tile(50, *shape).splits == splits and skinny.tuned_tile(64, *shape).splits == splits
     assert skinny.tuned_tile(10, *shape) == skinny.TUNED[shape] == skinny.tuned_tile(100, *shape)
-    assert skinny.choose_tile("skinny", 50, *shape, torch.device("cpu")).splits == 4
+    assert skinny.choose_tile("skinny", 50, *shape, torch.device("cpu")).splits == splits
 
 
 def test_prefetch_share_is_validated_and_kept_by_choose_tile(monkeypatch):
