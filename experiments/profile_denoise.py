@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from collections import defaultdict
 
 import torch
@@ -54,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=4)
     p.add_argument("--sweep-limit", type=int, default=0, help="at most this many tile candidates per shape (0: all)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every variant's denoise graph this many times, round-robin (ms: the median)")
     p.add_argument("--variants", nargs="+", default=["cublas/sdpa/off", "cublas/triton/off", "skinny/triton/off",
                                                      "skinny/triton/on", "skinny/triton/early", "auto/auto/auto"],
                    help="gemm/attention/pdl settings of policy.fast to time (the first is the chains' reference)")
@@ -69,7 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="attention shapes the sweep times: the expert's (chunk queries) and/or the prefix's")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    return args
 
 
 def main(argv=None) -> None:
@@ -184,31 +190,46 @@ def tuned_for(policy, tile_set: str | None) -> tuple[dict, dict]:
 
 def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     """Denoise-stage replay time of every variant on the same inputs; chains against the first
-    variant's, and whether variants that differ only in PDL give identical bits (they must)."""
+    variant's, and whether variants that differ only in PDL give identical bits (they must). With
+    --rounds N every variant's graph is timed N times, round-robin (differences of ~1% between tiles
+    need several placements to tell from the drift between timings); `ms` is the median of rounds."""
     inputs, noise = common.make_inputs(policy.cfg, batch, spec["prompt_len"], device, seed=batch)
     stoch = torch.zeros(batch, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
-    out, chains = {}, {}
+    samplers, chains = {}, {}
     for variant in args.variants:
-        gemm, attention, pdl_mode = variant.split("/")
-        gemm, _, tile_set = gemm.partition("@")
-        saved = skinny.TUNED, skinny.TUNED_BY_ROWS
-        skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
-        try:
-            fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode)
-            chains[variant] = fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
-        finally:
-            skinny.TUNED, skinny.TUNED_BY_ROWS = saved
+        samplers[variant], chains[variant] = _variant_sampler(policy, variant, batch, spec, inputs, noise, stoch)
+    rounds: dict[str, list[float]] = {variant: [] for variant in args.variants}
+    for _ in range(args.rounds):
+        for variant, fast in samplers.items():
+            bucket = next(iter(fast.buckets.values()))
+            rounds[variant].append(common.timed_ms(lambda f=fast, b=bucket: f.run_stage(b, "denoise"), device, 3,
+                                                   args.iters))
+    out = {}
+    for variant, fast in samplers.items():
         bucket = next(iter(fast.buckets.values()))
-        ms = common.timed_ms(lambda f=fast, b=bucket: f.run_stage(b, "denoise"), device, 3, args.iters)
-        out[variant] = {"ms": ms, "pdl_code": fast.pdl, "attention": getattr(bucket.expert_attn, "name", "?"),
+        out[variant] = {"ms": statistics.median(rounds[variant]), "ms_rounds": rounds[variant], "pdl_code": fast.pdl,
+                        "attention": getattr(bucket.expert_attn, "name", "?"),
                         "tiles": {k: None if t is None else vars(t) for k, t in bucket.tiles.items()},
                         "chains_rel_l2_vs_first": relative_l2(chains[variant], chains[args.variants[0]])}
-        del fast
     for variant in args.variants:
         twin = variant.rsplit("/", 1)[0] + "/off"
         if twin in chains and twin != variant:
             out[variant]["bit_equal_to_pdl_off"] = bool(torch.equal(chains[variant], chains[twin]))
     return out
+
+
+def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise, stoch):
+    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl") that has run one call (its
+    bucket built with the tile set's tiles, graphs captured), and that call's last chain state."""
+    gemm, attention, pdl_mode = variant.split("/")
+    gemm, _, tile_set = gemm.partition("@")
+    saved = skinny.TUNED, skinny.TUNED_BY_ROWS
+    skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
+    try:
+        fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode)
+        return fast, fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
+    finally:
+        skinny.TUNED, skinny.TUNED_BY_ROWS = saved
 
 
 def _batch1_bucket(policy, spec: dict, device, graphs: bool = True, **fast_settings):

@@ -1,4 +1,10 @@
-"""experiments/profile_denoise.py's graph timeline: its critical-path summary on hand-made spans."""
+"""experiments/profile_denoise.py: the graph timeline's critical-path summary on hand-made spans, the tile
+sets, and the round-robin timing on the tiny policy (CPU)."""
+
+import statistics
+
+import pytest
+import torch
 
 from experiments import profile_denoise
 
@@ -59,3 +65,23 @@ def test_every_tile_set_fits_the_expert_at_the_goal_row_counts():
             n, k, gelu_mul = shapes[projection]
             for rows in (10, 50):
                 assert tile.fits(rows, n, k, gelu_mul) is None, (name, projection, rows)
+
+
+def test_rounds_time_every_variant_round_robin():
+    """--rounds 2 on the tiny policy (CPU): two timings per variant, `ms` their median, chains compared
+    against the first variant's."""
+    from experiments import bench_predict_common as common
+    from policies.config import PolicyConfig
+    from policies.policy import build_policy
+
+    args = profile_denoise.parse_args(["--policy", "tiny", "--variants", "cublas/sdpa/off", "skinny/sdpa/off",
+                                       "--rounds", "2", "--iters", "1"])
+    policy = build_policy(PolicyConfig.preset("tiny"), device="cpu")
+    out = profile_denoise.profile_stage(policy, common.CONFIGURATIONS["libero_rl"], 1, torch.device("cpu"), args)
+    assert list(out) == ["cublas/sdpa/off", "skinny/sdpa/off"]
+    for variant in out.values():
+        assert len(variant["ms_rounds"]) == 2 and variant["ms"] == statistics.median(variant["ms_rounds"])
+    assert out["cublas/sdpa/off"]["chains_rel_l2_vs_first"] == 0.0
+    assert out["skinny/sdpa/off"]["chains_rel_l2_vs_first"] < 1e-3
+    with pytest.raises(SystemExit):
+        profile_denoise.parse_args(["--rounds", "0"])
