@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 ATTENTION_CHOICES = ("auto", "sdpa", "flashinfer", "triton")
@@ -22,6 +23,12 @@ FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix
 # tower in FP8 was slower than in bf16 (K = 1152 GEMMs: the quantisation costs more than it saves)
 # and the largest error source.
 DEFAULT_FP8_GEMMS = ("prefix_gate_up", "prefix_down")
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1, the CPU tests): no inline
+    PTX, no PDL, and bf16 dots upcast to fp32 there."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass

@@ -17,20 +17,15 @@ batch-invariant, as the consistent recompute needs. Loads go through TMA tensor 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from policies.fast.config import GEGLU_CHOICES
+from policies.fast.config import GEGLU_CHOICES, triton_interpreting
 
 C = None  # policies.fast.triton_common once the kernel factory ran (triton is imported on first use only)
 GELU_FORMS = ("exp2", "tanh_approx")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -224,7 +219,7 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
     m, k = x.shape
     n = weight.shape[0]
     problem = tile.fits(m, n, k)
-    if problem is None and tile.gelu == "tanh_approx" and _interpreting():
+    if problem is None and tile.gelu == "tanh_approx" and triton_interpreting():
         problem = "gelu 'tanh_approx' is inline PTX, which the Triton interpreter cannot run"
     if problem is None and (weight.shape[1] != k or x.dtype != weight.dtype):
         problem = f"x {tuple(x.shape)} {x.dtype} does not match the weight {tuple(weight.shape)} {weight.dtype}"
@@ -255,7 +250,7 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
     _kernel()[(programs,)](x_desc, w_desc, out_desc, x, weight, out, m, f, k,
                            BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
                            TMA=tile.tma, PERSISTENT=tile.persistent, PROGRAMS=programs, FLATTEN=tile.flatten,
-                           UPCAST=_interpreting(), PRECISION=_dot_precision(x.dtype), WIDE=tile.wide,
+                           UPCAST=triton_interpreting(), PRECISION=_dot_precision(x.dtype), WIDE=tile.wide,
                            TANH_APPROX=tile.gelu == "tanh_approx", num_warps=tile.warps, num_stages=tile.stages)
     return out
 

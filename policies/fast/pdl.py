@@ -20,11 +20,10 @@ Kernels take the mode as the constexpr PDL: 0 off, 1 on, 2 early.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from policies.fast.config import PDL_CHOICES
+from policies.fast.config import PDL_CHOICES, triton_interpreting
 
 CODES = {"off": 0, "on": 1, "early": 2}
 
@@ -32,7 +31,7 @@ CODES = {"off": 0, "on": 1, "early": 2}
 @functools.cache
 def supported(device_index: int = 0) -> bool:
     """Compute capability >= 9.0, compiled Triton (not the interpreter) with grid-dependency control."""
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    if not torch.cuda.is_available() or triton_interpreting():
         return False
     if torch.cuda.get_device_capability(device_index)[0] < 9:
         return False

@@ -23,13 +23,12 @@ through TRITON_INTERPRET=1 against `skinny_linear_reference`.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from policies.fast.config import GEMM_CHOICES
+from policies.fast.config import GEMM_CHOICES, triton_interpreting
 from policies.fast.pdl import launch_kwargs
 
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
@@ -166,7 +165,7 @@ def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = 
     grid = (cols // tile.block_n, tile.splits, -(-m // tile.block_m))
     _kernel()[grid](x, weight, out, m, cols, x.stride(0), weight.stride(0), cols, K_SPLIT=k_split,
                     GELU_MUL=gelu_mul, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
-                    UPCAST=os.environ.get("TRITON_INTERPRET") == "1", IEEE=x.dtype == torch.float32, PDL=pdl,
+                    UPCAST=triton_interpreting(), IEEE=x.dtype == torch.float32, PDL=pdl,
                     PREFETCH_LINES=lines // tile.prefetch if tile.prefetch else 0,
                     num_warps=tile.warps, num_stages=tile.stages, **launch_kwargs(pdl))
     return out
