@@ -198,15 +198,15 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     samplers, chains = {}, {}
     for variant in args.variants:
         samplers[variant], chains[variant] = _variant_sampler(policy, variant, batch, spec, inputs, noise, stoch)
+    buckets = {variant: next(iter(fast.buckets.values())) for variant, fast in samplers.items()}
     rounds: dict[str, list[float]] = {variant: [] for variant in args.variants}
     for _ in range(args.rounds):
         for variant, fast in samplers.items():
-            bucket = next(iter(fast.buckets.values()))
-            rounds[variant].append(common.timed_ms(lambda f=fast, b=bucket: f.run_stage(b, "denoise"), device, 3,
-                                                   args.iters))
+            rounds[variant].append(common.timed_ms(lambda f=fast, b=buckets[variant]: f.run_stage(b, "denoise"),
+                                                   device, 3, args.iters))
     out = {}
     for variant, fast in samplers.items():
-        bucket = next(iter(fast.buckets.values()))
+        bucket = buckets[variant]
         out[variant] = {"ms": statistics.median(rounds[variant]), "ms_rounds": rounds[variant], "pdl_code": fast.pdl,
                         "attention": getattr(bucket.expert_attn, "name", "?"),
                         "tiles": {k: None if t is None else vars(t) for k, t in bucket.tiles.items()},
