@@ -172,6 +172,8 @@ TILE_SETS = {
     "o_s2": {"o": T(64, 64, 2)},
     "o32_s4": {"o": T(32, 64, 4)},
     "o_s4k128": {"o": T(64, 128, 4)},
+    # round 12: round 11's two 50-row tiles together at the other row counts (PhyAI b2: 100 rows)
+    "qkv_s2_o_s4": {"qkv": T(64, 64, 2), "o": T(64, 64, 4)},
 }
 
 
