@@ -198,12 +198,16 @@ TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
 # placements over two calls; at 10, 20 and 100 rows within +0.03 / -0.05 ms of TUNED's
 # (profile_denoise_nvidia-h200_20261202-094209.json and ..._094247.json). Then qkv with 2 K splits
 # instead of 4 at 50 rows (tile set qkv_s2, with that o tile): 6.355 / 6.351 / 6.338 against 6.458-6.470;
-# at 10, 20 and 100 rows -0.02 / +0.02 / -0.03 ms (..._094827.json and ..._094903.json).
+# at 10, 20 and 100 rows -0.02 / +0.02 / -0.03 ms (..._094827.json and ..._094903.json). The two together
+# at 100 rows (PhyAI b2, tile set qkv_s2_o_s4, 5 rounds round-robin): 9.117 median (9.074-9.119) against
+# 9.216 (9.179-9.227) for TUNED's, faster in every round; at 10 and 20 rows +0.01 / +0.02 ms
+# (profile_denoise_nvidia-h200_20261202-104824.json), so their range runs to 128 rows (AUTO_MAX_ROWS;
+# 65-99 and 101-128 rows not timed).
 TUNED_BY_ROWS: dict[tuple[int, int, bool], tuple[tuple[int, int, SkinnyTile], ...]] = {
     (8192, 1024, True): ((17, 32, SkinnyTile(block_n=32, block_k=128, splits=1)),
                          (33, 64, SkinnyTile(block_n=16, block_k=128, splits=1, prefetch=0))),
-    (1024, 2048, False): ((33, 64, SkinnyTile(block_n=64, block_k=64, splits=4)),),
-    (2560, 1024, False): ((33, 64, SkinnyTile(block_n=64, block_k=64, splits=2)),),
+    (1024, 2048, False): ((33, 128, SkinnyTile(block_n=64, block_k=64, splits=4)),),
+    (2560, 1024, False): ((33, 128, SkinnyTile(block_n=64, block_k=64, splits=2)),),
 }
 
 

@@ -162,10 +162,13 @@ def test_gate_up_tile_follows_the_row_count():
 
 
 @pytest.mark.parametrize("shape,splits", [((1024, 2048, False), 4), ((2560, 1024, False), 2)])
-def test_o_and_qkv_split_k_less_at_33_to_64_rows(shape, splits):
-    """The in-graph winners at PhyAI b1 (50 rows): o with 4 K splits, qkv with 2; TUNED's elsewhere."""
-    assert skinny.tuned_tile(50, *shape).splits == splits and skinny.tuned_tile(64, *shape).splits == splits
-    assert skinny.tuned_tile(10, *shape) == skinny.TUNED[shape] == skinny.tuned_tile(100, *shape)
+def test_o_and_qkv_split_k_less_at_33_to_128_rows(shape, splits):
+    """The in-graph winners at PhyAI b1 and b2 (50 and 100 rows): o with 4 K splits, qkv with 2; TUNED's
+    at 32 rows and fewer, and past the skinny kernels' 128 rows."""
+    for rows in (33, 50, 64, 100, 128):
+        assert skinny.tuned_tile(rows, *shape).splits == splits
+    assert skinny.tuned_tile(10, *shape) == skinny.TUNED[shape] == skinny.tuned_tile(32, *shape)
+    assert skinny.tuned_tile(129, *shape) == skinny.TUNED[shape]
     assert skinny.choose_tile("skinny", 50, *shape, torch.device("cpu")).splits == splits
 
 
