@@ -59,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time every variant's denoise graph this many times, round-robin (ms: the median)")
     p.add_argument("--variants", nargs="+", default=["cublas/sdpa/off", "cublas/triton/off", "skinny/triton/off",
                                                      "skinny/triton/on", "skinny/triton/early", "auto/auto/auto"],
-                   help="gemm/attention/pdl settings of policy.fast to time (the first is the chains' reference)")
+                   help="gemm[@tile set]/attention/pdl[/mlp] settings of policy.fast to time (the first is the "
+                        "chains' reference)")
     p.add_argument("--breakdown", nargs="*", default=["cublas/sdpa", "skinny/triton"],
                    help="gemm/attention settings profiled kernel by kernel (eager)")
     p.add_argument("--graph-timeline", action="store_true",
@@ -221,14 +222,16 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
 
 
 def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise, stoch):
-    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl") that has run one call (its
-    bucket built with the tile set's tiles, graphs captured), and that call's last chain state."""
-    gemm, attention, pdl_mode = variant.split("/")
+    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp]", mlp default "auto")
+    that has run one call (its bucket built with the tile set's tiles, graphs captured), and that call's
+    last chain state."""
+    gemm, attention, pdl_mode, *mlp = variant.split("/")
     gemm, _, tile_set = gemm.partition("@")
     saved = skinny.TUNED, skinny.TUNED_BY_ROWS
     skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
     try:
-        fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode)
+        fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode,
+                        mlp=mlp[0] if mlp else "auto")
         return fast, fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
     finally:
         skinny.TUNED, skinny.TUNED_BY_ROWS = saved
@@ -310,14 +313,18 @@ SKINNY_ROLES = ("qkv", "o", "gate_up", "down")
 
 def chain_by_role(names: list[str], shares: list[float]) -> dict:
     """Mean critical-path share per role of the layer-step's repeated kernels, from kernel names in
-    launch order: the i-th skinny_kernel call is projection SKINNY_ROLES[i mod 4], and an
-    add_norm_kernel is `norm_before_<role>` of the next skinny call. Empty without skinny calls."""
+    launch order: the skinny_kernel calls are projections SKINNY_ROLES in turn, a fused_mlp_kernel is
+    `gate_up+down` (the next skinny call is a qkv again), and an add_norm_kernel is
+    `norm_before_<role>` of the next projection. Empty without skinny calls."""
     roles: list[str | None] = [None] * len(names)
-    pending, skinny_seen = [], 0
+    pending, position = [], 0
     for i, name in enumerate(names):
-        if name == "skinny_kernel":
-            roles[i] = SKINNY_ROLES[skinny_seen % len(SKINNY_ROLES)]
-            skinny_seen += 1
+        if name in ("skinny_kernel", "fused_mlp_kernel"):
+            if name == "fused_mlp_kernel":
+                roles[i], position = "gate_up+down", 0
+            else:
+                roles[i] = SKINNY_ROLES[position % len(SKINNY_ROLES)]
+                position += 1
             for j in pending:
                 roles[j] = f"norm_before_{roles[i]}"
             pending = []

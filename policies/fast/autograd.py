@@ -96,6 +96,8 @@ def stage_recompute(sampler, k: int, bucket) -> None:
     chains[:, k+1] scored instead of drawn: the expert velocity then flow_logprob."""
     t, ecfg = bucket.tensors, sampler.cfg.expert
     cos, sin = rope_cos_sin(t["suffix_positions"], ecfg.head_dim, ecfg.rope_theta, sampler.dtype)
+    if bucket.mlp_sync is not None:  # fused_mlp's counters of step k start at zero in every call
+        bucket.mlp_sync[k].zero_()
     v = sampler._velocity(bucket, t["chains"][:, k], k, cos, sin)
     grid_t, delta, sigma, _ = sampler.step_constants[k]
     flow_logprob(t["chains"], v, t["stochastic"], t["step_logprobs"], k, grid_t, delta, sigma, sampler._pdl_for(bucket))

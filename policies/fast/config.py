@@ -15,6 +15,7 @@ PRECISIONS = ("bf16", "fp8")
 GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
 GEGLU_CHOICES = ("auto", "cublas", "fused")  # policies/fast/geglu_gemm.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
+MLP_CHOICES = ("auto", "split", "fused")  # policies/fast/fused_mlp.py
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -55,7 +56,10 @@ class FastConfig:
     geglu: the prefix's bf16 gate/up projection and GeGLU: "fused" as one Triton GEMM that writes
     only the activation (policies/fast/geglu_gemm.py), "cublas" as cuBLAS + a GeGLU kernel, "auto"
     fused on CUDA from geglu_gemm.AUTO_MIN_ROWS prefix rows (batch x tokens) up. An FP8 gate/up
-    projection always runs through cuBLAS."""
+    projection always runs through cuBLAS.
+    mlp: the expert's gate/up + GeGLU and down projections in the denoise loop: "split" as two skinny
+    kernels, "fused" as one launch joined by per-slice arrival counters (policies/fast/fused_mlp.py)
+    wherever both run skinny tiles that fit it (elsewhere split), "auto" fused there with PDL on."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -69,6 +73,7 @@ class FastConfig:
     gemm: str = "auto"
     pdl: str = "auto"
     geglu: str = "auto"
+    mlp: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
 
     def __post_init__(self) -> None:
@@ -90,6 +95,8 @@ class FastConfig:
             raise ValueError(f"{key}.gemm must be one of {GEMM_CHOICES}, got {self.gemm!r}")
         if self.geglu not in GEGLU_CHOICES:
             raise ValueError(f"{key}.geglu must be one of {GEGLU_CHOICES}, got {self.geglu!r}")
+        if self.mlp not in MLP_CHOICES:
+            raise ValueError(f"{key}.mlp must be one of {MLP_CHOICES}, got {self.mlp!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
         if self.attention not in ATTENTION_CHOICES:

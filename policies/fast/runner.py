@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import action_io, fp8, geglu_gemm, pdl, skinny
+from policies.fast import action_io, fp8, fused_mlp, geglu_gemm, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -47,6 +47,7 @@ class Bucket:
     graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
     tiles: dict = field(default_factory=dict)  # expert projection -> skinny.SkinnyTile, or None: cuBLAS
     geglu_tile: object = None  # geglu_gemm.GegluTile of the prefix's gate/up + GeGLU, or None: cuBLAS
+    mlp_sync: Tensor | None = None  # fused_mlp's counters, one row per (step, layer); None: the MLP runs split
     host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
     staged: object = None  # CUDA event recorded after the last copy out of host_pack
     layout_key: tuple | None = None  # the masks whose token layout index_pack and the attention plans hold
@@ -218,6 +219,7 @@ class FastSampler:
         caches = [[z(batch, rows, kv, hd, dtype=self.dtype) for _ in range(cfg.expert.depth)] for _ in range(2)]
         bucket = Bucket(batch, prompt_len, tensors, caches[0], caches[1])
         bucket.tiles = skinny.expert_tiles(self.fast.gemm, batch * h, self.w.expert[0], dev)
+        self._plan_mlp(bucket, batch * h)
         gate_up = self.w.prefix[0]["gate_up"]
         if gate_up.fp8 is None and gate_up.bias is None:
             bucket.geglu_tile = geglu_gemm.choose_tile(self.fast.geglu, batch * p, *gate_up.weight.shape, dev,
@@ -231,6 +233,19 @@ class FastSampler:
             bucket.expert_attn.pdl = self._pdl_for(bucket)
         self.buckets[key] = bucket
         return bucket
+
+    def _plan_mlp(self, bucket: Bucket, rows: int) -> None:
+        """The expert MLP fused into one launch where `policy.fast.mlp` and the tiles allow (fused_mlp.py):
+        its zeroed counters, one row per (denoise step, layer)."""
+        layer, tiles = self.w.expert[0], bucket.tiles
+        gate_up, down = layer["gate_up"], layer["down"]
+        if gate_up.bias is not None or down.bias is not None or not fused_mlp.choose(
+                self.fast.mlp, rows, tuple(gate_up.weight.shape), tuple(down.weight.shape), tiles["gate_up"],
+                tiles["down"], self._pdl_for(bucket)):
+            return
+        width = fused_mlp.sync_width(rows, tiles["down"])
+        bucket.mlp_sync = torch.zeros(self.num_steps, len(self.w.expert), width, dtype=torch.int32,
+                                      device=self.device)
 
     def _upload_layout(self, bucket: Bucket, image_masks: Tensor, token_mask: Tensor) -> None:
         """The token layout of this call's masks (valid tokens first, RoPE positions, suffix slots)
@@ -331,6 +346,8 @@ class FastSampler:
         cos, sin = rope_cos_sin(t["suffix_positions"], ecfg.head_dim, ecfg.rope_theta, self.dtype)
         chains = t["chains"]
         chains[:, 0].copy_(t["noise"])
+        if bk.mlp_sync is not None:  # fused_mlp's counters start at zero in every call
+            bk.mlp_sync.zero_()
         for k in range(steps):
             v = self._velocity(bk, chains[:, k], k, cos, sin)
             K.flow_step(chains, v, t["step_noise"], t["stochastic"], t["step_logprobs"], k, *self.step_constants[k],
@@ -354,11 +371,16 @@ class FastSampler:
             o = _project(attn, lw["o"], tiles["o"], pdl_code)
             scale, shift, post_gate = w.modulation(step, 2 * i + 1)
             h, normed = _add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
-            if tiles["gate_up"] is not None:  # projection and GeGLU in one kernel
-                act = skinny.skinny_linear(normed, lw["gate_up"].weight, tiles["gate_up"], gelu_mul=True, pdl=pdl_code)
+            if bk.mlp_sync is not None:  # gate/up + GeGLU and down in one launch (fused_mlp.py)
+                mlp = fused_mlp.fused_mlp(normed, lw["gate_up"].weight, lw["down"].weight, tiles["gate_up"],
+                                          tiles["down"], bk.mlp_sync[step, i], pdl_code)
             else:
-                act = K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight))
-            mlp = _project(act, lw["down"], tiles["down"], pdl_code)
+                if tiles["gate_up"] is not None:  # projection and GeGLU in one kernel
+                    act = skinny.skinny_linear(normed, lw["gate_up"].weight, tiles["gate_up"], gelu_mul=True,
+                                               pdl=pdl_code)
+                else:
+                    act = K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight))
+                mlp = _project(act, lw["down"], tiles["down"], pdl_code)
             scale, shift, gate = w.modulation(step, 2 * i + 2)  # next input norm, or the final norm
             if i < last:
                 h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, pdl_code)

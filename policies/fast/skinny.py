@@ -95,44 +95,14 @@ def _kernel():
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
-        ks = tl.arange(0, BK)
         row_ok = rows < M
         k0 = split * K_SPLIT
         C.pdl_trigger_early(PDL)
         if PDL and PREFETCH_LINES > 0:  # the weights need nothing from the predecessor: into L2 first
-            lines = tl.arange(0, PREFETCH_LINES)  # 128-byte lines of one bf16 row segment
-            slab = w_ptr + cols[:, None].to(tl.int64) * stride_wn + k0 + lines[None, :] * 64
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [slab],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-            if GELU_MUL:
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                          [slab + pair_offset * stride_wn], dtype=tl.int32, is_pure=False, pack=1)
+            C.prefetch_slab(w_ptr, cols, k0, stride_wn, pair_offset, PREFETCH_LINES, GELU_MUL)
         C.pdl_wait(PDL)  # the predecessor is done: its activations are visible
-        x_tile = x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :]
-        w_tile = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-        for _ in range(0, K_SPLIT, BK):
-            x = tl.load(x_tile, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_tile)
-            if UPCAST:  # the CPU interpreter's bf16 tl.dot returns garbage (Triton 3.x); fp32 there
-                x, w = x.to(tl.float32), w.to(tl.float32)
-            if IEEE:  # fp32 operands: full fp32 products, as cuBLAS without TF32
-                acc = tl.dot(x, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w, acc)
-            if GELU_MUL:
-                w_up = tl.load(w_tile + pair_offset * stride_wn)
-                if UPCAST:
-                    w_up = w_up.to(tl.float32)
-                if IEEE:
-                    acc_up = tl.dot(x, w_up, acc_up, input_precision="ieee")
-                else:
-                    acc_up = tl.dot(x, w_up, acc_up)
-            x_tile += BK
-            w_tile += BK
-        if GELU_MUL:  # gelu_tanh(gate) * up, the GeGLU kernel's formula
-            acc = C.gelu_tanh(acc) * acc_up
+        acc = C.skinny_accumulate(x_ptr, w_ptr, rows, row_ok, cols, k0, stride_xm, stride_wn, pair_offset,
+                                  K_SPLIT, GELU_MUL, BM, BN, BK, UPCAST, IEEE)
         dst = out_ptr + split * M * N_OUT + rows[:, None] * N_OUT + cols[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 

@@ -1,4 +1,4 @@
-"""Triton device functions shared by the fast path's kernels (kernels.py, skinny.py, fp8.py,
+"""Triton device functions shared by the fast path's kernels (kernels.py, skinny.py, fused_mlp.py, fp8.py,
 triton_attention.py, geglu_gemm.py, action_io.py). Imported only inside their kernel factories, so
 CPU-only runs never import triton; under TRITON_INTERPRET=1 they run in the interpreter like the
 kernels that call them."""
@@ -53,6 +53,54 @@ def gelu_tanh_approx(x):
     t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True, pack=1)
     half = 0.5 * x
     return half + half * t
+
+
+@triton.jit
+def prefetch_slab(w_ptr, cols, k0, stride_wn, pair_offset, LINES: tl.constexpr, GELU_MUL: tl.constexpr):
+    """Pull a skinny program's weight slab (rows `cols`, LINES 128-byte lines of bf16 from column k0; with
+    GELU_MUL also the up rows pair_offset further) into L2: it needs nothing from the predecessor."""
+    lines = tl.arange(0, LINES)
+    slab = w_ptr + cols[:, None].to(tl.int64) * stride_wn + k0 + lines[None, :] * 64
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [slab],
+                              dtype=tl.int32, is_pure=False, pack=1)
+    if GELU_MUL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [slab + pair_offset * stride_wn], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def skinny_accumulate(x_ptr, w_ptr, rows, row_ok, cols, k0, stride_xm, stride_wn, pair_offset,
+                      K_SPLIT: tl.constexpr, GELU_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """skinny.py's tile: x[rows, k0:k0+K_SPLIT] @ W[cols, k0:k0+K_SPLIT]^T in fp32 (BM, BN), or with
+    GELU_MUL gelu_tanh(x Wg^T) * (x Wu^T), the up rows pair_offset below the gate rows."""
+    ks = tl.arange(0, BK)
+    x_tile = x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :]
+    w_tile = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(0, K_SPLIT, BK):
+        x = tl.load(x_tile, mask=row_ok[:, None], other=0.0)
+        w = tl.load(w_tile)
+        if UPCAST:  # the CPU interpreter's bf16 tl.dot returns garbage (Triton 3.x); fp32 there
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        if IEEE:  # fp32 operands: full fp32 products, as cuBLAS without TF32
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+        if GELU_MUL:
+            w_up = tl.load(w_tile + pair_offset * stride_wn)
+            if UPCAST:
+                w_up = w_up.to(tl.float32)
+            if IEEE:
+                acc_up = tl.dot(x, w_up, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(x, w_up, acc_up)
+        x_tile += BK
+        w_tile += BK
+    if GELU_MUL:  # gelu_tanh(gate) * up, the GeGLU kernel's formula
+        acc = gelu_tanh(acc) * acc_up
+    return acc
 
 
 @triton.jit

@@ -39,6 +39,15 @@ def test_chain_by_role_names_the_projections_and_the_norms_before_them():
     assert profile_denoise.chain_by_role(["a", "b"], [1.0, 2.0]) == {}
 
 
+def test_chain_by_role_with_the_fused_mlp():
+    """fused_mlp_kernel is gate_up+down, and the skinny call after it a qkv again."""
+    step = ["add_norm_kernel", "skinny_kernel", "skinny_kernel", "add_norm_kernel", "fused_mlp_kernel"]
+    out = profile_denoise.chain_by_role(step * 2, [float(i) for i in range(10)])
+    assert out["qkv"]["mean_chain_us"] == (1 + 6) / 2 and out["o"]["mean_chain_us"] == (2 + 7) / 2
+    assert out["gate_up+down"] == {"calls": 2, "mean_chain_us": (4 + 9) / 2}
+    assert out["norm_before_gate_up+down"]["mean_chain_us"] == (3 + 8) / 2
+
+
 def test_tile_set_replaces_the_row_table_for_the_shapes_it_names(monkeypatch):
     """A set's tile runs at every row count, also where it equals TUNED's (s4's gate_up)."""
     from policies.fast import skinny
@@ -75,10 +84,11 @@ def test_rounds_time_every_variant_round_robin():
     from policies.policy import build_policy
 
     args = profile_denoise.parse_args(["--policy", "tiny", "--variants", "cublas/sdpa/off", "skinny/sdpa/off",
-                                       "--rounds", "2", "--iters", "1"])
+                                       "skinny/sdpa/off/fused", "--rounds", "2", "--iters", "1"])
     policy = build_policy(PolicyConfig.preset("tiny"), device="cpu")
     out = profile_denoise.profile_stage(policy, common.CONFIGURATIONS["libero_rl"], 1, torch.device("cpu"), args)
-    assert list(out) == ["cublas/sdpa/off", "skinny/sdpa/off"]
+    assert list(out) == ["cublas/sdpa/off", "skinny/sdpa/off", "skinny/sdpa/off/fused"]
+    assert out["skinny/sdpa/off/fused"]["chains_rel_l2_vs_first"] == out["skinny/sdpa/off"]["chains_rel_l2_vs_first"]
     for variant in out.values():
         assert len(variant["ms_rounds"]) == 2 and variant["ms"] == statistics.median(variant["ms_rounds"])
     assert out["cublas/sdpa/off"]["chains_rel_l2_vs_first"] == 0.0
