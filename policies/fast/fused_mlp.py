@@ -34,15 +34,61 @@ from policies.fast.pdl import launch_kwargs
 from policies.fast.skinny import SkinnyTile
 
 C = None  # policies.fast.triton_common once the kernel factory ran (triton is imported on first use only)
+gate_up_role = down_role = None  # the kernel's two roles, module globals (the kernel sees only those) once built
 
 
 @functools.cache
 def _kernel():
-    global C  # the kernel's shared device functions: a module global, which the interpreter also sees
+    global C, gate_up_role, down_role  # the kernel's device functions: module globals, which the interpreter sees
     import triton
     import triton.language as tl
 
     from policies.fast import triton_common as C
+
+    @triton.jit
+    def gate_up_role(program, x_ptr, wgu_ptr, act_ptr, sync_ptr, M, F, stride_xm, stride_wgu,
+                     K_GU: tl.constexpr, K_SPLIT: tl.constexpr, SLICES: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
+                     IEEE: tl.constexpr, PDL: tl.constexpr):
+        """gate/up + GeGLU: skinny.py's tile, then count in on the K slice of down it belongs to."""
+        pid_n = program % (F // BN)
+        pid_m = program // (F // BN)
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        cols = pid_n * BN + tl.arange(0, BN)
+        if PDL and PREFETCH > 0:
+            C.prefetch_slab(wgu_ptr, cols, 0, stride_wgu, F, PREFETCH, True)
+        C.pdl_wait(PDL)  # the predecessor is done: x is visible
+        act = C.skinny_accumulate(x_ptr, wgu_ptr, rows, row_ok, cols, 0, stride_xm, stride_wgu, F, K_GU, True,
+                                  BM, BN, BK, UPCAST, IEEE)
+        tl.store(act_ptr + rows[:, None] * F + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.debug_barrier()  # every thread's store is done before the release
+        tl.atomic_add(sync_ptr + 1 + pid_m * SLICES + (pid_n * BN) // K_SPLIT, 1, sem="release", scope="gpu")
+
+    @triton.jit
+    def down_role(program, act_ptr, wd_ptr, out_ptr, sync_ptr, M, F, N, stride_wd, D_COLUMNS,
+                  K_SPLIT: tl.constexpr, SLICES: tl.constexpr, PRODUCERS: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
+                  IEEE: tl.constexpr, PDL: tl.constexpr):
+        """down, split-K: wait for the PRODUCERS gate/up programs of this program's K slice only."""
+        pid_n = program % D_COLUMNS
+        split = (program // D_COLUMNS) % SLICES
+        pid_m = program // (D_COLUMNS * SLICES)
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        cols = pid_n * BN + tl.arange(0, BN)
+        k0 = split * K_SPLIT
+        if PREFETCH > 0:  # the slab needs nothing from the producers: into L2 while they run
+            C.prefetch_slab(wd_ptr, cols, k0, stride_wd, 0, PREFETCH, False)
+        C.pdl_wait(PDL)  # before any write (buffers the allocator reuses)
+        counter = sync_ptr + 1 + pid_m * SLICES + split
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        while seen < PRODUCERS:
+            seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()  # the acquire orders every thread's reads of the slice after it
+        acc = C.skinny_accumulate(act_ptr, wd_ptr, rows, row_ok, cols, k0, F, stride_wd, 0, K_SPLIT, False,
+                                  BM, BN, BK, UPCAST, IEEE)
+        tl.store(out_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None])
 
     @triton.jit
     def fused_mlp_kernel(x_ptr, wgu_ptr, act_ptr, wd_ptr, out_ptr, sync_ptr, M, F, N, stride_xm, stride_wgu,
@@ -53,43 +99,12 @@ def _kernel():
                          UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")  # this program's role, in start order
         C.pdl_trigger_early(PDL)
-        if ticket < GU_PROGRAMS:  # gate/up + GeGLU: skinny.py's tile, then count in on the K slice of down
-            pid_n = ticket % (F // BN_GU)
-            pid_m = ticket // (F // BN_GU)
-            rows = pid_m * BM + tl.arange(0, BM)
-            row_ok = rows < M
-            cols = pid_n * BN_GU + tl.arange(0, BN_GU)
-            if PDL and PREFETCH_GU > 0:
-                C.prefetch_slab(wgu_ptr, cols, 0, stride_wgu, F, PREFETCH_GU, True)
-            C.pdl_wait(PDL)  # the predecessor is done: x is visible
-            act = C.skinny_accumulate(x_ptr, wgu_ptr, rows, row_ok, cols, 0, stride_xm, stride_wgu, F, K_GU, True,
-                                      BM, BN_GU, BK_GU, UPCAST, IEEE)
-            tl.store(act_ptr + rows[:, None] * F + cols[None, :], act.to(act_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
-            tl.debug_barrier()  # every thread's store is done before the release
-            slice_counter = sync_ptr + 1 + pid_m * SLICES + (pid_n * BN_GU) // K_SPLIT
-            tl.atomic_add(slice_counter, 1, sem="release", scope="gpu")
-        else:  # down, split-K: wait for the PRODUCERS gate/up programs of this program's K slice
-            d = ticket - GU_PROGRAMS
-            pid_n = d % D_COLUMNS
-            split = (d // D_COLUMNS) % SLICES
-            pid_m = d // (D_COLUMNS * SLICES)
-            rows = pid_m * BM + tl.arange(0, BM)
-            row_ok = rows < M
-            cols = pid_n * BN_D + tl.arange(0, BN_D)
-            k0 = split * K_SPLIT
-            if PREFETCH_D > 0:  # the slab needs nothing from the producers: into L2 while they run
-                C.prefetch_slab(wd_ptr, cols, k0, stride_wd, 0, PREFETCH_D, False)
-            C.pdl_wait(PDL)  # before any write (buffers the allocator reuses)
-            slice_counter = sync_ptr + 1 + pid_m * SLICES + split
-            seen = tl.atomic_add(slice_counter, 0, sem="acquire", scope="gpu")
-            while seen < PRODUCERS:
-                seen = tl.atomic_add(slice_counter, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()  # the acquire orders every thread's reads of the slice after it
-            acc = C.skinny_accumulate(act_ptr, wd_ptr, rows, row_ok, cols, k0, F, stride_wd, 0, K_SPLIT, False,
-                                      BM, BN_D, BK_D, UPCAST, IEEE)
-            dst = out_ptr + split * M * N + rows[:, None] * N + cols[None, :]
-            tl.store(dst, acc, mask=row_ok[:, None])
+        if ticket < GU_PROGRAMS:
+            gate_up_role(ticket, x_ptr, wgu_ptr, act_ptr, sync_ptr, M, F, stride_xm, stride_wgu, K_GU, K_SPLIT,
+                         SLICES, BM, BN_GU, BK_GU, PREFETCH_GU, UPCAST, IEEE, PDL)
+        else:
+            down_role(ticket - GU_PROGRAMS, act_ptr, wd_ptr, out_ptr, sync_ptr, M, F, N, stride_wd, D_COLUMNS,
+                      K_SPLIT, SLICES, PRODUCERS, BM, BN_D, BK_D, PREFETCH_D, UPCAST, IEEE, PDL)
 
     return fused_mlp_kernel
 
