@@ -52,14 +52,15 @@ class FastConfig:
     kernels that stream the weights at the memory bound for few rows (policies/fast/skinny.py),
     "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk).
     pdl: programmatic dependent launch of the denoise graph's Triton kernels (policies/fast/pdl.py):
-    "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs).
+    "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs, up to pdl.AUTO_MAX_BATCH).
     geglu: the prefix's bf16 gate/up projection and GeGLU: "fused" as one Triton GEMM that writes
     only the activation (policies/fast/geglu_gemm.py), "cublas" as cuBLAS + a GeGLU kernel, "auto"
     fused on CUDA from geglu_gemm.AUTO_MIN_ROWS prefix rows (batch x tokens) up. An FP8 gate/up
     projection always runs through cuBLAS.
     mlp: the expert's gate/up + GeGLU and down projections in the denoise loop: "split" as two skinny
     kernels, "fused" as one launch joined by per-slice arrival counters (policies/fast/fused_mlp.py)
-    wherever both run skinny tiles that fit it (elsewhere split), "auto" fused there with PDL on."""
+    wherever both run skinny tiles that fit it (elsewhere split), "auto" fused there with PDL on at
+    fused_mlp.AUTO_ROWS rows (batch x chunk), where it was measured faster."""
 
     enabled: bool = False
     cuda_graphs: bool = True

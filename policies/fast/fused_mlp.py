@@ -134,15 +134,23 @@ def unfit(m: int, gate_up_shape: tuple[int, int], down_shape: tuple[int, int], g
     return None
 
 
+# "auto" fuses at these rows (batch x chunk), with PDL on. H200, denoise stage in ms, fused against split,
+# 5 rounds round-robin (profile_denoise_nvidia-h200_20261202-110506.json): PhyAI b1 (50 rows) 6.287 against
+# 6.370, faster in every round; but LIBERO b1 (10 rows) 2.585 against 2.450, LIBERO b2 (20) 3.41 against
+# 3.03 and PhyAI b2 (100) 9.22 against 8.98 (with PDL; 9.56 against 9.11 without).
+AUTO_ROWS = (33, 64)
+
+
 def choose(mode: str, m: int, gate_up_shape, down_shape, gate_up: SkinnyTile | None, down: SkinnyTile | None,
            pdl_code: int) -> bool:
     """Whether the MLP runs fused (`policy.fast.mlp`): "split" never; "fused" wherever `unfit` finds nothing;
-    "auto" there too, only with PDL on (its gate/up programs take their tickets while the predecessor runs)."""
+    "auto" there too, only at AUTO_ROWS rows and with PDL on (its programs take their tickets and pull the
+    weights into L2 while the predecessor runs)."""
     if mode not in MLP_CHOICES:
         raise ValueError(f"policy.fast.mlp must be one of {MLP_CHOICES}, got {mode!r}")
     if mode == "split" or unfit(m, gate_up_shape, down_shape, gate_up, down) is not None:
         return False
-    return mode == "fused" or bool(pdl_code)
+    return mode == "fused" or (bool(pdl_code) and AUTO_ROWS[0] <= m <= AUTO_ROWS[1])
 
 
 def _prefetch_lines(k: int, share: int, weight: Tensor) -> int:

@@ -26,6 +26,11 @@ import torch
 from policies.fast.config import PDL_CHOICES, triton_interpreting
 
 CODES = {"off": 0, "on": 1, "early": 2}
+# "auto" turns PDL on up to this batch size. H200, denoise stage in ms, PDL on against off: at batch 1 -10%
+# in both configurations (profile_denoise_nvidia-h200_20261201-141251.json, round 1); at batch 2 then +4% /
+# -10%, with round 11's kernels -1.4% (PhyAI, 8.98 against 9.11) and -3.0% (LIBERO, 3.03 against 3.12),
+# faster in each of 5 rounds (profile_denoise_nvidia-h200_20261202-110506.json).
+AUTO_MAX_BATCH = 2
 
 
 @functools.cache

@@ -177,10 +177,8 @@ class FastSampler:
         graph.replay()
 
     def _pdl_for(self, bucket: Bucket) -> int:
-        """PDL's mode code in this bucket's graphs. "auto" turns it on at batch 1 only: on the H200 it
-        cut the denoise there by 10% in both configurations, but at batch 2 it gained 4% in one and
-        lost 10% in the other (profile_denoise_nvidia-h200_20261201-141251.json)."""
-        if self.fast.pdl == "auto" and bucket.batch > 1:
+        """PDL's mode code in this bucket's graphs: "auto" turns it on up to pdl.AUTO_MAX_BATCH."""
+        if self.fast.pdl == "auto" and bucket.batch > pdl.AUTO_MAX_BATCH:
             return 0
         return self.pdl
 
