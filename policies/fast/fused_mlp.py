@@ -9,7 +9,9 @@ write. Here one grid runs both: the first programs (by start order) compute gate
 as skinny.py does and each counts itself in on its slice's counter after storing; the others
 compute down's split-K tiles and each waits only for its own slice (acquire polls; the release/
 acquire pattern of the round-3 grid barrier, experiments/probe_grid_barrier.py), having pulled its
-weight slab into L2 meanwhile.
+weight slab into L2 meanwhile (with PDL; the prefetch is inline PTX, which the interpreter lacks).
+Under Triton's CPU interpreter the programs run one after another in ticket order, so every
+counter is full before its first poll.
 
 Roles go by ticket (an atomic counter taken at the start), not by program id: a down program that
 waits has seen every gate/up ticket handed out already, so all its producers are running and none
