@@ -95,10 +95,7 @@ def test_sampler_chains_fused_equal_split():
 
     policy = build_policy(PolicyConfig.preset("tiny"), device=DEVICE)
     cfg = policy.cfg
-    inputs, noise, step_noise = random_inputs(cfg, 3, 13, seed=5)
-    inputs = type(inputs)(inputs.images.to(DEVICE), inputs.image_masks.to(DEVICE), inputs.tokens.to(DEVICE),
-                          inputs.token_mask.to(DEVICE))
-    noise, step_noise = noise.to(DEVICE), step_noise.to(DEVICE)
+    inputs, noise, step_noise = random_inputs(cfg, 3, 13, seed=5, device=DEVICE)
     stoch = torch.zeros(3, cfg.sampling.num_steps, dtype=torch.bool, device=DEVICE)
     stoch[:, 2] = True
     outs = {}

@@ -21,7 +21,8 @@ def policy():
     return build_policy(PolicyConfig.preset("tiny"))
 
 
-def random_inputs(cfg, batch, prompt_len, seed):
+def random_inputs(cfg, batch, prompt_len, seed, device="cpu"):
+    """(ModelInputs, noise, step_noise) drawn on the CPU from `seed`, then moved to `device`."""
     g = torch.Generator().manual_seed(seed)
     cams, res = len(cfg.cameras), cfg.vision.image_size
     images = torch.rand(batch, cams, 3, res, res, generator=g) * 2 - 1
@@ -33,7 +34,8 @@ def random_inputs(cfg, batch, prompt_len, seed):
     shape = (batch, cfg.chunk_size, cfg.max_action_dim)
     noise = torch.randn(shape, generator=g)
     step_noise = torch.randn(batch, cfg.sampling.num_steps, *shape[1:], generator=g)
-    return ModelInputs(images, image_masks, tokens, token_mask), noise, step_noise
+    inputs = ModelInputs(images.to(device), image_masks.to(device), tokens.to(device), token_mask.to(device))
+    return inputs, noise.to(device), step_noise.to(device)
 
 
 def denoise_inds_for(mode, batch, steps, index=1):

@@ -120,10 +120,7 @@ def test_sampler_with_skinny_gemms_matches_cublas_path():
 
     policy = build_policy(PolicyConfig.preset("tiny"), device=DEVICE)
     cfg = policy.cfg
-    inputs, noise, step_noise = random_inputs(cfg, 3, 13, seed=4)
-    inputs = type(inputs)(inputs.images.to(DEVICE), inputs.image_masks.to(DEVICE), inputs.tokens.to(DEVICE),
-                          inputs.token_mask.to(DEVICE))
-    noise, step_noise = noise.to(DEVICE), step_noise.to(DEVICE)
+    inputs, noise, step_noise = random_inputs(cfg, 3, 13, seed=4, device=DEVICE)
     stoch = torch.zeros(3, cfg.sampling.num_steps, dtype=torch.bool, device=DEVICE)
     stoch[:, 1] = True
     outs = {}
