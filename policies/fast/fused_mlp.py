@@ -33,7 +33,7 @@ from torch import Tensor
 
 from policies.fast.config import MLP_CHOICES, triton_interpreting
 from policies.fast.pdl import launch_kwargs
-from policies.fast.skinny import SkinnyTile
+from policies.fast.skinny import SkinnyTile, prefetch_lines
 
 C = None  # policies.fast.triton_common once the kernel factory ran (triton is imported on first use only)
 gate_up_role = down_role = None  # the kernel's two roles, module globals (the kernel sees only those) once built
@@ -155,14 +155,6 @@ def choose(mode: str, m: int, gate_up_shape, down_shape, gate_up: SkinnyTile | N
     return mode == "fused" or (bool(pdl_code) and AUTO_ROWS[0] <= m <= AUTO_ROWS[1])
 
 
-def _prefetch_lines(k: int, share: int, weight: Tensor) -> int:
-    """128-byte lines per weight row a program prefetches (a power of two, bf16 only; 0: none)."""
-    lines = k // 64 // share if share else 0
-    if weight.element_size() != 2 or lines & (lines - 1) or k % 64:
-        return 0
-    return lines
-
-
 def fused_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, gate_up: SkinnyTile, down: SkinnyTile,
               sync: Tensor | None = None, pdl: int = 0) -> Tensor:
     """x (M, K) -> down's fp32 split-K partials (down.splits, M, N) of gelu_tanh(x Wg^T) * (x Wu^T),
@@ -193,8 +185,8 @@ def fused_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, gate_up: SkinnyTile,
         x, w_gate_up, act, w_down, out, sync, m, f, n, x.stride(0), w_gate_up.stride(0), w_down.stride(0),
         gu_programs, n // down.block_n, K_GU=k, K_SPLIT=k_split, SLICES=down.splits,
         PRODUCERS=k_split // gate_up.block_n, BM=gate_up.block_m, BN_GU=gate_up.block_n, BK_GU=gate_up.block_k,
-        BN_D=down.block_n, BK_D=down.block_k, PREFETCH_GU=_prefetch_lines(k, gate_up.prefetch, w_gate_up),
-        PREFETCH_D=_prefetch_lines(k_split, down.prefetch, w_down) if pdl else 0,
+        BN_D=down.block_n, BK_D=down.block_k, PREFETCH_GU=prefetch_lines(k, gate_up.prefetch, w_gate_up),
+        PREFETCH_D=prefetch_lines(k_split, down.prefetch, w_down) if pdl else 0,
         UPCAST=triton_interpreting(), IEEE=x.dtype == torch.float32, PDL=pdl,
         num_warps=gate_up.warps, num_stages=gate_up.stages, **launch_kwargs(pdl),
     )

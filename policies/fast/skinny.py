@@ -109,6 +109,15 @@ def _kernel():
     return skinny_kernel
 
 
+def prefetch_lines(k: int, share: int, weight: Tensor) -> int:
+    """128-byte lines per weight row a program prefetches over k columns with SkinnyTile.prefetch = share:
+    a power of two of bf16 lines; 0 (none) for share 0, other dtypes, or k that does not split so."""
+    lines = k // 64 // share if share else 0
+    if weight.element_size() != 2 or lines & (lines - 1) or k % 64:
+        return 0
+    return lines
+
+
 def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = False,
                   out: Tensor | None = None, pdl: int = 0) -> Tensor:
     """x (M, K) (unit column stride), weight (N, K) contiguous -> partials (splits, M, N) fp32, or
@@ -129,14 +138,13 @@ def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = 
     elif tuple(out.shape) != shape or not out.is_contiguous():
         raise ValueError(f"skinny_linear out must be a contiguous {shape}, got {tuple(out.shape)}")
     k_split = k // tile.splits
-    lines = k_split // 64
-    if pdl and (weight.element_size() != 2 or k_split % 64 or lines & (lines - 1)):
+    if pdl and not prefetch_lines(k_split, 1, weight):
         pdl = 0  # the prefetch walks a power-of-two count of 128-byte lines of bf16 rows
     grid = (cols // tile.block_n, tile.splits, -(-m // tile.block_m))
     _kernel()[grid](x, weight, out, m, cols, x.stride(0), weight.stride(0), cols, K_SPLIT=k_split,
                     GELU_MUL=gelu_mul, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
                     UPCAST=triton_interpreting(), IEEE=x.dtype == torch.float32, PDL=pdl,
-                    PREFETCH_LINES=lines // tile.prefetch if tile.prefetch else 0,
+                    PREFETCH_LINES=prefetch_lines(k_split, tile.prefetch, weight),
                     num_warps=tile.warps, num_stages=tile.stages, **launch_kwargs(pdl))
     return out
 
