@@ -59,13 +59,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time every variant's denoise graph this many times, round-robin (ms: the median)")
     p.add_argument("--variants", nargs="+", default=["cublas/sdpa/off", "cublas/triton/off", "skinny/triton/off",
                                                      "skinny/triton/on", "skinny/triton/early", "auto/auto/auto"],
-                   help="gemm[@tile set]/attention/pdl[/mlp] settings of policy.fast to time (the first is the "
-                        "chains' reference)")
+                   help="gemm[@tile set]/attention/pdl[/mlp[/lookahead]] settings of policy.fast to time (the "
+                        "first is the chains' reference)")
     p.add_argument("--breakdown", nargs="*", default=["cublas/sdpa", "skinny/triton"],
                    help="gemm/attention settings profiled kernel by kernel (eager)")
-    p.add_argument("--graph-timeline", action="store_true",
-                   help="also profile one replay of the default settings' denoise graph at batch 1: per kernel "
-                        "name its device time inside the graph, and the replay's span, idle gaps and overlap")
+    p.add_argument("--graph-timeline", nargs="*", default=None, metavar="VARIANT",
+                   help="also profile one replay of the denoise graph at batch 1, with the default settings (no "
+                        "value) or each given variant's: per kernel name its device time inside the graph, and the "
+                        "replay's span, idle gaps and overlap")
     p.add_argument("--sweep", action="store_true", help="also sweep the skinny tiles of every expert projection")
     p.add_argument("--attention-sweep", action="store_true",
                    help="also sweep SDPA and the Triton attention's blocks (b = --batch-sizes)")
@@ -95,16 +96,18 @@ def main(argv=None) -> None:
             record["denoise"].append({"configuration": name, "batch": batch, "rows": batch * spec["chunk_size"],
                                       "variants": variants})
             for variant, v in variants.items():
+                equal = next((v[k] for k in ("bit_equal_to_pdl_off", "bit_equal_to_lookahead_off") if k in v), "-")
                 print(f"{name} b={batch} {variant:24s} denoise {v['ms']:.3f} ms  attention {v['attention']}  "
-                      f"rel {v['chains_rel_l2_vs_first']:.1e}  pdl-bits-equal {v.get('bit_equal_to_pdl_off', '-')}",
-                      flush=True)
+                      f"rel {v['chains_rel_l2_vs_first']:.1e}  bits-equal-to-off {equal}", flush=True)
         if device.type == "cuda":
             record["kernels"][name] = {v: kernel_breakdown(policy, spec, v, device) for v in args.breakdown}
-        if args.graph_timeline and device.type == "cuda":
-            timeline = record.setdefault("graph_timeline", {})[name] = graph_timeline(policy, spec, device)
-            roles = "  ".join(f"{r} {v['mean_chain_us']:.2f}" for r, v in timeline.get("by_role", {}).items())
-            print(f"{name} b=1 graph replay {timeline.get('span_us', 0):.0f} us; per call on the critical path (us): "
-                  f"{roles}", flush=True)
+        if args.graph_timeline is not None and device.type == "cuda":
+            for variant in args.graph_timeline or [None]:  # keyed by configuration, then "<configuration> <variant>"
+                key = name if variant is None else f"{name} {variant}"
+                timeline = record.setdefault("graph_timeline", {})[key] = graph_timeline(policy, spec, device, variant)
+                roles = "  ".join(f"{r} {v['mean_chain_us']:.2f}" for r, v in timeline.get("by_role", {}).items())
+                print(f"{key} b=1 graph replay {timeline.get('span_us', 0):.0f} us; per call on the critical path "
+                      f"(us): {roles}", flush=True)
         if args.attention_sweep:
             record["attention_sweep"][name] = attention_sweep(policy.cfg, spec, device, args)
         del policy
@@ -214,24 +217,29 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
                         "attention": getattr(bucket.expert_attn, "name", "?"),
                         "tiles": {k: None if t is None else vars(t) for k, t in bucket.tiles.items()},
                         "chains_rel_l2_vs_first": relative_l2(chains[variant], chains[args.variants[0]])}
-    for variant in args.variants:
+    for variant in args.variants:  # PDL and the L2 lookahead must not change a bit: against the same with "off"
         twin = variant.rsplit("/", 1)[0] + "/off"
-        if twin in chains and twin != variant:
-            out[variant]["bit_equal_to_pdl_off"] = bool(torch.equal(chains[variant], chains[twin]))
+        last_field = VARIANT_FIELDS[variant.count("/")]
+        if twin in chains and twin != variant and last_field in ("pdl", "lookahead"):
+            out[variant][f"bit_equal_to_{last_field}_off"] = bool(torch.equal(chains[variant], chains[twin]))
     return out
 
 
+VARIANT_FIELDS = ("gemm", "attention", "pdl", "mlp", "lookahead")
+
+
 def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise, stoch):
-    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp]", mlp default "auto")
-    that has run one call (its bucket built with the tile set's tiles, graphs captured), and that call's
-    last chain state."""
-    gemm, attention, pdl_mode, *mlp = variant.split("/")
+    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp[/lookahead]]", mlp and
+    lookahead default "auto") that has run one call (its bucket built with the tile set's tiles, graphs
+    captured), and that call's last chain state."""
+    gemm, attention, pdl_mode, *rest = variant.split("/")
+    mlp, lookahead = (rest + ["auto", "auto"])[:2]
     gemm, _, tile_set = gemm.partition("@")
     saved = skinny.TUNED, skinny.TUNED_BY_ROWS
     skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
     try:
         fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode,
-                        mlp=mlp[0] if mlp else "auto")
+                        mlp=mlp, lookahead=lookahead)
         return fast, fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
     finally:
         skinny.TUNED, skinny.TUNED_BY_ROWS = saved
@@ -253,14 +261,20 @@ def kernel_breakdown(policy, spec: dict, variant: str, device) -> dict:
     return common.kernel_table(lambda: fast.run_stage(bucket, "denoise"), device, top=25)
 
 
-def graph_timeline(policy, spec: dict, device) -> dict:
-    """One replay of the default settings' denoise graph at batch 1 under torch.profiler, per kernel
-    name: its share of the replay's critical path (`chain_us`) and its device time from launch to end
-    (`us`: with PDL a kernel launches early and waits, so these overlap); and the replay's span, the
-    time no kernel ran, and the overlap."""
+def graph_timeline(policy, spec: dict, device, variant: str | None = None) -> dict:
+    """One replay of the denoise graph at batch 1 (the default settings', or `variant`'s) under
+    torch.profiler, per kernel name: its share of the replay's critical path (`chain_us`) and its device
+    time from launch to end (`us`: with PDL a kernel launches early and waits, so these overlap); and the
+    replay's span, the time no kernel ran, and the overlap."""
     from torch.profiler import ProfilerActivity, profile
 
-    fast, bucket = _batch1_bucket(policy, spec, device)
+    if variant is None:
+        fast, bucket = _batch1_bucket(policy, spec, device)
+    else:
+        inputs, noise = common.make_inputs(policy.cfg, 1, spec["prompt_len"], device, seed=1)
+        stoch = torch.zeros(1, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
+        fast = _variant_sampler(policy, variant, 1, spec, inputs, noise, stoch)[0]
+        bucket = next(iter(fast.buckets.values()))
     for _ in range(3):
         fast.run_stage(bucket, "denoise")
     torch.cuda.synchronize(device)

@@ -16,6 +16,7 @@ GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
 GEGLU_CHOICES = ("auto", "cublas", "fused")  # policies/fast/geglu_gemm.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
 MLP_CHOICES = ("auto", "split", "fused")  # policies/fast/fused_mlp.py
+LOOKAHEAD_CHOICES = ("auto", "off", "kv", "weights", "weights_early", "on")  # policies/fast/lookahead.py
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -60,7 +61,11 @@ class FastConfig:
     mlp: the expert's gate/up + GeGLU and down projections in the denoise loop: "split" as two skinny
     kernels, "fused" as one launch joined by per-slice arrival counters (policies/fast/fused_mlp.py)
     wherever both run skinny tiles that fit it (elsewhere split), "auto" fused there with PDL on at
-    fused_mlp.AUTO_ROWS rows (batch x chunk), where it was measured faster."""
+    fused_mlp.AUTO_ROWS rows (batch x chunk), where it was measured faster.
+    lookahead: L2 prefetches issued by the expert attention's kernel in the denoise loop
+    (policies/fast/lookahead.py): "kv" its own K/V before its PDL wait, "weights" the layer's MLP weights
+    after its own work ("weights_early": before the wait), "on" both, "off" none; "auto" as
+    lookahead.AUTO where the Triton split-KV kernel runs with PDL on."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -75,6 +80,7 @@ class FastConfig:
     pdl: str = "auto"
     geglu: str = "auto"
     mlp: str = "auto"
+    lookahead: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
 
     def __post_init__(self) -> None:
@@ -98,6 +104,8 @@ class FastConfig:
             raise ValueError(f"{key}.geglu must be one of {GEGLU_CHOICES}, got {self.geglu!r}")
         if self.mlp not in MLP_CHOICES:
             raise ValueError(f"{key}.mlp must be one of {MLP_CHOICES}, got {self.mlp!r}")
+        if self.lookahead not in LOOKAHEAD_CHOICES:
+            raise ValueError(f"{key}.lookahead must be one of {LOOKAHEAD_CHOICES}, got {self.lookahead!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
         if self.attention not in ATTENTION_CHOICES:

@@ -19,34 +19,64 @@ import math
 import torch
 from torch import Tensor
 
+from policies.fast.config import triton_interpreting
 from policies.fast.pdl import launch_kwargs
 
 LOG2_E = 1.4426950408889634  # scores are scaled into log2 units so the softmax runs on exp2
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
+kv_prefetch = ahead_prefetch = None  # the split kernel's prefetch device functions, once built
 
 
 @functools.cache
 def _kernels():
-    global C  # the kernels' shared device functions: a module global, which the interpreter also sees
+    # the kernels' shared and prefetch device functions: module globals, which the kernels and the interpreter see
+    global C, kv_prefetch, ahead_prefetch
     import triton
     import triton.language as tl
 
     from policies.fast import triton_common as C
 
     @triton.jit
+    def kv_prefetch(k_ptr, v_ptr, b, kvh, start, rows, S, KV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+                    KV_LINES: tl.constexpr):
+        """K and V rows [start, start + rows) of sample b's KV head kvh into L2, KV_LINES 128-byte lines a row
+        (rows past the cache clamp to its last row)."""
+        line = tl.arange(0, KV_LINES) * (HD // KV_LINES)
+        for n0 in range(start, start + rows, BLOCK_N):
+            n = tl.minimum(n0 + tl.arange(0, BLOCK_N), S - 1)
+            kv_off = (((b * S + n) * KV + kvh) * HD).to(tl.int64)
+            C.prefetch_l2(k_ptr + kv_off[:, None] + line[None, :])
+            C.prefetch_l2(v_ptr + kv_off[:, None] + line[None, :])
+
+    @triton.jit
+    def ahead_prefetch(a_ptr, a_lines, b_ptr, b_lines, REGIONS: tl.constexpr):
+        """This program's share of one or two buffers (uint8 views) into L2, every program of the grid one share."""
+        program = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        C.prefetch_share(a_ptr, a_lines, program, programs, 256)
+        if REGIONS == 2:
+            C.prefetch_share(b_ptr, b_lines, program, programs, 256)
+
+    @triton.jit
     def split_kv_attention(
         q_ptr, k_ptr, v_ptr, key_len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-        qk_scale, T, S, NUM_SPLITS, SPLIT_ROWS,
+        qk_scale, T, S, NUM_SPLITS, SPLIT_ROWS, ahead_a_ptr, ahead_a_lines, ahead_b_ptr, ahead_b_lines,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, PDL: tl.constexpr,
+        DIRECT: tl.constexpr, PDL: tl.constexpr, KV_LINES: tl.constexpr, AHEAD: tl.constexpr,
+        AHEAD_REGIONS: tl.constexpr,
     ):
-        C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
-        group = H // KV
         bk = tl.program_id(0)  # b * KV + kv head
         row_tile = tl.program_id(1)
         split = tl.program_id(2)
         b = bk // KV
         kvh = bk % KV
+        C.pdl_trigger_early(PDL)
+        if KV_LINES > 0:  # lookahead.py: this split's K/V rows into L2 while the predecessor runs
+            kv_prefetch(k_ptr, v_ptr, b, kvh, split * SPLIT_ROWS, SPLIT_ROWS, S, KV, HD, BLOCK_N, KV_LINES)
+        if AHEAD == 2:
+            ahead_prefetch(ahead_a_ptr, ahead_a_lines, ahead_b_ptr, ahead_b_lines, AHEAD_REGIONS)
+        C.pdl_wait(PDL)  # pdl.py: wait for the predecessor before the first activation read
+        group = H // KV
         rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (t, g) rows
         row_ok = rows < T * group
         t = rows // group
@@ -80,6 +110,8 @@ def _kernels():
             part = (bk * NUM_SPLITS + split) * (T * group) + rows
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
             tl.store(part_o_ptr + part[:, None] * HD + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
+        if AHEAD == 1:  # lookahead.py: after this program's own loads, the next GEMMs' weights into L2
+            ahead_prefetch(ahead_a_ptr, ahead_a_lines, ahead_b_ptr, ahead_b_lines, AHEAD_REGIONS)
 
     @triton.jit
     def merge_splits(
@@ -185,6 +217,8 @@ class TritonSplitKVAttention:
 
     name = "triton"
     pdl = 0  # pdl.py's mode code; the fast sampler sets it on the expert's backend
+    kv_ahead = False  # lookahead.py: with PDL, pull this call's K/V into L2 before the wait (the sampler sets it)
+    weights_ahead = 0  # lookahead.py: `ahead` buffers into L2: 0 never, 1 after the split, 2 before the wait
 
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, target_blocks: int | None = None, block_m: int | None = None,
@@ -238,6 +272,23 @@ class TritonSplitKVAttention:
     def plan(self, key_len: Tensor) -> None:
         self.key_len.copy_(key_len, non_blocking=True)
 
+    def _prefetch_args(self, q: Tensor, ahead: tuple[Tensor, ...]) -> tuple[int, list, int]:
+        """(K/V lines per cache row to prefetch or 0, [(uint8 view, 128-byte lines)] of `ahead`, AHEAD code)."""
+        if not self.can_prefetch:
+            if self.kv_ahead or (self.weights_ahead and ahead):
+                raise ValueError(f"the L2 lookahead needs the split kernel compiled for CUDA, got tma={self.tma} on "
+                                 f"{self.key_len.device} (interpreting: {triton_interpreting()})")
+            return 0, [(q, 0)], 0
+        row_bytes = q.shape[-1] * q.element_size()
+        kv_lines = row_bytes // 128 if self.kv_ahead and self.pdl and row_bytes % 128 == 0 else 0
+        if len(ahead) > 2 or any(not a.is_contiguous() or a.numel() == 0 for a in ahead):
+            raise ValueError(f"lookahead buffers: at most two, contiguous and non-empty, got "
+                             f"{[(tuple(a.shape), a.is_contiguous()) for a in ahead]}")
+        regions = [(a.view(-1).view(torch.uint8), -(-a.numel() * a.element_size() // 128)) for a in ahead]
+        if not regions or not self.weights_ahead:
+            return kv_lines, [(q, 0)], 0
+        return kv_lines, regions, self.weights_ahead
+
     def _call_tma(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -257,7 +308,15 @@ class TritonSplitKVAttention:
         )
         return out.view(b, t, heads * hd)
 
-    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    @property
+    def can_prefetch(self) -> bool:
+        """Whether lookahead.py's L2 prefetches can run here: the split kernel (not the TMA one), compiled for
+        CUDA (the interpreter has no inline PTX)."""
+        return not self.tma and self.key_len.is_cuda and not triton_interpreting()
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, ahead: tuple[Tensor, ...] = ()) -> Tensor:
+        """`ahead`: up to two contiguous buffers (the next GEMMs' weights) the kernel pulls into L2 when
+        `weights_ahead` says (lookahead.py); they change nothing in the result."""
         if self.tma:
             return self._call_tma(q, k_cache, v_cache)
         attend, merge = _kernels()[:2]
@@ -267,10 +326,13 @@ class TritonSplitKVAttention:
         direct = self.num_splits == 1
         part_o = out if direct else self.part_o
         part_lse = out if direct else self.part_lse
+        kv_lines, regions, ahead_at = self._prefetch_args(q, ahead)
         attend[(b * kv, self.row_tiles, self.num_splits)](
             q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5 * LOG2_E, t, k_cache.shape[1],
-            self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
-            DIRECT=direct, PDL=self.pdl, num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl),
+            self.num_splits, self.split_rows, *regions[0], *regions[-1], H=heads, KV=kv, HD=hd,
+            BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, DIRECT=direct, PDL=self.pdl, KV_LINES=kv_lines,
+            AHEAD=ahead_at, AHEAD_REGIONS=len(regions), num_warps=self.WARPS, num_stages=self.STAGES,
+            **launch_kwargs(self.pdl),
         )
         if not direct:
             packed = t * (heads // kv)

@@ -56,16 +56,34 @@ def gelu_tanh_approx(x):
 
 
 @triton.jit
+def prefetch_l2(addresses):
+    """Pull the 128-byte lines holding `addresses` (a tensor of pointers) into L2 (PTX prefetch: no
+    register result, nothing waits for it; CUDA only, the interpreter cannot run inline PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addresses],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def prefetch_slab(w_ptr, cols, k0, stride_wn, pair_offset, LINES: tl.constexpr, GELU_MUL: tl.constexpr):
     """Pull a skinny program's weight slab (rows `cols`, LINES 128-byte lines of bf16 from column k0; with
     GELU_MUL also the up rows pair_offset further) into L2: it needs nothing from the predecessor."""
     lines = tl.arange(0, LINES)
     slab = w_ptr + cols[:, None].to(tl.int64) * stride_wn + k0 + lines[None, :] * 64
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [slab],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    prefetch_l2(slab)
     if GELU_MUL:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [slab + pair_offset * stride_wn], dtype=tl.int32, is_pure=False, pack=1)
+        prefetch_l2(slab + pair_offset * stride_wn)
+
+
+@triton.jit
+def prefetch_share(base_ptr, total_lines, share, shares, CHUNK: tl.constexpr):
+    """Pull share `share` of `shares` equal shares of a buffer's `total_lines` 128-byte lines into L2;
+    base_ptr points at its first byte (a uint8 view). Lines past the end clamp to the last one."""
+    per = tl.cdiv(total_lines, shares)
+    first = share * per
+    last = tl.minimum(first + per, total_lines) - 1
+    for l0 in range(first, first + per, CHUNK):
+        lines = tl.minimum(l0 + tl.arange(0, CHUNK), last)
+        prefetch_l2(base_ptr + lines.to(tl.int64) * 128)
 
 
 @triton.jit

@@ -179,6 +179,37 @@ def test_split_kv_attention_large_batch_blocks_match_masked_sdpa():
     assert rel(attention(q, k, v), exact(q, k, v)) < (2e-3 if DEVICE == "cuda" else 1e-5)
 
 
+def test_split_kv_attention_lookahead_changes_no_bit():
+    """lookahead.py's L2 prefetches (the split's K/V before the PDL wait; two other buffers after the
+    split or before the wait) move no data into registers: on CUDA every setting gives the plain call's
+    bits. Where they cannot run (the interpreter), asking for them raises instead of doing nothing."""
+    from policies.fast import pdl
+    from policies.fast.triton_attention import TritonSplitKVAttention
+
+    g = torch.Generator().manual_seed(5)
+    b, t, heads, rows, hd = 2, 5, 8, 300, 64  # 64 bf16 = one 128-byte line per cache row
+    q = torch.randn(b, t, heads, hd, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(b, rows, 1, hd, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    ahead = (torch.randn(1000, 3, generator=g).to(DEVICE), torch.randn(77, generator=g).to(DEVICE, torch.bfloat16))
+    attention = TritonSplitKVAttention(b, t, rows, heads, 1, hd, torch.device(DEVICE), target_blocks=16)
+    assert attention.num_splits > 1
+    attention.plan(torch.tensor([rows, 123], dtype=torch.int32, device=DEVICE))
+    want = attention(q, k, v)
+    if not attention.can_prefetch:
+        attention.kv_ahead = True
+        with pytest.raises(ValueError, match="L2 lookahead needs the split kernel compiled for CUDA"):
+            attention(q, k, v)
+        return
+    codes = [0] + ([pdl.CODES["on"], pdl.CODES["early"]] if pdl.supported() else [])
+    for code in codes:
+        for kv_ahead, weights_ahead in ((True, 0), (False, 1), (False, 2), (True, 1), (True, 2)):
+            attention.pdl, attention.kv_ahead, attention.weights_ahead = code, kv_ahead, weights_ahead
+            for buffers in (ahead, ahead[:1]):
+                assert torch.equal(attention(q, k, v, ahead=buffers), want), (code, kv_ahead, weights_ahead)
+    with pytest.raises(ValueError, match="at most two, contiguous and non-empty"):
+        attention(q, k, v, ahead=(ahead[0].t(),))
+
+
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
 def test_tma_attention_matches_masked_sdpa(dtype):
     """The one-KV-head TMA kernel: packed rows that straddle samples (5 x 4 = 20 per sample in 16-row
