@@ -16,7 +16,8 @@ GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
 GEGLU_CHOICES = ("auto", "cublas", "fused")  # policies/fast/geglu_gemm.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
 MLP_CHOICES = ("auto", "split", "fused")  # policies/fast/fused_mlp.py
-LOOKAHEAD_CHOICES = ("auto", "off", "kv", "weights", "weights_early", "on")  # policies/fast/lookahead.py
+LOOKAHEAD_CHOICES = ("auto", "off", "kv", "weights", "weights_early", "on",  # policies/fast/lookahead.py
+                     "kv_bulk", "weights_bulk", "on_bulk")
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -53,7 +54,7 @@ class FastConfig:
     kernels that stream the weights at the memory bound for few rows (policies/fast/skinny.py),
     "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk).
     pdl: programmatic dependent launch of the denoise graph's Triton kernels (policies/fast/pdl.py):
-    "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs, up to pdl.AUTO_MAX_BATCH).
+    "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs, up to pdl.AUTO_MAX_ROWS rows: batch x chunk).
     geglu: the prefix's bf16 gate/up projection and GeGLU: "fused" as one Triton GEMM that writes
     only the activation (policies/fast/geglu_gemm.py), "cublas" as cuBLAS + a GeGLU kernel, "auto"
     fused on CUDA from geglu_gemm.AUTO_MIN_ROWS prefix rows (batch x tokens) up. An FP8 gate/up

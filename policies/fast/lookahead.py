@@ -25,13 +25,15 @@ from __future__ import annotations
 
 from policies.fast.config import LOOKAHEAD_CHOICES
 
-# (K/V before the wait, weights: 0 never, 1 after the program's own work, 2 before its wait)
-MODES = {"off": (False, 0), "kv": (True, 0), "weights": (False, 1), "weights_early": (False, 2), "on": (True, 1)}
+# (K/V before the wait, weights: 0 never, 1 after the program's own work, 2 before its wait, bulk prefetches)
+MODES = {"off": (False, 0, False), "kv": (True, 0, False), "weights": (False, 1, False),
+         "weights_early": (False, 2, False), "on": (True, 1, False),
+         "kv_bulk": (True, 0, True), "weights_bulk": (False, 1, True), "on_bulk": (True, 1, True)}
 AUTO = "off"  # until measured on the H200 (profile_denoise's lookahead variants)
 
 
-def resolve(mode: str, pdl_code: int, attention) -> tuple[bool, int]:
-    """(K/V prefetch, weights code) for `policy.fast.lookahead` = mode with this bucket's PDL code and expert
+def resolve(mode: str, pdl_code: int, attention) -> tuple[bool, int, bool]:
+    """(K/V prefetch, weights code, bulk) for `policy.fast.lookahead` = mode with this bucket's PDL code and expert
     attention backend. An explicit mode the backend cannot run raises, naming the backend."""
     if mode not in LOOKAHEAD_CHOICES:
         raise ValueError(f"policy.fast.lookahead must be one of {LOOKAHEAD_CHOICES}, got {mode!r}")

@@ -26,11 +26,15 @@ import torch
 from policies.fast.config import PDL_CHOICES, triton_interpreting
 
 CODES = {"off": 0, "on": 1, "early": 2}
-# "auto" turns PDL on up to this batch size. H200, denoise stage in ms, PDL on against off: at batch 1 -10%
-# in both configurations (profile_denoise_nvidia-h200_20261201-141251.json, round 1); at batch 2 then +4% /
-# -10%, with round 11's kernels -1.4% (PhyAI, 8.98 against 9.11) and -3.0% (LIBERO, 3.03 against 3.12),
-# faster in each of 5 rounds (profile_denoise_nvidia-h200_20261202-110506.json).
-AUTO_MAX_BATCH = 2
+# "auto" turns PDL on up to this many denoise rows (batch x chunk; the skinny GEMMs' range, skinny.AUTO_MAX_ROWS).
+# H200, denoise stage in ms, PDL on against off: at batch 1 -10% in both configurations
+# (profile_denoise_nvidia-h200_20261201-141251.json, round 1); at batch 2 then +4% / -10%, with round 11's
+# kernels -1.4% (PhyAI, 100 rows: 8.98 against 9.11) and -3.0% (LIBERO, 20 rows: 3.03 against 3.12), faster
+# in each of 5 rounds (profile_denoise_nvidia-h200_20261202-110506.json); LIBERO b4 (40 rows, with the fused
+# MLP that PDL enables there) 2.515 against 3.051 and b8 (80 rows) 3.278 against 3.554, but PhyAI b4 (200
+# rows, cuBLAS GEMMs) 11.385 against 11.219 and b8 (400) 15.299 against 15.399, each in 3 of 3 rounds
+# (profile_denoise_nvidia-h200_20261202-124512.json). Batches in between (LIBERO b16, 160 rows) not timed.
+AUTO_MAX_ROWS = 128
 
 
 @functools.cache

@@ -178,8 +178,8 @@ class FastSampler:
         graph.replay()
 
     def _pdl_for(self, bucket: Bucket) -> int:
-        """PDL's mode code in this bucket's graphs: "auto" turns it on up to pdl.AUTO_MAX_BATCH."""
-        if self.fast.pdl == "auto" and bucket.batch > pdl.AUTO_MAX_BATCH:
+        """PDL's mode code in this bucket's graphs: "auto" turns it on up to pdl.AUTO_MAX_ROWS denoise rows."""
+        if self.fast.pdl == "auto" and bucket.batch * self.cfg.chunk_size > pdl.AUTO_MAX_ROWS:
             return 0
         return self.pdl
 
@@ -230,10 +230,11 @@ class FastSampler:
         bucket.expert_attn = self.selector.build("expert", batch, h, rows, heads, kv, hd, self.dtype, dev, full)
         if hasattr(bucket.expert_attn, "pdl"):
             bucket.expert_attn.pdl = self._pdl_for(bucket)
-        kv_ahead, bucket.weights_ahead = lookahead.resolve(self.fast.lookahead, self._pdl_for(bucket),
-                                                           bucket.expert_attn)
+        kv_ahead, bucket.weights_ahead, bulk = lookahead.resolve(self.fast.lookahead, self._pdl_for(bucket),
+                                                                 bucket.expert_attn)
         if kv_ahead or bucket.weights_ahead:
-            bucket.expert_attn.kv_ahead, bucket.expert_attn.weights_ahead = kv_ahead, bucket.weights_ahead
+            attn = bucket.expert_attn
+            attn.kv_ahead, attn.weights_ahead, attn.bulk_ahead = kv_ahead, bucket.weights_ahead, bulk
         self.buckets[key] = bucket
         return bucket
 

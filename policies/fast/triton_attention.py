@@ -38,24 +38,30 @@ def _kernels():
 
     @triton.jit
     def kv_prefetch(k_ptr, v_ptr, b, kvh, start, rows, S, KV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
-                    KV_LINES: tl.constexpr):
+                    KV_LINES: tl.constexpr, BULK: tl.constexpr):
         """K and V rows [start, start + rows) of sample b's KV head kvh into L2, KV_LINES 128-byte lines a row
-        (rows past the cache clamp to its last row)."""
-        line = tl.arange(0, KV_LINES) * (HD // KV_LINES)
-        for n0 in range(start, start + rows, BLOCK_N):
-            n = tl.minimum(n0 + tl.arange(0, BLOCK_N), S - 1)
-            kv_off = (((b * S + n) * KV + kvh) * HD).to(tl.int64)
-            C.prefetch_l2(k_ptr + kv_off[:, None] + line[None, :])
-            C.prefetch_l2(v_ptr + kv_off[:, None] + line[None, :])
+        (rows past the cache clamp to its last row); with BULK and one KV head, as one contiguous run each."""
+        if BULK and KV == 1:
+            run = (b * S + start).to(tl.int64) * HD
+            nbytes = tl.maximum(tl.minimum(rows, S - start), 0) * (KV_LINES * 128)
+            C.prefetch_bulk(k_ptr + run, nbytes, 32768)
+            C.prefetch_bulk(v_ptr + run, nbytes, 32768)
+        else:
+            line = tl.arange(0, KV_LINES) * (HD // KV_LINES)
+            for n0 in range(start, start + rows, BLOCK_N):
+                n = tl.minimum(n0 + tl.arange(0, BLOCK_N), S - 1)
+                kv_off = (((b * S + n) * KV + kvh) * HD).to(tl.int64)
+                C.prefetch_l2(k_ptr + kv_off[:, None] + line[None, :])
+                C.prefetch_l2(v_ptr + kv_off[:, None] + line[None, :])
 
     @triton.jit
-    def ahead_prefetch(a_ptr, a_lines, b_ptr, b_lines, REGIONS: tl.constexpr):
+    def ahead_prefetch(a_ptr, a_lines, b_ptr, b_lines, REGIONS: tl.constexpr, BULK: tl.constexpr):
         """This program's share of one or two buffers (uint8 views) into L2, every program of the grid one share."""
         program = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
         programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        C.prefetch_share(a_ptr, a_lines, program, programs, 256)
+        C.prefetch_share(a_ptr, a_lines, program, programs, 256, BULK)
         if REGIONS == 2:
-            C.prefetch_share(b_ptr, b_lines, program, programs, 256)
+            C.prefetch_share(b_ptr, b_lines, program, programs, 256, BULK)
 
     @triton.jit
     def split_kv_attention(
@@ -63,7 +69,7 @@ def _kernels():
         qk_scale, T, S, NUM_SPLITS, SPLIT_ROWS, ahead_a_ptr, ahead_a_lines, ahead_b_ptr, ahead_b_lines,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr, PDL: tl.constexpr, KV_LINES: tl.constexpr, AHEAD: tl.constexpr,
-        AHEAD_REGIONS: tl.constexpr,
+        AHEAD_REGIONS: tl.constexpr, BULK: tl.constexpr,
     ):
         bk = tl.program_id(0)  # b * KV + kv head
         row_tile = tl.program_id(1)
@@ -72,9 +78,9 @@ def _kernels():
         kvh = bk % KV
         C.pdl_trigger_early(PDL)
         if KV_LINES > 0:  # lookahead.py: this split's K/V rows into L2 while the predecessor runs
-            kv_prefetch(k_ptr, v_ptr, b, kvh, split * SPLIT_ROWS, SPLIT_ROWS, S, KV, HD, BLOCK_N, KV_LINES)
+            kv_prefetch(k_ptr, v_ptr, b, kvh, split * SPLIT_ROWS, SPLIT_ROWS, S, KV, HD, BLOCK_N, KV_LINES, BULK)
         if AHEAD == 2:
-            ahead_prefetch(ahead_a_ptr, ahead_a_lines, ahead_b_ptr, ahead_b_lines, AHEAD_REGIONS)
+            ahead_prefetch(ahead_a_ptr, ahead_a_lines, ahead_b_ptr, ahead_b_lines, AHEAD_REGIONS, BULK)
         C.pdl_wait(PDL)  # pdl.py: wait for the predecessor before the first activation read
         group = H // KV
         rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (t, g) rows
@@ -111,7 +117,7 @@ def _kernels():
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
             tl.store(part_o_ptr + part[:, None] * HD + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
         if AHEAD == 1:  # lookahead.py: after this program's own loads, the next GEMMs' weights into L2
-            ahead_prefetch(ahead_a_ptr, ahead_a_lines, ahead_b_ptr, ahead_b_lines, AHEAD_REGIONS)
+            ahead_prefetch(ahead_a_ptr, ahead_a_lines, ahead_b_ptr, ahead_b_lines, AHEAD_REGIONS, BULK)
 
     @triton.jit
     def merge_splits(
@@ -219,6 +225,7 @@ class TritonSplitKVAttention:
     pdl = 0  # pdl.py's mode code; the fast sampler sets it on the expert's backend
     kv_ahead = False  # lookahead.py: with PDL, pull this call's K/V into L2 before the wait (the sampler sets it)
     weights_ahead = 0  # lookahead.py: `ahead` buffers into L2: 0 never, 1 after the split, 2 before the wait
+    bulk_ahead = False  # lookahead.py: those prefetches as TMA bulk prefetches (sm_90) instead of one per line
 
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, target_blocks: int | None = None, block_m: int | None = None,
@@ -281,10 +288,11 @@ class TritonSplitKVAttention:
             return 0, [(q, 0)], 0
         row_bytes = q.shape[-1] * q.element_size()
         kv_lines = row_bytes // 128 if self.kv_ahead and self.pdl and row_bytes % 128 == 0 else 0
-        if len(ahead) > 2 or any(not a.is_contiguous() or a.numel() == 0 for a in ahead):
-            raise ValueError(f"lookahead buffers: at most two, contiguous and non-empty, got "
+        if len(ahead) > 2 or any(not a.is_contiguous() or a.numel() * a.element_size() < 128 for a in ahead):
+            raise ValueError(f"lookahead buffers: at most two, contiguous and of 128 bytes or more, got "
                              f"{[(tuple(a.shape), a.is_contiguous()) for a in ahead]}")
-        regions = [(a.view(-1).view(torch.uint8), -(-a.numel() * a.element_size() // 128)) for a in ahead]
+        # whole 128-byte lines only (a bulk prefetch must not run past the buffer): a tail < 128 B is left out
+        regions = [(a.view(-1).view(torch.uint8), a.numel() * a.element_size() // 128) for a in ahead]
         if not regions or not self.weights_ahead:
             return kv_lines, [(q, 0)], 0
         return kv_lines, regions, self.weights_ahead
@@ -331,8 +339,8 @@ class TritonSplitKVAttention:
             q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5 * LOG2_E, t, k_cache.shape[1],
             self.num_splits, self.split_rows, *regions[0], *regions[-1], H=heads, KV=kv, HD=hd,
             BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, DIRECT=direct, PDL=self.pdl, KV_LINES=kv_lines,
-            AHEAD=ahead_at, AHEAD_REGIONS=len(regions), num_warps=self.WARPS, num_stages=self.STAGES,
-            **launch_kwargs(self.pdl),
+            AHEAD=ahead_at, AHEAD_REGIONS=len(regions), BULK=self.bulk_ahead, num_warps=self.WARPS,
+            num_stages=self.STAGES, **launch_kwargs(self.pdl),
         )
         if not direct:
             packed = t * (heads // kv)

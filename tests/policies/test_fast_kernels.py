@@ -4,6 +4,7 @@ On CPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, se
 triton is imported); on a CUDA machine they run compiled.
 """
 
+import itertools
 import os
 
 import pytest
@@ -190,7 +191,7 @@ def test_split_kv_attention_lookahead_changes_no_bit():
     b, t, heads, rows, hd = 2, 5, 8, 300, 64  # 64 bf16 = one 128-byte line per cache row
     q = torch.randn(b, t, heads, hd, generator=g).to(DEVICE, torch.bfloat16)
     k, v = (torch.randn(b, rows, 1, hd, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    ahead = (torch.randn(1000, 3, generator=g).to(DEVICE), torch.randn(77, generator=g).to(DEVICE, torch.bfloat16))
+    ahead = (torch.randn(1000, 3, generator=g).to(DEVICE), torch.randn(777, generator=g).to(DEVICE, torch.bfloat16))
     attention = TritonSplitKVAttention(b, t, rows, heads, 1, hd, torch.device(DEVICE), target_blocks=16)
     assert attention.num_splits > 1
     attention.plan(torch.tensor([rows, 123], dtype=torch.int32, device=DEVICE))
@@ -202,11 +203,12 @@ def test_split_kv_attention_lookahead_changes_no_bit():
         return
     codes = [0] + ([pdl.CODES["on"], pdl.CODES["early"]] if pdl.supported() else [])
     for code in codes:
-        for kv_ahead, weights_ahead in ((True, 0), (False, 1), (False, 2), (True, 1), (True, 2)):
+        for kv_ahead, weights_ahead, bulk in itertools.product((False, True), (0, 1, 2), (False, True)):
             attention.pdl, attention.kv_ahead, attention.weights_ahead = code, kv_ahead, weights_ahead
+            attention.bulk_ahead = bulk
             for buffers in (ahead, ahead[:1]):
-                assert torch.equal(attention(q, k, v, ahead=buffers), want), (code, kv_ahead, weights_ahead)
-    with pytest.raises(ValueError, match="at most two, contiguous and non-empty"):
+                assert torch.equal(attention(q, k, v, ahead=buffers), want), (code, kv_ahead, weights_ahead, bulk)
+    with pytest.raises(ValueError, match="at most two, contiguous and of 128 bytes or more"):
         attention(q, k, v, ahead=(ahead[0].t(),))
 
 

@@ -15,14 +15,15 @@ class Backend:
 
 def test_modes_and_auto():
     split = Backend()
-    assert lookahead.resolve("off", 1, split) == (False, 0)
-    assert lookahead.resolve("kv", 1, split) == (True, 0)
-    assert lookahead.resolve("weights", 0, split) == (False, 1)  # the weights need no PDL
-    assert lookahead.resolve("weights_early", 1, split) == (False, 2)
-    assert lookahead.resolve("on", 1, split) == (True, 1)
+    assert lookahead.resolve("off", 1, split) == (False, 0, False)
+    assert lookahead.resolve("kv", 1, split) == (True, 0, False)
+    assert lookahead.resolve("weights", 0, split) == (False, 1, False)  # the weights need no PDL
+    assert lookahead.resolve("weights_early", 1, split) == (False, 2, False)
+    assert lookahead.resolve("on", 1, split) == (True, 1, False)
+    assert lookahead.resolve("on_bulk", 1, split) == (True, 1, True)
     assert lookahead.resolve("auto", 1, split) == lookahead.MODES[lookahead.AUTO]
-    assert lookahead.resolve("auto", 0, split) == (False, 0)  # auto: with PDL only
-    assert lookahead.resolve("auto", 1, Backend("sdpa", can_prefetch=False)) == (False, 0)
+    assert lookahead.resolve("auto", 0, split) == (False, 0, False)  # auto: with PDL only
+    assert lookahead.resolve("auto", 1, Backend("sdpa", can_prefetch=False)) == (False, 0, False)
     assert set(lookahead.MODES) | {"auto"} == set(LOOKAHEAD_CHOICES)
 
 

@@ -72,14 +72,16 @@ def test_lookahead_is_bit_identical(mlp):
     policy = build_policy(gpu_cfg("bfloat16"), device="cuda")
     inputs, noise, step_noise, stoch = inputs_for(policy.cfg, 1, seed=11)
     outs = {}
-    for mode in ("off", "kv", "weights", "weights_early", "on"):
+    modes = ("off", "kv", "weights", "weights_early", "on", "kv_bulk", "weights_bulk", "on_bulk")
+    for mode in modes:
         fast = _sampler(policy.model, gemm="skinny", pdl="on", mlp=mlp, lookahead=mode)
         for _ in range(3):
             outs[mode] = fast.sample_chains(inputs, noise, step_noise, stoch)
         bucket = next(iter(fast.buckets.values()))
-        assert bucket.weights_ahead == {"weights": 1, "weights_early": 2, "on": 1}.get(mode, 0)
-        assert bucket.expert_attn.kv_ahead == (mode in ("kv", "on"))
+        assert bucket.weights_ahead == {"weights": 1, "weights_early": 2, "on": 1, "weights_bulk": 1,
+                                        "on_bulk": 1}.get(mode, 0)
+        assert bucket.expert_attn.kv_ahead == (mode in ("kv", "on", "kv_bulk", "on_bulk"))
         assert (bucket.mlp_sync is not None) == (mlp == "fused")
-    for mode in ("kv", "weights", "weights_early", "on"):
+    for mode in modes[1:]:
         for got, want in zip(outs[mode], outs["off"], strict=True):
             assert torch.equal(got, want), mode

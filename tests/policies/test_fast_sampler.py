@@ -170,3 +170,19 @@ def test_patch_embed_gemm_equals_the_convolution():
     want = (conv(images).flatten(2).transpose(1, 2) + pos).reshape(5 * 16, 24)
     got = _patch_embed(images, conv, pos, 7)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_pdl_auto_follows_the_denoise_rows(policy):
+    """pdl "auto" is on up to pdl.AUTO_MAX_ROWS denoise rows (batch x chunk), "on" at every batch (the
+    sampler's code is set by hand here: CPU has no PDL)."""
+    from types import SimpleNamespace
+
+    from policies.fast import pdl
+
+    chunk = policy.cfg.chunk_size
+    last = pdl.AUTO_MAX_ROWS // chunk
+    for mode, want_above in (("auto", 0), ("on", 1)):
+        fast = FastSampler(policy.model, FastConfig(dtype="float32", batch_buckets=[4], prompt_buckets=[16], pdl=mode))
+        fast.pdl = 1
+        assert fast._pdl_for(SimpleNamespace(batch=last)) == 1
+        assert fast._pdl_for(SimpleNamespace(batch=last + 1)) == want_above
