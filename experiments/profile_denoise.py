@@ -59,8 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time every variant's denoise graph this many times, round-robin (ms: the median)")
     p.add_argument("--variants", nargs="+", default=["cublas/sdpa/off", "cublas/triton/off", "skinny/triton/off",
                                                      "skinny/triton/on", "skinny/triton/early", "auto/auto/auto"],
-                   help="gemm[@tile set]/attention/pdl[/mlp[/lookahead]] settings of policy.fast to time (the "
-                        "first is the chains' reference)")
+                   help="gemm[@tile set]/attention[@option]/pdl[/mlp] settings of policy.fast to time (the first is "
+                        "the chains' reference; options: ATTENTION_OPTIONS)")
     p.add_argument("--breakdown", nargs="*", default=["cublas/sdpa", "skinny/triton"],
                    help="gemm/attention settings profiled kernel by kernel (eager)")
     p.add_argument("--graph-timeline", nargs="*", default=None, metavar="VARIANT",
@@ -96,9 +96,9 @@ def main(argv=None) -> None:
             record["denoise"].append({"configuration": name, "batch": batch, "rows": batch * spec["chunk_size"],
                                       "variants": variants})
             for variant, v in variants.items():
-                equal = next((v[k] for k in ("bit_equal_to_pdl_off", "bit_equal_to_lookahead_off") if k in v), "-")
                 print(f"{name} b={batch} {variant:24s} denoise {v['ms']:.3f} ms  attention {v['attention']}  "
-                      f"rel {v['chains_rel_l2_vs_first']:.1e}  bits-equal-to-off {equal}", flush=True)
+                      f"rel {v['chains_rel_l2_vs_first']:.1e}  pdl-bits-equal {v.get('bit_equal_to_pdl_off', '-')}",
+                      flush=True)
         if device.type == "cuda":
             record["kernels"][name] = {v: kernel_breakdown(policy, spec, v, device) for v in args.breakdown}
         if args.graph_timeline is not None and device.type == "cuda":
@@ -217,32 +217,39 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
                         "attention": getattr(bucket.expert_attn, "name", "?"),
                         "tiles": {k: None if t is None else vars(t) for k, t in bucket.tiles.items()},
                         "chains_rel_l2_vs_first": relative_l2(chains[variant], chains[args.variants[0]])}
-    for variant in args.variants:  # PDL and the L2 lookahead must not change a bit: against the same with "off"
+    for variant in args.variants:  # PDL must not change a bit: against the same variant with PDL off
         twin = variant.rsplit("/", 1)[0] + "/off"
-        last_field = VARIANT_FIELDS[variant.count("/")]
-        if twin in chains and twin != variant and last_field in ("pdl", "lookahead"):
-            out[variant][f"bit_equal_to_{last_field}_off"] = bool(torch.equal(chains[variant], chains[twin]))
+        if twin in chains and twin != variant and VARIANT_FIELDS[variant.count("/")] == "pdl":
+            out[variant]["bit_equal_to_pdl_off"] = bool(torch.equal(chains[variant], chains[twin]))
     return out
 
 
-VARIANT_FIELDS = ("gemm", "attention", "pdl", "mlp", "lookahead")
+VARIANT_FIELDS = ("gemm", "attention", "pdl", "mlp")
+# "attention@<option>": "earlyv" runs the split kernel with V's load issued with K's (TritonSplitKVAttention.early_v)
+ATTENTION_OPTIONS = ("", "earlyv")
 
 
 def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise, stoch):
-    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp[/lookahead]]", mlp and
-    lookahead default "auto") that has run one call (its bucket built with the tile set's tiles, graphs
-    captured), and that call's last chain state."""
-    gemm, attention, pdl_mode, *rest = variant.split("/")
-    mlp, lookahead = (rest + ["auto", "auto"])[:2]
+    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp]", mlp default "auto")
+    that has run one call (its bucket built with the tile set's tiles, graphs captured), and that call's
+    last chain state."""
+    gemm, attention, pdl_mode, *mlp = variant.split("/")
     gemm, _, tile_set = gemm.partition("@")
+    attention, _, attention_option = attention.partition("@")
+    if attention_option not in ATTENTION_OPTIONS:
+        raise ValueError(f"unknown attention option {attention_option!r} in {variant!r}; known: {ATTENTION_OPTIONS}")
+    from policies.fast.triton_attention import TritonSplitKVAttention
+
     saved = skinny.TUNED, skinny.TUNED_BY_ROWS
     skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
+    TritonSplitKVAttention.early_v = attention_option == "earlyv"  # read while the graphs are captured
     try:
         fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode,
-                        mlp=mlp, lookahead=lookahead)
+                        mlp=mlp[0] if mlp else "auto")
         return fast, fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
     finally:
         skinny.TUNED, skinny.TUNED_BY_ROWS = saved
+        TritonSplitKVAttention.early_v = False
 
 
 def _batch1_bucket(policy, spec: dict, device, graphs: bool = True, **fast_settings):

@@ -16,8 +16,6 @@ GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
 GEGLU_CHOICES = ("auto", "cublas", "fused")  # policies/fast/geglu_gemm.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
 MLP_CHOICES = ("auto", "split", "fused")  # policies/fast/fused_mlp.py
-LOOKAHEAD_CHOICES = ("auto", "off", "kv", "weights", "weights_early", "on",  # policies/fast/lookahead.py
-                     "kv_bulk", "weights_bulk", "on_bulk")
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -54,7 +52,8 @@ class FastConfig:
     kernels that stream the weights at the memory bound for few rows (policies/fast/skinny.py),
     "cublas" through F.linear, "auto" skinny on CUDA up to skinny.AUTO_MAX_ROWS rows (batch x chunk).
     pdl: programmatic dependent launch of the denoise graph's Triton kernels (policies/fast/pdl.py):
-    "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs, up to pdl.AUTO_MAX_ROWS rows: batch x chunk).
+    "off", "on", "early", or "auto" ("on" on Hopper and later with CUDA graphs, up to pdl.AUTO_MAX_ROWS
+    denoise rows: batch x chunk).
     geglu: the prefix's bf16 gate/up projection and GeGLU: "fused" as one Triton GEMM that writes
     only the activation (policies/fast/geglu_gemm.py), "cublas" as cuBLAS + a GeGLU kernel, "auto"
     fused on CUDA from geglu_gemm.AUTO_MIN_ROWS prefix rows (batch x tokens) up. An FP8 gate/up
@@ -62,11 +61,7 @@ class FastConfig:
     mlp: the expert's gate/up + GeGLU and down projections in the denoise loop: "split" as two skinny
     kernels, "fused" as one launch joined by per-slice arrival counters (policies/fast/fused_mlp.py)
     wherever both run skinny tiles that fit it (elsewhere split), "auto" fused there with PDL on at
-    fused_mlp.AUTO_ROWS rows (batch x chunk), where it was measured faster.
-    lookahead: L2 prefetches issued by the expert attention's kernel in the denoise loop
-    (policies/fast/lookahead.py): "kv" its own K/V before its PDL wait, "weights" the layer's MLP weights
-    after its own work ("weights_early": before the wait), "on" both, "off" none; "auto" as
-    lookahead.AUTO where the Triton split-KV kernel runs with PDL on."""
+    fused_mlp.AUTO_ROWS rows (batch x chunk), where it was measured faster."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -81,7 +76,6 @@ class FastConfig:
     pdl: str = "auto"
     geglu: str = "auto"
     mlp: str = "auto"
-    lookahead: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
 
     def __post_init__(self) -> None:
@@ -105,8 +99,6 @@ class FastConfig:
             raise ValueError(f"{key}.geglu must be one of {GEGLU_CHOICES}, got {self.geglu!r}")
         if self.mlp not in MLP_CHOICES:
             raise ValueError(f"{key}.mlp must be one of {MLP_CHOICES}, got {self.mlp!r}")
-        if self.lookahead not in LOOKAHEAD_CHOICES:
-            raise ValueError(f"{key}.lookahead must be one of {LOOKAHEAD_CHOICES}, got {self.lookahead!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
         if self.attention not in ATTENTION_CHOICES:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import action_io, fp8, fused_mlp, geglu_gemm, lookahead, pdl, skinny
+from policies.fast import action_io, fp8, fused_mlp, geglu_gemm, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -51,7 +51,6 @@ class Bucket:
     host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
     staged: object = None  # CUDA event recorded after the last copy out of host_pack
     layout_key: tuple | None = None  # the masks whose token layout index_pack and the attention plans hold
-    weights_ahead: int = 0  # lookahead.py: the expert attention pulls its layer's MLP weights into L2 (code)
 
 
 class FastSampler:
@@ -230,11 +229,6 @@ class FastSampler:
         bucket.expert_attn = self.selector.build("expert", batch, h, rows, heads, kv, hd, self.dtype, dev, full)
         if hasattr(bucket.expert_attn, "pdl"):
             bucket.expert_attn.pdl = self._pdl_for(bucket)
-        kv_ahead, bucket.weights_ahead, bulk = lookahead.resolve(self.fast.lookahead, self._pdl_for(bucket),
-                                                                 bucket.expert_attn)
-        if kv_ahead or bucket.weights_ahead:
-            attn = bucket.expert_attn
-            attn.kv_ahead, attn.weights_ahead, attn.bulk_ahead = kv_ahead, bucket.weights_ahead, bulk
         self.buckets[key] = bucket
         return bucket
 
@@ -371,8 +365,7 @@ class FastSampler:
             qkv = _project(normed, lw["qkv"], tiles["qkv"], pdl_code)
             K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], b, hlen, -1), cos, sin, ecfg.num_heads, ecfg.num_kv_heads,
                                q, bk.k_cache[i], bk.v_cache[i], bk.tensors["suffix_slots"], pdl_code)
-            ahead = {"ahead": (lw["gate_up"].weight, lw["down"].weight)} if bk.weights_ahead else {}
-            attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i], **ahead).reshape(b * hlen, -1)
+            attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1)
             o = _project(attn, lw["o"], tiles["o"], pdl_code)
             scale, shift, post_gate = w.modulation(step, 2 * i + 1)
             h, normed = _add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps, pdl_code)

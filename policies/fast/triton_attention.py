@@ -19,70 +19,34 @@ import math
 import torch
 from torch import Tensor
 
-from policies.fast.config import triton_interpreting
 from policies.fast.pdl import launch_kwargs
 
 LOG2_E = 1.4426950408889634  # scores are scaled into log2 units so the softmax runs on exp2
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
-kv_prefetch = ahead_prefetch = None  # the split kernel's prefetch device functions, once built
 
 
 @functools.cache
 def _kernels():
-    # the kernels' shared and prefetch device functions: module globals, which the kernels and the interpreter see
-    global C, kv_prefetch, ahead_prefetch
+    global C  # the kernels' shared device functions: a module global, which the interpreter also sees
     import triton
     import triton.language as tl
 
     from policies.fast import triton_common as C
 
     @triton.jit
-    def kv_prefetch(k_ptr, v_ptr, b, kvh, start, rows, S, KV: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
-                    KV_LINES: tl.constexpr, BULK: tl.constexpr):
-        """K and V rows [start, start + rows) of sample b's KV head kvh into L2, KV_LINES 128-byte lines a row
-        (rows past the cache clamp to its last row); with BULK and one KV head, as one contiguous run each."""
-        if BULK and KV == 1:
-            run = (b * S + start).to(tl.int64) * HD
-            nbytes = tl.maximum(tl.minimum(rows, S - start), 0) * (KV_LINES * 128)
-            C.prefetch_bulk(k_ptr + run, nbytes, 32768)
-            C.prefetch_bulk(v_ptr + run, nbytes, 32768)
-        else:
-            line = tl.arange(0, KV_LINES) * (HD // KV_LINES)
-            for n0 in range(start, start + rows, BLOCK_N):
-                n = tl.minimum(n0 + tl.arange(0, BLOCK_N), S - 1)
-                kv_off = (((b * S + n) * KV + kvh) * HD).to(tl.int64)
-                C.prefetch_l2(k_ptr + kv_off[:, None] + line[None, :])
-                C.prefetch_l2(v_ptr + kv_off[:, None] + line[None, :])
-
-    @triton.jit
-    def ahead_prefetch(a_ptr, a_lines, b_ptr, b_lines, REGIONS: tl.constexpr, BULK: tl.constexpr):
-        """This program's share of one or two buffers (uint8 views) into L2, every program of the grid one share."""
-        program = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        C.prefetch_share(a_ptr, a_lines, program, programs, 256, BULK)
-        if REGIONS == 2:
-            C.prefetch_share(b_ptr, b_lines, program, programs, 256, BULK)
-
-    @triton.jit
     def split_kv_attention(
         q_ptr, k_ptr, v_ptr, key_len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-        qk_scale, T, S, NUM_SPLITS, SPLIT_ROWS, ahead_a_ptr, ahead_a_lines, ahead_b_ptr, ahead_b_lines,
+        qk_scale, T, S, NUM_SPLITS, SPLIT_ROWS,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, PDL: tl.constexpr, KV_LINES: tl.constexpr, AHEAD: tl.constexpr,
-        AHEAD_REGIONS: tl.constexpr, BULK: tl.constexpr,
+        DIRECT: tl.constexpr, PDL: tl.constexpr, EARLY_V: tl.constexpr,
     ):
+        C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
+        group = H // KV
         bk = tl.program_id(0)  # b * KV + kv head
         row_tile = tl.program_id(1)
         split = tl.program_id(2)
         b = bk // KV
         kvh = bk % KV
-        C.pdl_trigger_early(PDL)
-        if KV_LINES > 0:  # lookahead.py: this split's K/V rows into L2 while the predecessor runs
-            kv_prefetch(k_ptr, v_ptr, b, kvh, split * SPLIT_ROWS, SPLIT_ROWS, S, KV, HD, BLOCK_N, KV_LINES, BULK)
-        if AHEAD == 2:
-            ahead_prefetch(ahead_a_ptr, ahead_a_lines, ahead_b_ptr, ahead_b_lines, AHEAD_REGIONS, BULK)
-        C.pdl_wait(PDL)  # pdl.py: wait for the predecessor before the first activation read
-        group = H // KV
         rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (t, g) rows
         row_ok = rows < T * group
         t = rows // group
@@ -101,10 +65,14 @@ def _kernels():
             n_ok = n < end
             kv_off = ((b * S + n) * KV + kvh) * HD
             k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-            m_i, l_i, alpha, p = C.online_softmax(q, k, m_i, l_i, qk_scale, n_ok, True)
-            # C.attend_block's two halves with v loaded between them, as this kernel was tuned: loading
-            # v with k compiled to 3-4% more sm_90 instructions at the batch-1 blocks
-            v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+            if EARLY_V:  # v's load in flight during q k^T and the softmax
+                v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+                m_i, l_i, alpha, p = C.online_softmax(q, k, m_i, l_i, qk_scale, n_ok, True)
+            else:
+                # C.attend_block's two halves with v loaded between them, as this kernel was tuned: loading
+                # v with k compiled to 3-4% more sm_90 instructions at the batch-1 blocks
+                m_i, l_i, alpha, p = C.online_softmax(q, k, m_i, l_i, qk_scale, n_ok, True)
+                v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
             acc = C.accumulate_values(acc, alpha, p, v)
         if DIRECT:  # one split: normalise and write the output
             out = acc / l_i[:, None]
@@ -116,8 +84,6 @@ def _kernels():
             part = (bk * NUM_SPLITS + split) * (T * group) + rows
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
             tl.store(part_o_ptr + part[:, None] * HD + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
-        if AHEAD == 1:  # lookahead.py: after this program's own loads, the next GEMMs' weights into L2
-            ahead_prefetch(ahead_a_ptr, ahead_a_lines, ahead_b_ptr, ahead_b_lines, AHEAD_REGIONS, BULK)
 
     @triton.jit
     def merge_splits(
@@ -223,9 +189,7 @@ class TritonSplitKVAttention:
 
     name = "triton"
     pdl = 0  # pdl.py's mode code; the fast sampler sets it on the expert's backend
-    kv_ahead = False  # lookahead.py: with PDL, pull this call's K/V into L2 before the wait (the sampler sets it)
-    weights_ahead = 0  # lookahead.py: `ahead` buffers into L2: 0 never, 1 after the split, 2 before the wait
-    bulk_ahead = False  # lookahead.py: those prefetches as TMA bulk prefetches (sm_90) instead of one per line
+    early_v = False  # the split kernel issues V's load with K's (profile_denoise's attention "triton@earlyv")
 
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, target_blocks: int | None = None, block_m: int | None = None,
@@ -279,24 +243,6 @@ class TritonSplitKVAttention:
     def plan(self, key_len: Tensor) -> None:
         self.key_len.copy_(key_len, non_blocking=True)
 
-    def _prefetch_args(self, q: Tensor, ahead: tuple[Tensor, ...]) -> tuple[int, list, int]:
-        """(K/V lines per cache row to prefetch or 0, [(uint8 view, 128-byte lines)] of `ahead`, AHEAD code)."""
-        if not self.can_prefetch:
-            if self.kv_ahead or (self.weights_ahead and ahead):
-                raise ValueError(f"the L2 lookahead needs the split kernel compiled for CUDA, got tma={self.tma} on "
-                                 f"{self.key_len.device} (interpreting: {triton_interpreting()})")
-            return 0, [(q, 0)], 0
-        row_bytes = q.shape[-1] * q.element_size()
-        kv_lines = row_bytes // 128 if self.kv_ahead and self.pdl and row_bytes % 128 == 0 else 0
-        if len(ahead) > 2 or any(not a.is_contiguous() or a.numel() * a.element_size() < 128 for a in ahead):
-            raise ValueError(f"lookahead buffers: at most two, contiguous and of 128 bytes or more, got "
-                             f"{[(tuple(a.shape), a.is_contiguous()) for a in ahead]}")
-        # whole 128-byte lines only (a bulk prefetch must not run past the buffer): a tail < 128 B is left out
-        regions = [(a.view(-1).view(torch.uint8), a.numel() * a.element_size() // 128) for a in ahead]
-        if not regions or not self.weights_ahead:
-            return kv_lines, [(q, 0)], 0
-        return kv_lines, regions, self.weights_ahead
-
     def _call_tma(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -316,15 +262,7 @@ class TritonSplitKVAttention:
         )
         return out.view(b, t, heads * hd)
 
-    @property
-    def can_prefetch(self) -> bool:
-        """Whether lookahead.py's L2 prefetches can run here: the split kernel (not the TMA one), compiled for
-        CUDA (the interpreter has no inline PTX)."""
-        return not self.tma and self.key_len.is_cuda and not triton_interpreting()
-
-    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, ahead: tuple[Tensor, ...] = ()) -> Tensor:
-        """`ahead`: up to two contiguous buffers (the next GEMMs' weights) the kernel pulls into L2 when
-        `weights_ahead` says (lookahead.py); they change nothing in the result."""
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         if self.tma:
             return self._call_tma(q, k_cache, v_cache)
         attend, merge = _kernels()[:2]
@@ -334,13 +272,11 @@ class TritonSplitKVAttention:
         direct = self.num_splits == 1
         part_o = out if direct else self.part_o
         part_lse = out if direct else self.part_lse
-        kv_lines, regions, ahead_at = self._prefetch_args(q, ahead)
         attend[(b * kv, self.row_tiles, self.num_splits)](
             q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5 * LOG2_E, t, k_cache.shape[1],
-            self.num_splits, self.split_rows, *regions[0], *regions[-1], H=heads, KV=kv, HD=hd,
-            BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, DIRECT=direct, PDL=self.pdl, KV_LINES=kv_lines,
-            AHEAD=ahead_at, AHEAD_REGIONS=len(regions), BULK=self.bulk_ahead, num_warps=self.WARPS,
-            num_stages=self.STAGES, **launch_kwargs(self.pdl),
+            self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
+            DIRECT=direct, PDL=self.pdl, EARLY_V=self.early_v, num_warps=self.WARPS, num_stages=self.STAGES,
+            **launch_kwargs(self.pdl),
         )
         if not direct:
             packed = t * (heads // kv)

@@ -75,35 +75,6 @@ def prefetch_slab(w_ptr, cols, k0, stride_wn, pair_offset, LINES: tl.constexpr, 
 
 
 @triton.jit
-def prefetch_bulk(ptr, nbytes, CHUNK: tl.constexpr):
-    """Pull nbytes (a multiple of 16, from a 16-byte aligned ptr) into L2 through the TMA unit's bulk
-    prefetch (sm_90's cp.async.bulk.prefetch.L2), CHUNK bytes per instruction, issued by thread 0 only:
-    the program does not stall issuing one prefetch per 128-byte line as prefetch_l2 does."""
-    for off in range(0, nbytes, CHUNK):
-        size = tl.minimum(nbytes - off, CHUNK)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr + off, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_share(base_ptr, total_lines, share, shares, CHUNK: tl.constexpr, BULK: tl.constexpr):
-    """Pull share `share` of `shares` equal shares of a buffer's `total_lines` 128-byte lines into L2;
-    base_ptr points at its first byte (a uint8 view). Lines past the end clamp to the last one."""
-    per = tl.cdiv(total_lines, shares)
-    first = share * per
-    if BULK:  # whole lines: 128-byte multiples, aligned as the buffer
-        prefetch_bulk(base_ptr + first.to(tl.int64) * 128, tl.maximum(tl.minimum(per, total_lines - first), 0) * 128,
-                      32768)
-    else:
-        last = tl.minimum(first + per, total_lines) - 1
-        for l0 in range(first, first + per, CHUNK):
-            lines = tl.minimum(l0 + tl.arange(0, CHUNK), last)
-            prefetch_l2(base_ptr + lines.to(tl.int64) * 128)
-
-
-@triton.jit
 def skinny_accumulate(x_ptr, w_ptr, rows, row_ok, cols, k0, stride_xm, stride_wn, pair_offset,
                       K_SPLIT: tl.constexpr, GELU_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):

@@ -4,7 +4,6 @@ On CPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, se
 triton is imported); on a CUDA machine they run compiled.
 """
 
-import itertools
 import os
 
 import pytest
@@ -151,6 +150,22 @@ def test_split_kv_attention_matches_masked_sdpa(dtype, heads, kv_heads, target_b
     assert rel(got, want) < (fp32_tol if dtype == torch.float32 else 1e-2)
 
 
+def test_split_kv_attention_early_v_changes_no_bit():
+    """TritonSplitKVAttention.early_v only moves V's load before the softmax: the same bits, split or not."""
+    from policies.fast.triton_attention import TritonSplitKVAttention
+
+    g = torch.Generator().manual_seed(9)
+    b, t, heads, rows, hd = 2, 5, 8, 150, 32
+    q = torch.randn(b, t, heads, hd, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(b, rows, 1, hd, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    for target in (1, 16):
+        attention = TritonSplitKVAttention(b, t, rows, heads, 1, hd, torch.device(DEVICE), target_blocks=target)
+        attention.plan(torch.tensor([rows, 77], dtype=torch.int32, device=DEVICE))
+        want = attention(q, k, v)
+        attention.early_v = True
+        assert torch.equal(attention(q, k, v), want), target
+
+
 def test_split_kv_attention_large_batch_blocks_match_masked_sdpa():
     """Batch >= 16 with > 128 packed query rows (the prefix, PhyAI's expert at large batch) runs
     default_blocks' 128 x 64 blocks with 8 warps; a row block straddles several query tokens."""
@@ -178,38 +193,6 @@ def test_split_kv_attention_large_batch_blocks_match_masked_sdpa():
     exact = SdpaAttention(b, rows, torch.device(DEVICE))
     exact.plan(key_len.to(DEVICE))
     assert rel(attention(q, k, v), exact(q, k, v)) < (2e-3 if DEVICE == "cuda" else 1e-5)
-
-
-def test_split_kv_attention_lookahead_changes_no_bit():
-    """lookahead.py's L2 prefetches (the split's K/V before the PDL wait; two other buffers after the
-    split or before the wait) move no data into registers: on CUDA every setting gives the plain call's
-    bits. Where they cannot run (the interpreter), asking for them raises instead of doing nothing."""
-    from policies.fast import pdl
-    from policies.fast.triton_attention import TritonSplitKVAttention
-
-    g = torch.Generator().manual_seed(5)
-    b, t, heads, rows, hd = 2, 5, 8, 300, 64  # 64 bf16 = one 128-byte line per cache row
-    q = torch.randn(b, t, heads, hd, generator=g).to(DEVICE, torch.bfloat16)
-    k, v = (torch.randn(b, rows, 1, hd, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    ahead = (torch.randn(1000, 3, generator=g).to(DEVICE), torch.randn(777, generator=g).to(DEVICE, torch.bfloat16))
-    attention = TritonSplitKVAttention(b, t, rows, heads, 1, hd, torch.device(DEVICE), target_blocks=16)
-    assert attention.num_splits > 1
-    attention.plan(torch.tensor([rows, 123], dtype=torch.int32, device=DEVICE))
-    want = attention(q, k, v)
-    if not attention.can_prefetch:
-        attention.kv_ahead = True
-        with pytest.raises(ValueError, match="L2 lookahead needs the split kernel compiled for CUDA"):
-            attention(q, k, v)
-        return
-    codes = [0] + ([pdl.CODES["on"], pdl.CODES["early"]] if pdl.supported() else [])
-    for code in codes:
-        for kv_ahead, weights_ahead, bulk in itertools.product((False, True), (0, 1, 2), (False, True)):
-            attention.pdl, attention.kv_ahead, attention.weights_ahead = code, kv_ahead, weights_ahead
-            attention.bulk_ahead = bulk
-            for buffers in (ahead, ahead[:1]):
-                assert torch.equal(attention(q, k, v, ahead=buffers), want), (code, kv_ahead, weights_ahead, bulk)
-    with pytest.raises(ValueError, match="at most two, contiguous and of 128 bytes or more"):
-        attention(q, k, v, ahead=(ahead[0].t(),))
 
 
 @pytest.mark.parametrize("dtype", ATTN_DTYPES)
