@@ -20,6 +20,7 @@ The best tile per (N, K, GeGLU) at <= 64 rows is what skinny.TUNED should hold; 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 from collections import defaultdict
@@ -59,8 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time every variant's denoise graph this many times, round-robin (ms: the median)")
     p.add_argument("--variants", nargs="+", default=["cublas/sdpa/off", "cublas/triton/off", "skinny/triton/off",
                                                      "skinny/triton/on", "skinny/triton/early", "auto/auto/auto"],
-                   help="gemm[@tile set]/attention[@option]/pdl[/mlp] settings of policy.fast to time (the first is "
-                        "the chains' reference; options: ATTENTION_OPTIONS)")
+                   help="gemm[@tile set]/attention/pdl[/mlp] settings of policy.fast to time (the first is the "
+                        "chains' reference)")
     p.add_argument("--breakdown", nargs="*", default=["cublas/sdpa", "skinny/triton"],
                    help="gemm/attention settings profiled kernel by kernel (eager)")
     p.add_argument("--graph-timeline", nargs="*", default=None, metavar="VARIANT",
@@ -72,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also sweep SDPA and the Triton attention's blocks (b = --batch-sizes)")
     p.add_argument("--attention-stages", nargs="+", default=["expert"], choices=["expert", "prefix"],
                    help="attention shapes the sweep times: the expert's (chunk queries) and/or the prefix's")
+    p.add_argument("--attention-tma", action="store_true",
+                   help="the attention sweep also times the TMA kernel with every block setting it can run (one KV "
+                        "head, no KV split)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
     args = p.parse_args(argv)
@@ -225,8 +229,6 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
 
 
 VARIANT_FIELDS = ("gemm", "attention", "pdl", "mlp")
-# "attention@<option>": "earlyv" runs the split kernel with V's load issued with K's (TritonSplitKVAttention.early_v)
-ATTENTION_OPTIONS = ("", "earlyv")
 
 
 def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise, stoch):
@@ -235,21 +237,14 @@ def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise
     last chain state."""
     gemm, attention, pdl_mode, *mlp = variant.split("/")
     gemm, _, tile_set = gemm.partition("@")
-    attention, _, attention_option = attention.partition("@")
-    if attention_option not in ATTENTION_OPTIONS:
-        raise ValueError(f"unknown attention option {attention_option!r} in {variant!r}; known: {ATTENTION_OPTIONS}")
-    from policies.fast.triton_attention import TritonSplitKVAttention
-
     saved = skinny.TUNED, skinny.TUNED_BY_ROWS
     skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
-    TritonSplitKVAttention.early_v = attention_option == "earlyv"  # read while the graphs are captured
     try:
         fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode,
                         mlp=mlp[0] if mlp else "auto")
         return fast, fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
     finally:
         skinny.TUNED, skinny.TUNED_BY_ROWS = saved
-        TritonSplitKVAttention.early_v = False
 
 
 def _batch1_bucket(policy, spec: dict, device, graphs: bool = True, **fast_settings):
@@ -443,21 +438,24 @@ def attention_sweep(cfg, spec: dict, device, args) -> list[dict]:
                 name = "sdpa_gqa" if gqa else "sdpa"
                 entry[f"{name}_rel_l2"] = relative_l2(sdpa(q, kc, vc).float(), want)
                 entry[f"{name}_us"] = graph_time_us(lambda a=sdpa: a(q, kc, vc), device, args.iters)
-            for bm, bn, target, warps, stages in _attention_settings(stage, batch):
+            for (bm, bn, target, warps, stages), tma in itertools.product(
+                    _attention_settings(stage, batch), (False, True) if args.attention_tma else (None,)):
+                setting = {"block_m": bm, "block_n": bn, "target_blocks": target, "warps": warps, "stages": stages,
+                           "tma": tma}
                 try:
                     att = TritonSplitKVAttention(batch, queries, rows, e.num_heads, e.num_kv_heads, e.head_dim,
                                                  device, target_blocks=target, block_m=bm, block_n=bn, warps=warps,
-                                                 stages=stages)
+                                                 stages=stages, tma=tma)
+                except ValueError:  # TMA asked where the KV is split (or several KV heads): not a candidate
+                    continue
+                try:
                     att.plan(key_len)
                     err = relative_l2(att(q, kc, vc).float(), want)
                     us = graph_time_us(lambda a=att: a(q, kc, vc), device, args.iters)
-                    entry["candidates"].append({"block_m": bm, "block_n": bn, "target_blocks": target,
-                                                "warps": warps, "stages": stages, "splits": att.num_splits,
-                                                "us": us, "rel_l2": err})
+                    entry["candidates"].append({**setting, "tma": att.tma, "splits": att.num_splits, "us": us,
+                                                "rel_l2": err})
                 except Exception as exc:  # shared memory too large for a setting, ...: recorded
-                    entry["candidates"].append({"block_m": bm, "block_n": bn, "target_blocks": target,
-                                                "warps": warps, "stages": stages,
-                                                "error": f"{type(exc).__name__}: {exc}"[:200]})
+                    entry["candidates"].append({**setting, "error": f"{type(exc).__name__}: {exc}"[:200]})
             timed = sorted((c for c in entry["candidates"] if "us" in c), key=lambda c: c["us"])
             entry["best"] = timed[0] if timed else None
             print(f"attention {stage} {queries}q x {keys}k b={batch}: sdpa {entry['sdpa_us']:.1f} us, sdpa gqa "

@@ -38,7 +38,7 @@ def _kernels():
         q_ptr, k_ptr, v_ptr, key_len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         qk_scale, T, S, NUM_SPLITS, SPLIT_ROWS,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, PDL: tl.constexpr, EARLY_V: tl.constexpr,
+        DIRECT: tl.constexpr, PDL: tl.constexpr,
     ):
         C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         group = H // KV
@@ -65,14 +65,10 @@ def _kernels():
             n_ok = n < end
             kv_off = ((b * S + n) * KV + kvh) * HD
             k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-            if EARLY_V:  # v's load in flight during q k^T and the softmax
-                v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-                m_i, l_i, alpha, p = C.online_softmax(q, k, m_i, l_i, qk_scale, n_ok, True)
-            else:
-                # C.attend_block's two halves with v loaded between them, as this kernel was tuned: loading
-                # v with k compiled to 3-4% more sm_90 instructions at the batch-1 blocks
-                m_i, l_i, alpha, p = C.online_softmax(q, k, m_i, l_i, qk_scale, n_ok, True)
-                v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+            m_i, l_i, alpha, p = C.online_softmax(q, k, m_i, l_i, qk_scale, n_ok, True)
+            # C.attend_block's two halves with v loaded between them, as this kernel was tuned: loading
+            # v with k compiled to 3-4% more sm_90 instructions at the batch-1 blocks
+            v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
             acc = C.accumulate_values(acc, alpha, p, v)
         if DIRECT:  # one split: normalise and write the output
             out = acc / l_i[:, None]
@@ -189,7 +185,6 @@ class TritonSplitKVAttention:
 
     name = "triton"
     pdl = 0  # pdl.py's mode code; the fast sampler sets it on the expert's backend
-    early_v = False  # the split kernel issues V's load with K's (profile_denoise's attention "triton@earlyv")
 
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, target_blocks: int | None = None, block_m: int | None = None,
@@ -275,8 +270,7 @@ class TritonSplitKVAttention:
         attend[(b * kv, self.row_tiles, self.num_splits)](
             q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5 * LOG2_E, t, k_cache.shape[1],
             self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
-            DIRECT=direct, PDL=self.pdl, EARLY_V=self.early_v, num_warps=self.WARPS, num_stages=self.STAGES,
-            **launch_kwargs(self.pdl),
+            DIRECT=direct, PDL=self.pdl, num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl),
         )
         if not direct:
             packed = t * (heads // kv)

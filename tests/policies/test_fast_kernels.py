@@ -150,22 +150,6 @@ def test_split_kv_attention_matches_masked_sdpa(dtype, heads, kv_heads, target_b
     assert rel(got, want) < (fp32_tol if dtype == torch.float32 else 1e-2)
 
 
-def test_split_kv_attention_early_v_changes_no_bit():
-    """TritonSplitKVAttention.early_v only moves V's load before the softmax: the same bits, split or not."""
-    from policies.fast.triton_attention import TritonSplitKVAttention
-
-    g = torch.Generator().manual_seed(9)
-    b, t, heads, rows, hd = 2, 5, 8, 150, 32
-    q = torch.randn(b, t, heads, hd, generator=g).to(DEVICE, torch.bfloat16)
-    k, v = (torch.randn(b, rows, 1, hd, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    for target in (1, 16):
-        attention = TritonSplitKVAttention(b, t, rows, heads, 1, hd, torch.device(DEVICE), target_blocks=target)
-        attention.plan(torch.tensor([rows, 77], dtype=torch.int32, device=DEVICE))
-        want = attention(q, k, v)
-        attention.early_v = True
-        assert torch.equal(attention(q, k, v), want), target
-
-
 def test_split_kv_attention_large_batch_blocks_match_masked_sdpa():
     """Batch >= 16 with > 128 packed query rows (the prefix, PhyAI's expert at large batch) runs
     default_blocks' 128 x 64 blocks with 8 warps; a row block straddles several query tokens."""
