@@ -149,16 +149,18 @@ def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
       against 7.8 with 32 x 64 at batch 1, profile_denoise_nvidia-h200_20261201-141251.json); from
       batch 16 64 x 64, 4 warps (LIBERO b64: 26.6 us against 32.9 with 16 x 64 and 39.2 at best with
       128-row blocks, ..._221930.json);
-    - batch >= 16, or >= 16384 packed rows in all (the prefix from batch 4, PhyAI's expert at batch
-      32/64): 128 x 64, 8 warps (profile_denoise_nvidia-h200_20261201-160805.json: PhyAI's expert at
-      b32 79 against 88 us with 64 x 64, the prefix 767 against 1245 us and SDPA's 892; LIBERO's
-      prefix at b64 531 against 736; ..._164645.json: PhyAI's prefix at b4 94 against 146 us);
+    - batch >= 16, or >= 12288 packed rows in all (96 row blocks of 128 for 132 SMs: the prefix from
+      batch 4, and PhyAI's at batch 2; PhyAI's expert at batch 32/64): 128 x 64, 8 warps
+      (profile_denoise_nvidia-h200_20261201-160805.json: PhyAI's expert at b32 79 against 88 us with
+      64 x 64, the prefix 767 against 1245 us and SDPA's 892; LIBERO's prefix at b64 531 against 736;
+      ..._164645.json: PhyAI's prefix at b4 94 against 146 us; ..._20261202-130250.json: PhyAI's prefix
+      at b2, 15488 rows, 38.1 against 57.7 us with 64 x 64, 36.8 through TMA);
     - batch 1 with < 1024 rows (PhyAI's chunk 50 in the expert): 32 x 128, 4 warps (9.6 against 11.5 us);
     - else 64 x 64, 4 warps (the expert at batch 2: 13.2 against 15.1 us; the prefix at batch 1,
       ..._164645.json: PhyAI 39 us against 57 with 32 x 128, LIBERO 29 against 35)."""
     if packed_rows <= 128:
         return (16, 64, 4, 2) if batch < 16 else (64, 64, 4, 2)
-    if batch >= 16 or batch * packed_rows >= 16384:
+    if batch >= 16 or batch * packed_rows >= 12288:
         return 128, 64, 8, 2
     if batch == 1 and packed_rows < 1024:
         return 32, 128, 4, 2
@@ -166,12 +168,17 @@ def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
 
 
 def tma_default(batch: int) -> bool:
-    """Where the TMA kernel runs by default (one KV head, no KV split, Hopper): from batch 16, with
-    default_blocks' blocks. H200, experiments/sweep_large_batch.py (sweep_large_batch_nvidia-h200_
-    20261201-233827.json), per layer against the split-KV kernel: the prefix 0.525 against 0.655 ms
-    at PhyAI b32 and 0.429 against 0.483 at LIBERO b64 (128 x 64 blocks); the expert 42 against 48 us
-    at PhyAI b32 (128 x 64) and 20 against 25 at LIBERO b64 (64 x 64). Smaller batches: not measured."""
-    return batch >= 16
+    """Where the TMA kernel runs by default (one KV head, no KV split, Hopper): from batch 16 and at
+    batch 1 and 2, with default_blocks' blocks. H200, per layer against the split-KV kernel with the
+    same blocks: experiments/sweep_large_batch.py (sweep_large_batch_nvidia-h200_20261201-233827.json)
+    the prefix 0.525 against 0.655 ms at PhyAI b32 and 0.429 against 0.483 at LIBERO b64 (128 x 64
+    blocks), the expert 42 against 48 us at PhyAI b32 (128 x 64) and 20 against 25 at LIBERO b64
+    (64 x 64); `profile_denoise --attention-sweep --attention-stages prefix --attention-tma`
+    (profile_denoise_nvidia-h200_20261202-130250.json) the prefix 26.3 against 29.4 us at PhyAI b1
+    (64 x 64), 36.8 against 38.1 at PhyAI b2 (128 x 64) and 31.4 against 33.7 at LIBERO b2 (64 x 64);
+    at LIBERO b1 the 64-row blocks are KV-split, where TMA cannot run. At batch 1 and 2 the expert's
+    attention is KV-split too. Batches 3-15: not measured."""
+    return batch >= 16 or batch <= 2
 
 
 # No KV split once the unsplit blocks fill this share of the target: on the H200 (profile_stages,

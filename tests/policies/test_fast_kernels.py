@@ -161,6 +161,7 @@ def test_split_kv_attention_large_batch_blocks_match_masked_sdpa():
     assert default_blocks(b, t * heads) == (128, 64, 8, 2)
     # the prefix (7744 packed rows in the PhyAI configuration): 128-row blocks from 16384 rows in all
     assert default_blocks(4, 7744) == (128, 64, 8, 2) and default_blocks(1, 7744) == (64, 64, 4, 2)
+    assert default_blocks(2, 7744) == (128, 64, 8, 2) and default_blocks(2, 4480) == (64, 64, 4, 2)
     assert default_blocks(1, 400) == (32, 128, 4, 2) and default_blocks(1, 80) == (16, 64, 4, 2)
     assert default_blocks(64, 80) == (64, 64, 4, 2)  # LIBERO's chunk 10 at batch 64
     q = torch.randn(b, t, heads, hd, generator=g).to(DEVICE)
@@ -217,7 +218,7 @@ def test_tma_attention_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="2 splits|splits"):
         TritonSplitKVAttention(1, 5, 70, 4, 1, 32, cpu, target_blocks=8, block_n=16, tma=True)
     assert not TritonSplitKVAttention(64, 560, 610, 8, 1, 256, cpu).tma  # auto: CUDA only
-    assert tma_default(16) and not tma_default(8)
+    assert tma_default(16) and tma_default(1) and tma_default(2) and not tma_default(8) and not tma_default(3)
 
 
 def test_flow_step_matches_reference():
