@@ -231,35 +231,35 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
 VARIANT_FIELDS = ("gemm", "attention", "pdl", "mlp")
 
 
-def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise, stoch):
+def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise, stoch, graphs: bool = True):
     """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp]", mlp default "auto")
-    that has run one call (its bucket built with the tile set's tiles, graphs captured), and that call's
-    last chain state."""
+    that has run one call (its bucket built with the tile set's tiles, graphs captured when `graphs`), and
+    that call's last chain state."""
     gemm, attention, pdl_mode, *mlp = variant.split("/")
     gemm, _, tile_set = gemm.partition("@")
     saved = skinny.TUNED, skinny.TUNED_BY_ROWS
     skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
     try:
-        fast = _sampler(policy, batch, spec["prompt_len"], gemm=gemm, attention=attention, pdl=pdl_mode,
-                        mlp=mlp[0] if mlp else "auto")
+        fast = _sampler(policy, batch, spec["prompt_len"], graphs=graphs, gemm=gemm, attention=attention,
+                        pdl=pdl_mode, mlp=mlp[0] if mlp else "auto")
         return fast, fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
     finally:
         skinny.TUNED, skinny.TUNED_BY_ROWS = saved
 
 
-def _batch1_bucket(policy, spec: dict, device, graphs: bool = True, **fast_settings):
-    """A batch-1 sampler that has run one call (graphs captured when `graphs`), and its bucket."""
+def _batch1_bucket(policy, spec: dict, device, variant: str = "auto/auto/auto", graphs: bool = True):
+    """A batch-1 sampler with `variant`'s settings (_variant_sampler's) that has run one call (graphs
+    captured when `graphs`), and its bucket."""
     inputs, noise = common.make_inputs(policy.cfg, 1, spec["prompt_len"], device, seed=1)
     stoch = torch.zeros(1, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
-    fast = _sampler(policy, 1, spec["prompt_len"], graphs=graphs, **fast_settings)
-    fast.sample_chains(inputs, noise, None, stoch)
+    fast = _variant_sampler(policy, variant, 1, spec, inputs, noise, stoch, graphs)[0]
     return fast, next(iter(fast.buckets.values()))
 
 
 def kernel_breakdown(policy, spec: dict, variant: str, device) -> dict:
     """Device time per kernel name of one eager denoise stage (no graphs), largest first."""
     gemm, attention = variant.split("/")[:2]
-    fast, bucket = _batch1_bucket(policy, spec, device, graphs=False, gemm=gemm, attention=attention)
+    fast, bucket = _batch1_bucket(policy, spec, device, f"{gemm}/{attention}/auto", graphs=False)
     return common.kernel_table(lambda: fast.run_stage(bucket, "denoise"), device, top=25)
 
 
@@ -270,13 +270,7 @@ def graph_timeline(policy, spec: dict, device, variant: str | None = None) -> di
     replay's span, the time no kernel ran, and the overlap."""
     from torch.profiler import ProfilerActivity, profile
 
-    if variant is None:
-        fast, bucket = _batch1_bucket(policy, spec, device)
-    else:
-        inputs, noise = common.make_inputs(policy.cfg, 1, spec["prompt_len"], device, seed=1)
-        stoch = torch.zeros(1, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
-        fast = _variant_sampler(policy, variant, 1, spec, inputs, noise, stoch)[0]
-        bucket = next(iter(fast.buckets.values()))
+    fast, bucket = _batch1_bucket(policy, spec, device, variant or "auto/auto/auto")
     for _ in range(3):
         fast.run_stage(bucket, "denoise")
     torch.cuda.synchronize(device)

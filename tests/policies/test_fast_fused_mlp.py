@@ -87,23 +87,15 @@ def test_choose_follows_the_mode_and_pdl():
 def test_sampler_chains_fused_equal_split():
     """The tiny policy's whole denoise loop with the MLP fused or split: the same bits, and the fused
     bucket holds one zeroed counter row per (step, layer)."""
-    from policies.config import PolicyConfig
-    from policies.fast.runner import FastSampler
-    from policies.policy import build_policy
+    from .test_fast_sampler import eager_sampler, tiny_loop_case
 
-    from .test_fast_sampler import random_inputs
-
-    policy = build_policy(PolicyConfig.preset("tiny"), device=DEVICE)
+    policy, args = tiny_loop_case(seed=5, stochastic_step=2, device=DEVICE)
     cfg = policy.cfg
-    inputs, noise, step_noise = random_inputs(cfg, 3, 13, seed=5, device=DEVICE)
-    stoch = torch.zeros(3, cfg.sampling.num_steps, dtype=torch.bool, device=DEVICE)
-    stoch[:, 2] = True
     outs = {}
     for mlp in ("split", "fused"):
-        fast = FastSampler(policy.model, FastConfig(dtype="float32", batch_buckets=[4], prompt_buckets=[16],
-                                                    gemm="skinny", mlp=mlp, cuda_graphs=False, attention="sdpa"))
+        fast = eager_sampler(policy.model, gemm="skinny", mlp=mlp)
         for _ in range(2):  # a second call reuses the counters: zeroed again at the stage's start
-            outs[mlp] = fast.sample_chains(inputs, noise, step_noise, stoch)
+            outs[mlp] = fast.sample_chains(*args)
         sync = next(iter(fast.buckets.values())).mlp_sync
         assert (sync is None) == (mlp == "split")
     assert sync.shape[:2] == (cfg.sampling.num_steps, cfg.expert.depth)

@@ -38,6 +38,22 @@ def random_inputs(cfg, batch, prompt_len, seed, device="cpu"):
     return inputs, noise.to(device), step_noise.to(device)
 
 
+def tiny_loop_case(seed, stochastic_step, device="cpu"):
+    """The tiny fp32 policy on `device` and sample_chains' arguments (3 samples, a 13-token prompt, step
+    `stochastic_step` stochastic): the whole-loop case the kernel files run their paths through."""
+    policy = build_policy(PolicyConfig.preset("tiny"), device=device)
+    inputs, noise, step_noise = random_inputs(policy.cfg, 3, 13, seed=seed, device=device)
+    stoch = torch.zeros(3, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
+    stoch[:, stochastic_step] = True
+    return policy, (inputs, noise, step_noise, stoch)
+
+
+def eager_sampler(model, **fast) -> FastSampler:
+    """An fp32 sampler without CUDA graphs, SDPA attention, one batch and prompt bucket (for tiny_loop_case)."""
+    return FastSampler(model, FastConfig(dtype="float32", batch_buckets=[4], prompt_buckets=[16], cuda_graphs=False,
+                                         attention="sdpa", **fast))
+
+
 def denoise_inds_for(mode, batch, steps, index=1):
     if mode == "ode":
         return torch.full((batch, steps), -1)

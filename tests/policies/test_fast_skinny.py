@@ -111,23 +111,13 @@ def test_rope_scatter_reads_partials(t, all_heads, monkeypatch):
 def test_sampler_with_skinny_gemms_matches_cublas_path():
     """The whole denoise loop with every expert projection through the skinny kernels (fp32 tiny
     policy; Triton interpreter on CPU) equals the F.linear path."""
-    from policies.config import PolicyConfig
-    from policies.fast.config import FastConfig
-    from policies.fast.runner import FastSampler
-    from policies.policy import build_policy
+    from .test_fast_sampler import eager_sampler, tiny_loop_case
 
-    from .test_fast_sampler import random_inputs
-
-    policy = build_policy(PolicyConfig.preset("tiny"), device=DEVICE)
-    cfg = policy.cfg
-    inputs, noise, step_noise = random_inputs(cfg, 3, 13, seed=4, device=DEVICE)
-    stoch = torch.zeros(3, cfg.sampling.num_steps, dtype=torch.bool, device=DEVICE)
-    stoch[:, 1] = True
+    policy, args = tiny_loop_case(seed=4, stochastic_step=1, device=DEVICE)
     outs = {}
     for gemm in ("cublas", "skinny"):
-        fast = FastSampler(policy.model, FastConfig(dtype="float32", batch_buckets=[4], prompt_buckets=[16],
-                                                    gemm=gemm, cuda_graphs=False, attention="sdpa"))
-        outs[gemm] = fast.sample_chains(inputs, noise, step_noise, stoch)
+        fast = eager_sampler(policy.model, gemm=gemm)
+        outs[gemm] = fast.sample_chains(*args)
         tiles = next(iter(fast.buckets.values())).tiles
         assert all((t is None) == (gemm == "cublas") for t in tiles.values()), tiles
     for got, want in zip(outs["skinny"], outs["cublas"], strict=True):
