@@ -16,6 +16,7 @@ GEMM_CHOICES = ("auto", "cublas", "skinny")  # policies/fast/skinny.py
 GEGLU_CHOICES = ("auto", "cublas", "fused")  # policies/fast/geglu_gemm.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
 MLP_CHOICES = ("auto", "split", "fused")  # policies/fast/fused_mlp.py
+OVERLAP_CHOICES = ("auto", "off", "on")  # policies/fast/overlap.py
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -61,7 +62,11 @@ class FastConfig:
     mlp: the expert's gate/up + GeGLU and down projections in the denoise loop: "split" as two skinny
     kernels, "fused" as one launch joined by per-slice arrival counters (policies/fast/fused_mlp.py)
     wherever both run skinny tiles that fit it (elsewhere split), "auto" fused there with PDL on at
-    fused_mlp.AUTO_ROWS rows (batch x chunk), where it was measured faster."""
+    fused_mlp.AUTO_ROWS rows (batch x chunk), where it was measured faster.
+    overlap: the prefix and the denoise loop as one CUDA graph whose first denoise step runs on a
+    second stream, each expert layer waiting only for that prefix layer's K/V (policies/fast/overlap.py):
+    "on", "off", or "auto" (on up to overlap.AUTO_MAX_ROWS denoise rows: batch x chunk). Needs CUDA
+    graphs; the numerics do not change."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -76,6 +81,7 @@ class FastConfig:
     pdl: str = "auto"
     geglu: str = "auto"
     mlp: str = "auto"
+    overlap: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
 
     def __post_init__(self) -> None:
@@ -99,6 +105,8 @@ class FastConfig:
             raise ValueError(f"{key}.geglu must be one of {GEGLU_CHOICES}, got {self.geglu!r}")
         if self.mlp not in MLP_CHOICES:
             raise ValueError(f"{key}.mlp must be one of {MLP_CHOICES}, got {self.mlp!r}")
+        if self.overlap not in OVERLAP_CHOICES:
+            raise ValueError(f"{key}.overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
         if self.attention not in ATTENTION_CHOICES:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import action_io, fp8, fused_mlp, geglu_gemm, pdl, skinny
+from policies.fast import action_io, fp8, fused_mlp, geglu_gemm, overlap, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -32,6 +32,7 @@ from policies.models.gemma import rope_cos_sin
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 STAGES = ("vision", "prefix", "denoise")
+OVERLAPPED_STAGES = ("vision", "prefix_denoise")  # a call's graphs with policy.fast.overlap (overlap.py)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Bucket:
     host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
     staged: object = None  # CUDA event recorded after the last copy out of host_pack
     layout_key: tuple | None = None  # the masks whose token layout index_pack and the attention plans hold
+    overlap: bool = False  # prefix and denoise as one graph, step 0 under the prefix (overlap.py)
 
 
 class FastSampler:
@@ -68,6 +70,8 @@ class FastSampler:
         # graph is where ~1300 dependent kernels run back to back
         self.pdl = pdl.mode_code(fast_cfg.pdl, self.device) if self.use_graphs else 0
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._side_stream = None  # overlap.py's stream for denoise step 0, made on first use
+        self.step0_pdl = True  # overlapped step 0 with the denoise graph's PDL (False: no PDL, split MLP)
         grid = self.w.grid  # fixed per num_steps: baked into the graphs as constants
         deltas, sigmas = flow.step_deltas(grid), flow.sde_sigmas(grid, self.cfg.sampling.noise_level)
         self.step_constants = [(float(grid[k]), float(deltas[k]), float(sigmas[k]), -1.0 / self.num_steps)
@@ -112,7 +116,7 @@ class FastSampler:
             part = _rows(inputs, s, s + largest) if total > largest else inputs
             bucket = self.prepare(part, noise[s:s + largest], None if step_noise is None else step_noise[s:s + largest],
                                   stochastic[s:s + largest])
-            for stage in STAGES:
+            for stage in self.call_stages(bucket):
                 self.run_stage(bucket, stage)
             t, rows = bucket.tensors, part.batch_size
             chains.append(t["chains"][:rows].clone())
@@ -153,6 +157,15 @@ class FastSampler:
         self._upload_layout(bucket, image_masks, token_mask)
         self._fill(bucket, inputs, noise, step_noise, stochastic)
         return bucket
+
+    def call_stages(self, bucket: Bucket) -> tuple[str, ...]:
+        """The stages one call runs: STAGES, or with overlap vision then prefix + denoise as one graph."""
+        return OVERLAPPED_STAGES if bucket.overlap else STAGES
+
+    def side_stream(self) -> torch.cuda.Stream:
+        if self._side_stream is None:
+            self._side_stream = overlap.side_stream(self.device)
+        return self._side_stream
 
     def run_stage(self, bucket: Bucket, stage: str, fn=None) -> None:
         """Replay the stage's graph (captured on first use), or run it eagerly without graphs.
@@ -218,6 +231,7 @@ class FastSampler:
         bucket = Bucket(batch, prompt_len, tensors, caches[0], caches[1])
         bucket.tiles = skinny.expert_tiles(self.fast.gemm, batch * h, self.w.expert[0], dev)
         self._plan_mlp(bucket, batch * h)
+        bucket.overlap = overlap.choose(self.fast.overlap, batch * h, self.use_graphs)
         gate_up = self.w.prefix[0]["gate_up"]
         if gate_up.fp8 is None and gate_up.bias is None:
             bucket.geglu_tile = geglu_gemm.choose_tile(self.fast.geglu, batch * p, *gate_up.weight.shape, dev,
@@ -314,7 +328,8 @@ class FastSampler:
         emb = torch.cat([img, lang.to(img.dtype)], dim=1)
         t["embeddings"].copy_(emb.gather(1, t["order"][..., None].expand_as(emb)))
 
-    def _stage_prefix(self, bk: Bucket) -> None:
+    def _stage_prefix(self, bk: Bucket, kv_ready: list | None = None) -> None:
+        """`kv_ready[i]` (overlap.py) is recorded once layer i's K/V are in the cache."""
         t, pcfg = bk.tensors, self.cfg.prefix
         b, p, width = t["embeddings"].shape
         h = t["embeddings"].reshape(b * p, width).clone()
@@ -327,6 +342,8 @@ class FastSampler:
             qkv = _project_tail(normed, lw["qkv"], (pcfg.num_heads - heads) * pcfg.head_dim).view(b, p, -1)
             K.rope_scatter_qkv(qkv, cos, sin, heads, pcfg.num_kv_heads, q[:, :, :heads], bk.k_cache[i],
                                bk.v_cache[i], t["prefix_slots"])
+            if kv_ready is not None:
+                kv_ready[i].record()
             if i == last:
                 break
             attn = bk.prefix_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * p, -1)
@@ -339,22 +356,38 @@ class FastSampler:
                                              act_fn)
 
     def _stage_denoise(self, bk: Bucket) -> None:
-        t, steps = bk.tensors, self.num_steps
-        ecfg = self.cfg.expert
-        cos, sin = rope_cos_sin(t["suffix_positions"], ecfg.head_dim, ecfg.rope_theta, self.dtype)
-        chains = t["chains"]
-        chains[:, 0].copy_(t["noise"])
+        cos, sin = self._denoise_start(bk)
+        for k in range(self.num_steps):
+            self._denoise_step(bk, k, cos, sin)
+
+    def _stage_prefix_denoise(self, bk: Bucket) -> None:
+        overlap.stage_prefix_denoise(self, bk)
+
+    def _denoise_start(self, bk: Bucket) -> tuple[Tensor, Tensor]:
+        """The chain's start (the noise), the fused MLP's counters zeroed, the suffix's RoPE tables."""
+        t, ecfg = bk.tensors, self.cfg.expert
+        t["chains"][:, 0].copy_(t["noise"])
         if bk.mlp_sync is not None:  # fused_mlp's counters start at zero in every call
             bk.mlp_sync.zero_()
-        for k in range(steps):
-            v = self._velocity(bk, chains[:, k], k, cos, sin)
-            K.flow_step(chains, v, t["step_noise"], t["stochastic"], t["step_logprobs"], k, *self.step_constants[k],
-                        pdl=self._pdl_for(bk))
+        return rope_cos_sin(t["suffix_positions"], ecfg.head_dim, ecfg.rope_theta, self.dtype)
 
-    def _velocity(self, bk: Bucket, x: Tensor, step: int, cos: Tensor, sin: Tensor) -> Tensor:
+    def _denoise_step(self, bk: Bucket, k: int, cos: Tensor, sin: Tensor, kv_ready: list | None = None,
+                      pdl_code: int | None = None, fuse_mlp: bool = True) -> None:
+        """Denoise step k: the expert's velocity, then the ODE/SDE update and its log-prob. `kv_ready`,
+        `pdl_code` and `fuse_mlp`: overlap.py's step 0 (by default the bucket's PDL and MLP plan)."""
+        t = bk.tensors
+        pdl_code = self._pdl_for(bk) if pdl_code is None else pdl_code
+        v = self._velocity(bk, t["chains"][:, k], k, cos, sin, kv_ready, pdl_code, fuse_mlp)
+        K.flow_step(t["chains"], v, t["step_noise"], t["stochastic"], t["step_logprobs"], k, *self.step_constants[k],
+                    pdl=pdl_code)
+
+    def _velocity(self, bk: Bucket, x: Tensor, step: int, cos: Tensor, sin: Tensor, kv_ready: list | None = None,
+                  pdl_code: int | None = None, fuse_mlp: bool = True) -> Tensor:
+        """The expert's velocity at step `step`; `kv_ready[i]`: wait for it before layer i touches its cache."""
         ecfg, w = self.cfg.expert, self.w
         b, hlen, d = x.shape
-        tiles, pdl_code = bk.tiles, self._pdl_for(bk)
+        tiles = bk.tiles
+        pdl_code = self._pdl_for(bk) if pdl_code is None else pdl_code
         q = torch.empty(b, hlen, ecfg.num_heads, ecfg.head_dim, dtype=self.dtype, device=self.device)
         scale, shift, gate = w.modulation(step, 0)
         # fp32 action_in_proj and the first AdaRMS norm in one kernel (action_io.py)
@@ -363,13 +396,15 @@ class FastSampler:
         last = len(w.expert) - 1
         for i, lw in enumerate(w.expert):
             qkv = _project(normed, lw["qkv"], tiles["qkv"], pdl_code)
+            if kv_ready is not None:  # the prefix's scatter of this layer comes first (overlap.py)
+                torch.cuda.current_stream(self.device).wait_event(kv_ready[i])
             K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], b, hlen, -1), cos, sin, ecfg.num_heads, ecfg.num_kv_heads,
                                q, bk.k_cache[i], bk.v_cache[i], bk.tensors["suffix_slots"], pdl_code)
             attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1)
             o = _project(attn, lw["o"], tiles["o"], pdl_code)
             scale, shift, post_gate = w.modulation(step, 2 * i + 1)
             h, normed = _add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
-            if bk.mlp_sync is not None:  # gate/up + GeGLU and down in one launch (fused_mlp.py)
+            if bk.mlp_sync is not None and fuse_mlp:  # gate/up + GeGLU and down in one launch (fused_mlp.py)
                 mlp = fused_mlp.fused_mlp(normed, lw["gate_up"].weight, lw["down"].weight, tiles["gate_up"],
                                           tiles["down"], bk.mlp_sync[step, i], pdl_code)
             else:

@@ -202,3 +202,45 @@ def test_pdl_auto_follows_the_denoise_rows(policy):
         fast.pdl = 1
         assert fast._pdl_for(SimpleNamespace(batch=last)) == 1
         assert fast._pdl_for(SimpleNamespace(batch=last + 1)) == want_above
+
+
+@pytest.mark.parametrize("step0_pdl", [True, False])
+def test_prefix_denoise_stage_equals_prefix_then_denoise(step0_pdl):
+    """overlap.py's stage (here on the CPU: its steps in order, no side stream) computes what the prefix
+    and denoise stages compute, with step 0 as overlap runs it (its PDL code, the MLP split or not)."""
+    policy, (inputs, noise, step_noise, stoch) = tiny_loop_case(seed=5, stochastic_step=0)
+    fast = eager_sampler(policy.model)
+    fast.step0_pdl = step0_pdl
+    bucket = fast.prepare(inputs, noise, step_noise, stoch)
+    outputs = []
+    for stages in (("vision", "prefix", "denoise"), ("vision", "prefix_denoise")):
+        for name in ("chains", "step_logprobs"):
+            bucket.tensors[name].zero_()
+        for stage in stages:
+            fast.run_stage(bucket, stage)
+        outputs.append([bucket.tensors[name].clone() for name in ("chains", "step_logprobs")])
+    for got, want in zip(outputs[1], outputs[0], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_overlap_choice_follows_the_mode_rows_and_graphs():
+    from policies.fast import overlap
+
+    assert overlap.choose("auto", overlap.AUTO_MAX_ROWS, graphs=True)
+    assert not overlap.choose("auto", overlap.AUTO_MAX_ROWS + 1, graphs=True)
+    assert overlap.choose("on", 10 * overlap.AUTO_MAX_ROWS, graphs=True)
+    assert not overlap.choose("off", 1, graphs=True)
+    assert not overlap.choose("on", 1, graphs=False)  # the side stream is a branch of the graph
+    with pytest.raises(ValueError, match="policy.fast.overlap must be one of"):
+        overlap.choose("sometimes", 1, graphs=True)
+    with pytest.raises(ValueError, match="policy.fast.overlap must be one of"):
+        FastConfig(overlap="sometimes")
+
+
+def test_overlap_call_runs_vision_then_prefix_denoise(policy):
+    fast = FastSampler(policy.model, FastConfig(dtype="float32", batch_buckets=[1], prompt_buckets=[16],
+                                                cuda_graphs=False))
+    bucket = fast._bucket(1, 16)
+    assert not bucket.overlap and fast.call_stages(bucket) == ("vision", "prefix", "denoise")  # no graphs on CPU
+    bucket.overlap = True
+    assert fast.call_stages(bucket) == ("vision", "prefix_denoise")

@@ -1,0 +1,118 @@
+"""The first denoise step under the prefix (policy.fast.overlap), timed against the stages in order.
+
+    python -m experiments.profile_overlap                      # GPU: pi05, both configurations, batch 1..64
+    python -m experiments.profile_overlap --policy tiny --batch-sizes 1 --iters 2 --rounds 1   # CPU smoke
+
+Per (configuration, batch), three samplers on the same inputs and noise: "off" (vision, prefix and
+denoise graphs one after the other), "on" (vision, then prefix + denoise as one graph with step 0
+on a side stream, policies/fast/overlap.py) and "on_nopdl" (the same, step 0 without PDL and with
+its MLP split). Each round times every variant, round-robin, so a drifting clock hits all alike:
+- `call_ms`: a whole `sample_chains` call, as bench_predict times ours (CUDA events around the call,
+  host work included), median of --iters;
+- `graphs_ms`: the graphs after vision alone (prefix then denoise, or prefix_denoise), median of --iters.
+Each variant's chains and log-probs are compared with "off"'s bit for bit (`identical`). Off CUDA
+the variants run without graphs, so "on" is "off" (smoke run: the script's plumbing only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from experiments import bench_predict_common as common
+from experiments.results import write_result
+from policies.config import PolicyConfig
+from policies.fast import overlap
+from policies.fast.config import FastConfig
+from policies.fast.runner import FastSampler
+from policies.policy import build_policy
+
+VARIANTS = {"off": ("off", True), "on": ("on", True), "on_nopdl": ("on", False)}  # label: (overlap, step0_pdl)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", default="pi05", help="PolicyConfig preset")
+    p.add_argument("--configurations", nargs="+", default=["phyai", "libero_rl"], choices=list(common.CONFIGURATIONS))
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--iters", type=int, default=10, help="timed calls per variant and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if "off" not in args.variants:
+        raise ValueError(f"--variants must include 'off' (the others are compared with it), got {args.variants}")
+    device, dtype = common.run_device_and_dtype()
+    base = PolicyConfig.preset(args.policy)
+    rows, summary = [], {}
+    for name in args.configurations:
+        spec = common.CONFIGURATIONS[name]
+        policy = build_policy(common.configuration_policy_cfg(base, spec, dtype), device=device)
+        for batch in args.batch_sizes:
+            row = measure(policy, spec, batch, args, device)
+            rows.append({"configuration": name, "batch": batch, **row})
+            for label, ms in row["call_ms"].items():
+                summary[f"{name}_b{batch}_{label}_call_ms"] = ms
+            print_row(name, batch, row)
+        del policy
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    write_result("profile_overlap", {"args": vars(args), "auto_max_rows": overlap.AUTO_MAX_ROWS, "rows": rows},
+                 summary, out_dir=args.out_dir, commit=args.commit)
+
+
+def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
+    cfg = policy.cfg
+    inputs, noise = common.make_inputs(cfg, batch, spec["prompt_len"], device, seed=batch)
+    step_noise = torch.randn(batch, cfg.sampling.num_steps, cfg.chunk_size, cfg.max_action_dim,
+                             generator=torch.Generator().manual_seed(batch)).to(device)
+    stoch = torch.zeros(batch, cfg.sampling.num_steps, dtype=torch.bool, device=device)
+    stoch[:, 0] = True  # the overlapped step stochastic, as in a rollout's SDE step
+    samplers, outputs, errors = {}, {}, {}
+    for label in args.variants:
+        mode, step0_pdl = VARIANTS[label]
+        fast = FastSampler(policy.model, FastConfig(enabled=True, dtype=cfg.dtype, batch_buckets=[batch],
+                                                    prompt_buckets=[spec["prompt_len"]], overlap=mode))
+        fast.step0_pdl = step0_pdl
+        call = lambda f=fast: f.sample_chains(inputs, noise, step_noise, stoch)  # noqa: E731
+        try:
+            outputs[label] = [t.clone() for t in call()]  # builds the bucket, captures the graphs
+        except Exception as exc:  # recorded, and the other variants still run
+            if label == "off":
+                raise
+            errors[label] = f"{type(exc).__name__}: {exc}"
+            print(f"{label} failed: {errors[label]}", flush=True)
+            continue
+        samplers[label] = (fast, call)
+    calls, graphs = {label: [] for label in samplers}, {label: [] for label in samplers}
+    for _ in range(args.rounds):
+        for label, (fast, call) in samplers.items():
+            bucket = next(iter(fast.buckets.values()))
+            after_vision = [s for s in fast.call_stages(bucket) if s != "vision"]
+            replay = lambda f=fast, b=bucket, s=after_vision: [f.run_stage(b, x) for x in s]  # noqa: E731
+            calls[label].append(common.timed_ms(call, device, 2, args.iters))
+            graphs[label].append(common.timed_ms(replay, device, 2, args.iters))
+    identical = {label: all(torch.equal(a, b) for a, b in zip(out, outputs["off"], strict=True))
+                 for label, out in outputs.items() if label != "off"}
+    return {"call_ms": {k: statistics.median(v) for k, v in calls.items()}, "call_ms_rounds": calls,
+            "graphs_ms": {k: statistics.median(v) for k, v in graphs.items()}, "graphs_ms_rounds": graphs,
+            "identical": identical, "errors": errors, "rows": batch * cfg.chunk_size}
+
+
+def print_row(name: str, batch: int, row: dict) -> None:
+    off = row["call_ms"]["off"]
+    parts = [f"{label} {ms:.3f} ({ms / off - 1:+.1%})" for label, ms in row["call_ms"].items()]
+    graphs = "  ".join(f"{label} {ms:.3f}" for label, ms in row["graphs_ms"].items())
+    print(f"{name} b{batch}: call ms {'  '.join(parts)} | prefix+denoise graphs ms {graphs} | "
+          f"bit-identical {row['identical']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The first denoise step under the prefix: one graph for the prefix and the denoise loop, its first
+step on a second stream (`policy.fast.overlap`).
+
+Why: at small batch the prefix's GEMMs fill the GPU's tensor cores while the denoise loop is a chain
+of small latency-bound kernels (README, "The denoise loop at small batch"). The expert's layer i in
+step 0 needs only the prefix's K/V of layer i, which the prefix writes at the start of its layer i,
+not the whole prefix. So step 0 runs on a high-priority side stream of the same graph: it forks at
+the start of the prefix, each of its layers waits on an event recorded right after the prefix's
+RoPE scatter of that layer, and the main stream joins it after the prefix; steps 1.. follow there.
+
+What each expert layer of step 0 waits for, and why that suffices:
+- the expert attends to the prefix slots [0, n_valid) of layer i's cache, written by that scatter;
+- its own K/V go to the suffix slots n_valid + [0, chunk), which overlap the prefix's pad slots
+  [n_valid, prefix) when a prompt is shorter than its bucket; the prefix's scatter writes those pad
+  slots too, so the expert's scatter of layer i must come after it (the event orders both);
+- the prefix's attention of layer i reads slots [0, prefix) while the expert may be writing the
+  pad slots among them, but it masks keys past n_valid (finite values either way).
+Numerics do not change: the same kernels on the same inputs (GPU test: bit-identical chains).
+
+Step 0 keeps the denoise graph's PDL setting by default (`FastSampler.step0_pdl`; with it off, step 0
+launches without PDL and runs its MLP split, so no early-launched grid waits on an SM that a prefix
+GEMM could use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from policies.fast.config import OVERLAP_CHOICES
+
+# "auto" overlaps up to this many denoise rows (batch x chunk); see choose().
+AUTO_MAX_ROWS = 128
+
+
+def choose(mode: str, rows: int, graphs: bool) -> bool:
+    """Whether a bucket of `rows` denoise rows (batch x chunk) runs prefix and denoise as one overlapped
+    graph: never without CUDA graphs (the side stream is a graph branch), "on" / "off" as said,
+    "auto" up to AUTO_MAX_ROWS rows."""
+    if mode not in OVERLAP_CHOICES:
+        raise ValueError(f"policy.fast.overlap must be one of {OVERLAP_CHOICES}, got {mode!r}")
+    if not graphs or mode == "off":
+        return False
+    return mode == "on" or rows <= AUTO_MAX_ROWS
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream of the highest priority: step 0's kernels take SMs as soon as prefix blocks retire."""
+    return torch.cuda.Stream(device=device, priority=-100)  # clamped to the device's highest priority
+
+
+@contextlib.contextmanager
+def attention_pdl(attention, code: int):
+    """Run `attention` with PDL mode `code` inside the block (backends without PDL are left alone)."""
+    if not hasattr(attention, "pdl"):
+        yield
+        return
+    before, attention.pdl = attention.pdl, code
+    try:
+        yield
+    finally:
+        attention.pdl = before
+
+
+def stage_prefix_denoise(sampler, bk) -> None:
+    """The prefix and the whole denoise loop, step 0 on a side stream (the module docstring). Off CUDA
+    (the CPU tests) the same steps run one after another on the one stream. Prefix and expert have
+    the same depth (PolicyConfig checks it), so layer i pairs with layer i."""
+    cuda = sampler.device.type == "cuda"
+    main = torch.cuda.current_stream(sampler.device) if cuda else None
+    side = sampler.side_stream() if cuda else None
+    if cuda:
+        side.wait_stream(main)  # fork: the call's inputs (vision's embeddings, noise) are in place
+    kv_ready = [torch.cuda.Event() for _ in sampler.w.expert] if cuda else None
+    sampler._stage_prefix(bk, kv_ready)
+    pdl_code = sampler._pdl_for(bk) if sampler.step0_pdl else 0
+    with torch.cuda.stream(side) if cuda else contextlib.nullcontext(), attention_pdl(bk.expert_attn, pdl_code):
+        cos, sin = sampler._denoise_start(bk)
+        sampler._denoise_step(bk, 0, cos, sin, kv_ready, pdl_code, fuse_mlp=sampler.step0_pdl)
+    if cuda:
+        for table in (cos, sin):  # allocated on the side stream, read by steps 1.. on the main one
+            table.record_stream(main)
+        main.wait_stream(side)  # join
+    for k in range(1, sampler.num_steps):
+        sampler._denoise_step(bk, k, cos, sin)
