@@ -82,7 +82,9 @@ def measure_ours(policy: Policy, precision: str, batch: int, prompt_len: int, in
     row["stages"] = stage_breakdown(fast, cfg, inputs, noise, stoch, device, bench, ceilings)
     row["memory_delta"] = common.memory_since(mark, device)  # before the gap: its plain-path recompute is the trainer's
     row["attention"] = {k: v["chosen"] for k, v in fast.selector.records.items()}
-    row["geglu_tile"] = geglu_gemm.tile_label(next(iter(fast.buckets.values())).geglu_tile)
+    bucket = next(iter(fast.buckets.values()))
+    row["geglu_tile"] = geglu_gemm.tile_label(bucket.geglu_tile)
+    row["call_stages"] = list(fast.call_stages(bucket))  # with policy.fast.overlap: vision, prefix_denoise
     if gap_calls:
         try:  # rollouts plus plain-path recomputes: a few times the sampler's call each
             budget.require(gap_calls * 4 * timing["ms"] / 1e3, f"log-prob gap {precision} b={batch}")
