@@ -17,9 +17,13 @@ What each expert layer of step 0 waits for, and why that suffices:
   pad slots among them, but it masks keys past n_valid (finite values either way).
 Numerics do not change: the same kernels on the same inputs (GPU test: bit-identical chains).
 
-Step 0 keeps the denoise graph's PDL setting by default (`FastSampler.step0_pdl`; with it off, step 0
-launches without PDL and runs its MLP split, so no early-launched grid waits on an SM that a prefix
-GEMM could use).
+Step 0 launches without PDL and runs its MLP split (`FastSampler.step0_pdl = False`, the default), so no
+early-launched grid waits on an SM that a prefix GEMM could use; `step0_pdl = True` keeps the denoise
+graph's PDL and MLP plan. H200, whole calls, overlap off / on with step-0 PDL / on without
+(profile_overlap_nvidia-h200_20261202-151522 and -151626, 3 rounds of 5 calls round-robin, medians, ms):
+PhyAI b1 14.470 / 14.569 / 14.360, b2 23.863 / 23.870 / 23.415, b32 254.37 / 255.44 / 254.96; LIBERO b1
+8.524 / 8.540 / 8.299, b2 12.240 / 12.207 / 12.118, b4 20.614 / 20.284 / 20.344, b16 72.45 / 73.13 / 72.67,
+b64 269.56 / 269.63 / 270.19; bit-identical chains in every case. Hence "auto" up to 128 denoise rows.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import torch
 
 from policies.fast.config import OVERLAP_CHOICES
 
-# "auto" overlaps up to this many denoise rows (batch x chunk); see choose().
+# "auto" overlaps up to this many denoise rows (batch x chunk): LIBERO b1-b4 and PhyAI b2 gained 1-2.6% a call,
+# PhyAI b1 0.8%; at 160 rows and more (LIBERO b16, b64, PhyAI b32) the calls were 0.2-0.4% slower (docstring).
 AUTO_MAX_ROWS = 128
 
 

@@ -71,7 +71,7 @@ class FastSampler:
         self.pdl = pdl.mode_code(fast_cfg.pdl, self.device) if self.use_graphs else 0
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._side_stream = None  # overlap.py's stream for denoise step 0, made on first use
-        self.step0_pdl = True  # overlapped step 0 with the denoise graph's PDL (False: no PDL, split MLP)
+        self.step0_pdl = False  # overlapped step 0 with the denoise graph's PDL; False: no PDL, MLP split (overlap.py)
         grid = self.w.grid  # fixed per num_steps: baked into the graphs as constants
         deltas, sigmas = flow.step_deltas(grid), flow.sde_sigmas(grid, self.cfg.sampling.noise_level)
         self.step_constants = [(float(grid[k]), float(deltas[k]), float(sigmas[k]), -1.0 / self.num_steps)
