@@ -77,7 +77,7 @@ def test_fp8_graphs_match_eager_and_stay_near_bf16():
         assert relative_l2(got, want) < 1e-5 and relative_l2(got_lp, want_lp) < 1e-4
         ref, _ = bf16.sample_chains(inputs, noise, step_noise, stoch)
         assert 1e-4 < relative_l2(got[:, -1], ref[:, -1]) < 8e-2
-    assert all(len(b.graphs) == 3 for b in graphed.buckets.values())
+    assert all(set(b.graphs) == set(graphed.call_stages(b)) for b in graphed.buckets.values())  # overlap: 2
     assert len(graphed.w.fp8_weights) == 4 * cfg.vision.depth + 1 + 4 * cfg.prefix.depth
 
 

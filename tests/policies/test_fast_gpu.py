@@ -64,7 +64,7 @@ def test_graphs_match_eager(policy):
         want, want_lp = run(eager, cfg, seed)
         got, got_lp = run(graphed, cfg, seed)
         assert relative_l2(got, want) < 1e-5 and relative_l2(got_lp, want_lp) < 1e-4
-    assert all(len(b.graphs) == 3 for b in graphed.buckets.values())
+    assert all(set(b.graphs) == set(graphed.call_stages(b)) for b in graphed.buckets.values())  # overlap: 2
 
 
 @pytest.mark.skipif(not flashinfer_available(), reason="flashinfer not importable")
