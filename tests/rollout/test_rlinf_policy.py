@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlinf.config import EMBODIED_MODEL, SupportedModel
-from rlinf.models.embodiment.base_policy import BasePolicy, ForwardType
-from rlinf.scheduler import Worker
-from rlinf.workers.rollout.hf.huggingface_worker import MultiStepRolloutWorker
 
-from rollout.rlinf import ext
-from rollout.rlinf.policy import VLARolloutPolicy
-from tests.rollout.rlinf_helpers import build, env_obs, model_cfg, predict
+pytest.importorskip("rlinf", reason="needs the rlinf package (pip install --no-deps rlinf==0.3.0)")
+
+from rlinf.config import EMBODIED_MODEL, SupportedModel  # noqa: E402
+from rlinf.models.embodiment.base_policy import BasePolicy, ForwardType  # noqa: E402
+from rlinf.scheduler import Worker  # noqa: E402
+from rlinf.workers.rollout.hf.huggingface_worker import MultiStepRolloutWorker  # noqa: E402
+
+from rollout.rlinf import ext  # noqa: E402
+from rollout.rlinf.policy import VLARolloutPolicy  # noqa: E402
+from tests.rollout.rlinf_helpers import build, env_obs, model_cfg, predict  # noqa: E402
 
 B, C, K, H, D, A = 6, 5, 4, 8, 16, 7  # batch, executed chunk, steps, model chunk, model action dim, env dims
 FORWARD_KEYS = {

@@ -16,15 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlinf.hybrid_engines.weight_syncer import BucketWeightSyncer, PatchWeightSyncer, WeightPatch
-from rlinf.hybrid_engines.weight_syncer.bucket_syncer import BucketWeightSyncer as _Bucket
-from rlinf.hybrid_engines.weight_syncer.patch_syncer import GPUSnapshotPatchBuilder, as_coo_2d_view
 
-from policies.config import PolicyConfig
-from policies.loaders import EXPERT, EXPERT_HEAD, LLM, PALIGEMMA_HEAD, key_rules, load_state_dict, part_sizes
-from policies.models.pi05 import PI05Model
-from rollout.rlinf.weights import expert_head_shape, openpi_views
-from tests.rollout.rlinf_helpers import (
+pytest.importorskip("rlinf", reason="needs the rlinf package (pip install --no-deps rlinf==0.3.0)")
+
+from rlinf.hybrid_engines.weight_syncer import BucketWeightSyncer, PatchWeightSyncer, WeightPatch  # noqa: E402
+from rlinf.hybrid_engines.weight_syncer.bucket_syncer import BucketWeightSyncer as _Bucket  # noqa: E402
+from rlinf.hybrid_engines.weight_syncer.patch_syncer import GPUSnapshotPatchBuilder, as_coo_2d_view  # noqa: E402
+
+from policies.config import PolicyConfig  # noqa: E402
+from policies.loaders import EXPERT, EXPERT_HEAD, LLM, PALIGEMMA_HEAD, key_rules, load_state_dict, part_sizes  # noqa: E402
+from policies.models.pi05 import PI05Model  # noqa: E402
+from rollout.rlinf.weights import expert_head_shape, openpi_views  # noqa: E402
+from tests.rollout.rlinf_helpers import (  # noqa: E402
     Channel,
     assert_same_parameters,
     build,
