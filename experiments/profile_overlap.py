@@ -3,13 +3,17 @@
     python -m experiments.profile_overlap                      # GPU: pi05, both configurations, batch 1..64
     python -m experiments.profile_overlap --policy tiny --batch-sizes 1 --iters 2 --rounds 1   # CPU smoke
 
-Per (configuration, batch), three samplers on the same inputs and noise: "off" (vision, prefix and
-denoise graphs one after the other), "on" (vision, then prefix + denoise as one graph with step 0
-on a side stream, policies/fast/overlap.py) and "on_nopdl" (the same, step 0 without PDL and with
-its MLP split). Each round times every variant, round-robin, so a drifting clock hits all alike:
+Per (configuration, batch), samplers on the same inputs and noise (`--variants`): "off" (vision,
+prefix and denoise graphs one after the other), "on" (vision, then prefix + denoise as one graph with
+step 0 on a side stream, policies/fast/overlap.py), "on_nopdl" (the same, step 0 without PDL and with
+its MLP split: the default), and "off_unbalanced" / "on_nopdl_unbalanced" (the prefix's persistent
+GeGLU GEMM on one program per SM, as before round 15, not on the fewest programs of the same length:
+geglu_gemm.persistent_programs). Each round times every variant, round-robin, so a drifting clock
+hits all alike:
 - `call_ms`: a whole `sample_chains` call, as bench_predict times ours (CUDA events around the call,
   host work included), median of --iters;
-- `graphs_ms`: the graphs after vision alone (prefix then denoise, or prefix_denoise), median of --iters.
+- `graphs_ms`: the graphs after vision alone (prefix then denoise, or prefix_denoise), median of --iters;
+- `breakdown`: per variant, a call cut at prepare / each graph / the outputs' copy (`call_breakdown`).
 Each variant's chains and log-probs are compared with "off"'s bit for bit (`identical`). Off CUDA
 the variants run without graphs, so "on" is "off" (smoke run: the script's plumbing only).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -29,7 +34,10 @@ from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
 from policies.policy import build_policy
 
-VARIANTS = {"off": ("off", True), "on": ("on", True), "on_nopdl": ("on", False)}  # label: (overlap, step0_pdl)
+# label: (overlap, step0_pdl, geglu_balanced); "_unbalanced": the persistent GeGLU GEMM on every SM (before round 15)
+VARIANTS = {"off": ("off", True, True), "on": ("on", True, True), "on_nopdl": ("on", False, True),
+            "off_unbalanced": ("off", True, False), "on_nopdl_unbalanced": ("on", False, False)}
+DEFAULT_VARIANTS = ["off", "on_nopdl", "off_unbalanced", "on_nopdl_unbalanced"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy", default="pi05", help="PolicyConfig preset")
     p.add_argument("--configurations", nargs="+", default=["phyai", "libero_rl"], choices=list(common.CONFIGURATIONS))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     p.add_argument("--iters", type=int, default=10, help="timed calls per variant and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out-dir", default=None)
@@ -77,10 +85,10 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
     stoch[:, 0] = True  # the overlapped step stochastic, as in a rollout's SDE step
     samplers, outputs, errors = {}, {}, {}
     for label in args.variants:
-        mode, step0_pdl = VARIANTS[label]
+        mode, step0_pdl, balanced = VARIANTS[label]
         fast = FastSampler(policy.model, FastConfig(enabled=True, dtype=cfg.dtype, batch_buckets=[batch],
                                                     prompt_buckets=[spec["prompt_len"]], overlap=mode))
-        fast.step0_pdl = step0_pdl
+        fast.step0_pdl, fast.geglu_balanced = step0_pdl, balanced
         call = lambda f=fast: f.sample_chains(inputs, noise, step_noise, stoch)  # noqa: E731
         try:
             outputs[label] = [t.clone() for t in call()]  # builds the bucket, captures the graphs
@@ -99,11 +107,46 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
             replay = lambda f=fast, b=bucket, s=after_vision: [f.run_stage(b, x) for x in s]  # noqa: E731
             calls[label].append(common.timed_ms(call, device, 2, args.iters))
             graphs[label].append(common.timed_ms(replay, device, 2, args.iters))
+    breakdown = {label: call_breakdown(fast, (inputs, noise, step_noise, stoch), device, args.iters)
+                 for label, (fast, _) in samplers.items()}
     identical = {label: all(torch.equal(a, b) for a, b in zip(out, outputs["off"], strict=True))
                  for label, out in outputs.items() if label != "off"}
     return {"call_ms": {k: statistics.median(v) for k, v in calls.items()}, "call_ms_rounds": calls,
             "graphs_ms": {k: statistics.median(v) for k, v in graphs.items()}, "graphs_ms_rounds": graphs,
-            "identical": identical, "errors": errors, "rows": batch * cfg.chunk_size}
+            "breakdown": breakdown, "identical": identical, "errors": errors, "rows": batch * cfg.chunk_size}
+
+
+def call_breakdown(fast: FastSampler, call_args: tuple, device: torch.device, iters: int) -> dict:
+    """Where a whole call's time goes: a CUDA event at the call's start, after `prepare` (the host's
+    input copies and layout), after each stage's graph and after the outputs' copy ("end"). Per
+    segment, the median over `iters` calls of `gpu_ms` (event to event: what the call's CUDA-event
+    time adds up from, GPU idle time waiting on the host included) and `host_ms` (wall time for the
+    host to get there). Off CUDA only host times."""
+    cuda = device.type == "cuda"
+    samples: dict[str, dict[str, list[float]]] = {}
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize(device)
+        names, events, host = [], [], []
+
+        def mark(name: str) -> None:
+            if cuda:
+                events.append(torch.cuda.Event(enable_timing=True))
+                events[-1].record()
+            names.append(name)
+            host.append(time.perf_counter())
+
+        mark("start")
+        fast.sample_chains(*call_args, mark=mark)
+        mark("end")
+        if cuda:
+            torch.cuda.synchronize(device)
+        for i in range(1, len(names)):
+            seg = samples.setdefault(names[i], {"gpu_ms": [], "host_ms": []})
+            seg["host_ms"].append((host[i] - host[i - 1]) * 1e3)
+            if cuda:
+                seg["gpu_ms"].append(events[i - 1].elapsed_time(events[i]))
+    return {name: {key: statistics.median(v) for key, v in seg.items() if v} for name, seg in samples.items()}
 
 
 def print_row(name: str, batch: int, row: dict) -> None:
@@ -112,6 +155,9 @@ def print_row(name: str, batch: int, row: dict) -> None:
     graphs = "  ".join(f"{label} {ms:.3f}" for label, ms in row["graphs_ms"].items())
     print(f"{name} b{batch}: call ms {'  '.join(parts)} | prefix+denoise graphs ms {graphs} | "
           f"bit-identical {row['identical']}", flush=True)
+    for label, segs in row["breakdown"].items():
+        shown = "  ".join(f"{seg} {v.get('gpu_ms', float('nan')):.3f}/{v['host_ms']:.3f}" for seg, v in segs.items())
+        print(f"    {label} breakdown (gpu/host ms): {shown}", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ left after its GEMMs, each on the shapes of one layer at the throughput goals' b
   expanded by a copy, as a stride-0 view, or passed as GQA), and the one-KV-head TMA kernel's blocks
   (policies/fast/triton_attention.py, TMA_ATTENTION_BLOCKS);
 - `expert_attention`: the expert's attention (the chunk's queries against prefix + chunk) through the
-  split-KV kernel and the TMA kernel's blocks.
+  split-KV kernel and the TMA kernel's blocks;
+- `split_k`: SigLIP's o and fc2 at small batch through cuBLAS against K split into a batched GEMM's
+  fp32 partials summed by the add-norm kernel (`split_k_rows`).
 `--sections` picks some; `--batches` overrides each configuration's batch size. Each row: ms per
 call (CUDA-graph replay median on the GPU) and, where two ways compute the same thing, the relative
 L2 distance between them.
@@ -347,6 +349,49 @@ def _cudnn_attention_rows(section, b, t, rows_per_slot, q, k_cache, v_cache, key
     return rows
 
 
+def split_k_rows(images, device, dtype, cfg, **_) -> list[dict]:
+    """SigLIP's residual projections (o, fc2) at small batch, where cuBLAS fills the SMs with small tiles
+    (PhyAI b1: 768 rows, 112 x 64 tiles, 13.6 us a call on average): F.linear + the add-norm kernel
+    (today) against K split S ways as one strided batched GEMM into fp32 partials that the add-norm
+    kernel sums (its `y_splits` path, as the skinny projections use). The bias is left out of the split
+    variants (it would go into the norm kernel); the rel L2 compares h after the step."""
+    v = cfg.vision
+    m = images * v.num_patches if device.type == "cuda" else 64
+    rows = []
+    for label, k in (("vision_o", v.width), ("vision_fc2", v.mlp_dim)):
+        rows += _split_k_case(label, m, k, v.width, device, dtype)
+    return rows
+
+
+def _split_k_case(label, m, k, n, device, dtype) -> list[dict]:
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
+    zeros, ones = torch.zeros(n, device=device, dtype=dtype), torch.ones(n, device=device, dtype=dtype)
+    h0 = torch.randn(m, n, device=device, dtype=dtype)
+    h = h0.clone()
+
+    def today():
+        h.copy_(h0)
+        return K.add_layer_norm(h, F.linear(x, w, zeros), ones, zeros, 1e-6)[0]
+
+    def split(s, fp32):
+        xs = x.view(m, s, k // s).transpose(0, 1)  # (S, M, K/S), row stride K: no copy
+        ws = w.view(n, s, k // s).permute(1, 2, 0)  # (S, K/S, N), column-major slices of W
+        parts = torch.bmm(xs, ws, out_dtype=torch.float32) if fp32 else torch.bmm(xs, ws)
+        h.copy_(h0)
+        return K._add_norm_triton(h, parts, None, ones, zeros, 1e-6, layer_norm=True, y_splits=s)[0]
+
+    reference = today().clone()
+    rows = [_row("split_k", f"{label}_linear_add_norm", today),
+            _row("split_k", f"{label}_copy_only", lambda: h.copy_(h0))]
+    for s in (2, 3, 4, 6):
+        if k % s == 0:
+            for fp32 in (True, False):
+                name = f"{label}_bmm{s}_{'fp32' if fp32 else 'bf16'}_add_norm"
+                rows.append(_row("split_k", name, functools.partial(split, s, fp32), reference))
+    return rows
+
+
 def expert_geglu_rows(batch, cfg, **shapes) -> list[dict]:
     chunk = common.CONFIGURATIONS[shapes.pop("name")]["chunk_size"]
     return geglu_rows(cfg=cfg, expert_rows=batch * chunk, **shapes)
@@ -354,7 +399,8 @@ def expert_geglu_rows(batch, cfg, **shapes) -> list[dict]:
 
 SECTIONS = {"vision_attention": vision_attention_rows, "residual": residual_rows, "vision_mlp": vision_mlp_rows,
             "gate_up": gate_up_rows, "geglu": geglu_rows, "expert_geglu": expert_geglu_rows,
-            "prefix_attention": prefix_attention_rows, "expert_attention": expert_attention_rows}
+            "prefix_attention": prefix_attention_rows, "expert_attention": expert_attention_rows,
+            "split_k": split_k_rows}
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ class FastSampler:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._side_stream = None  # overlap.py's stream for denoise step 0, made on first use
         self.step0_pdl = False  # overlapped step 0 with the denoise graph's PDL; False: no PDL, MLP split (overlap.py)
+        self.geglu_balanced = True  # the persistent GeGLU GEMM on the fewest programs of its length (geglu_gemm.py)
         grid = self.w.grid  # fixed per num_steps: baked into the graphs as constants
         deltas, sigmas = flow.step_deltas(grid), flow.sde_sigmas(grid, self.cfg.sampling.noise_level)
         self.step_constants = [(float(grid[k]), float(deltas[k]), float(sigmas[k]), -1.0 / self.num_steps)
@@ -106,9 +107,11 @@ class FastSampler:
 
     @torch.no_grad()
     def sample_chains(self, inputs, noise: Tensor, step_noise: Tensor | None,
-                      stochastic: Tensor) -> tuple[Tensor, Tensor]:
+                      stochastic: Tensor, mark=None) -> tuple[Tensor, Tensor]:
         """inputs: ModelInputs; noise (B, H, D); step_noise (B, K, H, D) or None (drawn here);
-        stochastic (B, K) bool -> chains (B, K+1, H, D), step_logprobs (B, K, H, D), fp32."""
+        stochastic (B, K) bool -> chains (B, K+1, H, D), step_logprobs (B, K, H, D), fp32.
+        `mark(name)`, if given, is called after "prepare" and after each stage (profile_overlap's breakdown)."""
+        mark = mark or (lambda name: None)
         total = inputs.batch_size
         largest = self.fast.batch_buckets[-1]
         chains, logps, keys = [], [], []
@@ -116,8 +119,10 @@ class FastSampler:
             part = _rows(inputs, s, s + largest) if total > largest else inputs
             bucket = self.prepare(part, noise[s:s + largest], None if step_noise is None else step_noise[s:s + largest],
                                   stochastic[s:s + largest])
+            mark("prepare")
             for stage in self.call_stages(bucket):
                 self.run_stage(bucket, stage)
+                mark(stage)
             t, rows = bucket.tensors, part.batch_size
             chains.append(t["chains"][:rows].clone())
             logps.append(t["step_logprobs"][:rows].clone())
@@ -349,7 +354,8 @@ class FastSampler:
             attn = bk.prefix_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * p, -1)
             h, normed = _add_projection_norm(h, attn, lw["o"], self.w.prefix_post_norms[i], pcfg.rms_norm_eps)
             if bk.geglu_tile is not None:  # gate/up and GeGLU in one GEMM (geglu_gemm.py)
-                act, act_fn = geglu_gemm.geglu_linear(normed, lw["gate_up"].weight, bk.geglu_tile), "none"
+                act, act_fn = geglu_gemm.geglu_linear(normed, lw["gate_up"].weight, bk.geglu_tile,
+                                                      balanced=self.geglu_balanced), "none"
             else:  # GeGLU'd on the way into down (fp8.mlp's order)
                 act, act_fn = fp8.project(normed, lw["gate_up"]), "gelu_tanh_mul"
             h, normed = _add_projection_norm(h, act, lw["down"], self.w.prefix_norms[i + 1], pcfg.rms_norm_eps,

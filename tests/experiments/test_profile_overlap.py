@@ -14,10 +14,15 @@ def test_smoke_run_writes_call_times_and_identity(tmp_path):
     (path,) = tmp_path.glob("profile_overlap_*.json")
     record = json.loads(path.read_text())
     (row,) = record["rows"]
-    assert set(row["call_ms"]) == set(profile_overlap.VARIANTS) and all(ms > 0 for ms in row["call_ms"].values())
+    variants = profile_overlap.DEFAULT_VARIANTS
+    assert list(row["call_ms"]) == variants and all(ms > 0 for ms in row["call_ms"].values())
     assert all(len(rounds) == 2 for rounds in row["call_ms_rounds"].values())
-    assert row["identical"] == {"on": True, "on_nopdl": True} and row["errors"] == {}
-    assert record["summary"]["libero_rl_b1_on_call_ms"] == row["call_ms"]["on"]
+    assert row["identical"] == {label: True for label in variants if label != "off"} and row["errors"] == {}
+    assert record["summary"]["libero_rl_b1_on_nopdl_call_ms"] == row["call_ms"]["on_nopdl"]
+    # the breakdown cuts each variant's call at prepare, every stage and the outputs' copy (host times on CPU)
+    assert set(row["breakdown"]) == set(variants)
+    assert list(row["breakdown"]["off"]) == ["prepare", "vision", "prefix", "denoise", "end"]
+    assert all(seg["host_ms"] > 0 and "gpu_ms" not in seg for seg in row["breakdown"]["off"].values())
 
 
 def test_off_variant_is_required():
