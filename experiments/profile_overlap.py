@@ -5,15 +5,15 @@
 
 Per (configuration, batch), samplers on the same inputs and noise (`--variants`): "off" (vision,
 prefix and denoise graphs one after the other), "on" (vision, then prefix + denoise as one graph with
-step 0 on a side stream, policies/fast/overlap.py), "on_nopdl" (the same, step 0 without PDL and with
-its MLP split: the default), and "off_unbalanced" / "on_nopdl_unbalanced" (the prefix's persistent
-GeGLU GEMM on one program per SM, as before round 15, not on the fewest programs of the same length:
-geglu_gemm.persistent_programs). Each round times every variant, round-robin, so a drifting clock
+step 0 on a side stream, policies/fast/overlap.py), "on_nopdl" (the same, step 0 without PDL and
+with its MLP split: the default) and "on_nopdl_c<N>" (the same with the prefix's GEMMs on all SMs but
+N while step 0 runs: overlap.prefix_sm_carveout). Each round times every variant, round-robin, so a drifting clock
 hits all alike:
 - `call_ms`: a whole `sample_chains` call, as bench_predict times ours (CUDA events around the call,
   host work included), median of --iters;
 - `graphs_ms`: the graphs after vision alone (prefix then denoise, or prefix_denoise), median of --iters;
-- `breakdown`: per variant, a call cut at prepare / each graph / the outputs' copy (`call_breakdown`).
+- `breakdown`: per variant, a call cut at the images' copy / each graph / the rest of the inputs / the
+  outputs' copy (`call_breakdown`).
 Each variant's chains and log-probs are compared with "off"'s bit for bit (`identical`). Off CUDA
 the variants run without graphs, so "on" is "off" (smoke run: the script's plumbing only).
 """
@@ -34,10 +34,10 @@ from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
 from policies.policy import build_policy
 
-# label: (overlap, step0_pdl, geglu_balanced); "_unbalanced": the persistent GeGLU GEMM on every SM (before round 15)
-VARIANTS = {"off": ("off", True, True), "on": ("on", True, True), "on_nopdl": ("on", False, True),
-            "off_unbalanced": ("off", True, False), "on_nopdl_unbalanced": ("on", False, False)}
-DEFAULT_VARIANTS = ["off", "on_nopdl", "off_unbalanced", "on_nopdl_unbalanced"]
+# label: (overlap, step0_pdl, SMs the prefix's GEMMs leave to step 0: overlap.prefix_sm_carveout)
+VARIANTS = {"off": ("off", True, 0), "on": ("on", True, 0), "on_nopdl": ("on", False, 0),
+            **{f"on_nopdl_c{sms}": ("on", False, sms) for sms in (8, 16, 32)}}
+DEFAULT_VARIANTS = ["off", "on_nopdl"]  # "on_nopdl" is the default since round 14
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,10 +85,10 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
     stoch[:, 0] = True  # the overlapped step stochastic, as in a rollout's SDE step
     samplers, outputs, errors = {}, {}, {}
     for label in args.variants:
-        mode, step0_pdl, balanced = VARIANTS[label]
+        mode, step0_pdl, carveout = VARIANTS[label]
         fast = FastSampler(policy.model, FastConfig(enabled=True, dtype=cfg.dtype, batch_buckets=[batch],
                                                     prompt_buckets=[spec["prompt_len"]], overlap=mode))
-        fast.step0_pdl, fast.geglu_balanced = step0_pdl, balanced
+        fast.step0_pdl, fast.prefix_sm_carveout = step0_pdl, carveout
         call = lambda f=fast: f.sample_chains(inputs, noise, step_noise, stoch)  # noqa: E731
         try:
             outputs[label] = [t.clone() for t in call()]  # builds the bucket, captures the graphs
@@ -117,8 +117,10 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
 
 
 def call_breakdown(fast: FastSampler, call_args: tuple, device: torch.device, iters: int) -> dict:
-    """Where a whole call's time goes: a CUDA event at the call's start, after `prepare` (the host's
-    input copies and layout), after each stage's graph and after the outputs' copy ("end"). Per
+    """Where a whole call's time goes: a CUDA event at the call's start, after the bucket's choice and the
+    images' copy ("images": the GPU idle until vision's graph starts), after each stage's graph, after the
+    rest of the inputs ("prepare": tokens, noise, layout, done while vision runs) and after the outputs'
+    copy ("end"). Per
     segment, the median over `iters` calls of `gpu_ms` (event to event: what the call's CUDA-event
     time adds up from, GPU idle time waiting on the host included) and `host_ms` (wall time for the
     host to get there). Off CUDA only host times."""

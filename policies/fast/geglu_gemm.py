@@ -211,24 +211,11 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def persistent_programs(blocks: int, limit: int, balanced: bool = True) -> int:
-    """Programs of a persistent launch of `blocks` blocks on at most `limit` programs. Each program walks
-    blocks p, p + P, ..., so the launch lasts ceil(blocks / P) blocks; `balanced` takes the fewest programs
-    with that same count, which leaves the other SMs free at no cost to this kernel. Why: at PhyAI batch 1
-    (1024 blocks) 128 programs do 8 blocks each, as 132 did, and 4 SMs stay free for the first denoise step
-    that overlap.py runs beside the prefix."""
-    programs = max(1, min(blocks, limit))
-    if balanced:
-        programs = -(-blocks // -(-blocks // programs))
-    return programs
-
-
 def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None = None,
-                 max_programs: int | None = None, balanced: bool = True) -> Tensor:
+                 max_programs: int | None = None) -> Tensor:
     """x (M, K), weight (2F, K) = [gate; up], both contiguous bf16/fp32 -> gelu_tanh(x Wg^T) * (x Wu^T)
     (M, F) in x's dtype (fp32 accumulation, one rounding). `out` reuses a contiguous (M, F) buffer.
-    A persistent tile runs at most min(blocks, SMs) programs, or `max_programs` (tests: the loop on CPU);
-    `balanced`: only as many as keep the most blocks per program (`persistent_programs`)."""
+    A persistent tile runs min(blocks, SMs) programs, or `max_programs` (tests: the loop on CPU)."""
     m, k = x.shape
     n = weight.shape[0]
     problem = tile.fits(m, n, k)
@@ -251,7 +238,7 @@ def geglu_linear(x: Tensor, weight: Tensor, tile: GegluTile, out: Tensor | None 
     programs = blocks
     if tile.persistent:
         limit = max_programs if max_programs is not None else _sm_count(x.device.index or 0) if x.is_cuda else blocks
-        programs = persistent_programs(blocks, limit, balanced)
+        programs = max(1, min(blocks, limit))
     x_desc = w_desc = out_desc = None
     if tile.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -72,7 +72,8 @@ class FastSampler:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._side_stream = None  # overlap.py's stream for denoise step 0, made on first use
         self.step0_pdl = False  # overlapped step 0 with the denoise graph's PDL; False: no PDL, MLP split (overlap.py)
-        self.geglu_balanced = True  # the persistent GeGLU GEMM on the fewest programs of its length (geglu_gemm.py)
+        self.prefix_sm_carveout = 0  # SMs the overlapped prefix's GEMMs leave to step 0 (overlap.prefix_sm_carveout)
+        self.geglu_max_programs = None  # the fused GeGLU GEMM's persistent programs; None: one per SM
         grid = self.w.grid  # fixed per num_steps: baked into the graphs as constants
         deltas, sigmas = flow.step_deltas(grid), flow.sde_sigmas(grid, self.cfg.sampling.noise_level)
         self.step_constants = [(float(grid[k]), float(deltas[k]), float(sigmas[k]), -1.0 / self.num_steps)
@@ -110,17 +111,26 @@ class FastSampler:
                       stochastic: Tensor, mark=None) -> tuple[Tensor, Tensor]:
         """inputs: ModelInputs; noise (B, H, D); step_noise (B, K, H, D) or None (drawn here);
         stochastic (B, K) bool -> chains (B, K+1, H, D), step_logprobs (B, K, H, D), fp32.
-        `mark(name)`, if given, is called after "prepare" and after each stage (profile_overlap's breakdown)."""
+        `mark(name)`, if given, is called after the images' copy ("images"), each stage and the rest of the
+        inputs ("prepare", after vision's graph is launched): profile_overlap's breakdown."""
         mark = mark or (lambda name: None)
         total = inputs.batch_size
         largest = self.fast.batch_buckets[-1]
         chains, logps, keys = [], [], []
         for s in range(0, max(total, 1), largest):  # split: graphs exist only up to the largest bucket
             part = _rows(inputs, s, s + largest) if total > largest else inputs
-            bucket = self.prepare(part, noise[s:s + largest], None if step_noise is None else step_noise[s:s + largest],
-                                  stochastic[s:s + largest])
+            bucket, part, masks = self._select(part)
+            self._fill_images(bucket, part)
+            mark("images")
+            # vision reads only the images: its graph runs while the host lays out the rest (at batch 1 that
+            # host work was 0.26-0.34 ms of an idle GPU, more at batch 2-8; README, round 15)
+            vision, *rest = self.call_stages(bucket)
+            self.run_stage(bucket, vision)
+            mark(vision)
+            self._fill_rest(bucket, part, masks, noise[s:s + largest],
+                            None if step_noise is None else step_noise[s:s + largest], stochastic[s:s + largest])
             mark("prepare")
-            for stage in self.call_stages(bucket):
+            for stage in rest:
                 self.run_stage(bucket, stage)
                 mark(stage)
             t, rows = bucket.tensors, part.batch_size
@@ -142,13 +152,19 @@ class FastSampler:
         The token layout (valid-first order, RoPE positions, suffix slots) is computed on the
         host from the masks (tiny) and sent as one packed copy; the attention is planned from
         the same host lengths, so no device value is read back."""
+        bucket, inputs, masks = self._select(inputs, key)
+        self._fill_images(bucket, inputs)
+        self._fill_rest(bucket, inputs, masks, noise, step_noise, stochastic)
+        return bucket
+
+    def _select(self, inputs, key: tuple[int, ...] | None = None):
+        """prepare's bucket choice: (bucket, inputs without the unused camera slots, host masks)."""
         b = inputs.batch_size
-        token_mask = inputs.token_mask.bool().cpu()
-        image_masks = inputs.image_masks.bool().cpu()
+        token_mask, image_masks = _host_masks(inputs)
         forced_bits = key[2] if key is not None and len(key) > 2 else None
         inputs, image_masks, cam_bits = _drop_unused_cameras(inputs, image_masks, forced_bits)
-        trailing = (token_mask.flip(1).cumsum(1) == 0).sum(1)
-        used = int(token_mask.shape[1] - trailing.min()) if b else 0
+        columns = token_mask.numpy().any(axis=0).nonzero()[0]  # numpy: this host work delays vision's launch
+        used = int(columns[-1]) + 1 if len(columns) else 0  # the longest prompt: up to its last valid token
         if key is None:
             key = (_pick(self.fast.batch_buckets, b, "batch size"),
                    _pick(self.fast.prompt_buckets, max(used, 1), "prompt length"))
@@ -159,9 +175,7 @@ class FastSampler:
                              f"policy.fast.prompt_buckets={self.fast.prompt_buckets}")
         bucket = self._bucket(key[0], key[1], cams=image_masks.shape[1])
         bucket.cam_bits = cam_bits
-        self._upload_layout(bucket, image_masks, token_mask)
-        self._fill(bucket, inputs, noise, step_noise, stochastic)
-        return bucket
+        return bucket, inputs, (image_masks, token_mask)
 
     def call_stages(self, bucket: Bucket) -> tuple[str, ...]:
         """The stages one call runs: STAGES, or with overlap vision then prefix + denoise as one graph."""
@@ -221,6 +235,7 @@ class FastSampler:
             # order (B, P), positions (B, P), suffix slots = positions (B, H): one packed H2D copy
             "index_pack": z(batch * (2 * p + h), dtype=torch.long),
             "prefix_slots": torch.arange(p, device=dev).repeat(batch, 1),
+            "image_embeddings": z(batch, cams * n, cfg.prefix.width, dtype=self.dtype),  # vision's output
             "embeddings": z(batch, p, cfg.prefix.width, dtype=self.dtype),
             "noise": z(batch, h, d),
             "step_noise": z(batch, steps, h, d),
@@ -293,21 +308,21 @@ class FastSampler:
         bucket.expert_attn.plan(n_valid + self.cfg.chunk_size)
         bucket.layout_key = masks_key
 
-    def _fill(self, bucket: Bucket, inputs, noise, step_noise, stochastic) -> None:
-        """Copy this call's images, tokens and noise into the bucket's buffers."""
-        t, b, rows = bucket.tensors, inputs.batch_size, bucket.batch
+    def _fill_images(self, bucket: Bucket, inputs) -> None:
+        """Copy this call's images into the bucket (all the vision stage reads)."""
+        _copy_rows(bucket.tensors["images"], inputs.images)
+
+    def _fill_rest(self, bucket: Bucket, inputs, masks: tuple[Tensor, Tensor], noise, step_noise, stochastic) -> None:
+        """The token layout of the host masks, and this call's tokens and noise into the bucket's buffers."""
+        self._upload_layout(bucket, *masks)
+        t = bucket.tensors
         tokens = inputs.tokens[:, : bucket.prompt_len]
-        copies = {"images": inputs.images, "tokens": tokens, "noise": noise, "stochastic": stochastic}
-        if step_noise is not None:
-            copies["step_noise"] = step_noise
-        for name, value in copies.items():
-            buf = t[name]
-            if name == "tokens" and value.shape[1] < buf.shape[1]:
-                buf.zero_()
-                buf = buf[:, : value.shape[1]]
-            buf[:b].copy_(value, non_blocking=True)
-            if b < rows:  # padding rows repeat row 0: finite numbers, outputs dropped
-                buf[b:].copy_(buf[:1].expand_as(buf[b:]))
+        if tokens.shape[1] < t["tokens"].shape[1]:
+            t["tokens"].zero_()
+        _copy_rows(t["tokens"][:, : tokens.shape[1]], tokens)
+        for name, value in {"noise": noise, "stochastic": stochastic, "step_noise": step_noise}.items():
+            if value is not None:
+                _copy_rows(t[name], value)
         if step_noise is None:
             t["step_noise"].normal_()
 
@@ -328,13 +343,25 @@ class FastSampler:
             mlp = fp8.mlp(y, lw["fc1"], lw["fc2"], "gelu_tanh")
             norm = layers[i + 1]["ln1"] if i + 1 < len(layers) else w["post_ln"]  # next pre-norm, or post_ln
             h, y = K.add_layer_norm(h, mlp, norm.weight, norm.bias, eps)
-        img = fp8.project(y, w["proj"]).view(bk.batch, -1, self.cfg.prefix.width)
+        t["image_embeddings"].view(-1, self.cfg.prefix.width).copy_(fp8.project(y, w["proj"]))
+
+    def _embed_prompt(self, bk: Bucket) -> None:
+        """The prefix's input: image and prompt embeddings in the token order (valid tokens first). Not in
+        the vision stage, so that vision needs only the images (sample_chains launches it first)."""
+        t = bk.tensors
         lang = F.embedding(t["tokens"], self.w.embed) * self.w.embed_scale
-        emb = torch.cat([img, lang.to(img.dtype)], dim=1)
+        emb = torch.cat([t["image_embeddings"], lang.to(self.dtype)], dim=1)
         t["embeddings"].copy_(emb.gather(1, t["order"][..., None].expand_as(emb)))
 
     def _stage_prefix(self, bk: Bucket, kv_ready: list | None = None) -> None:
-        """`kv_ready[i]` (overlap.py) is recorded once layer i's K/V are in the cache."""
+        """`kv_ready[i]` (overlap.py) is recorded once layer i's K/V are in the cache. In an overlapped
+        bucket the GEMMs leave `prefix_sm_carveout` SMs to step 0, in the "prefix" stage too (the
+        consistent recompute runs that one), so both capture the same kernels."""
+        with overlap.prefix_sm_carveout(self, self.prefix_sm_carveout if bk.overlap else 0):
+            self._prefix_layers(bk, kv_ready)
+
+    def _prefix_layers(self, bk: Bucket, kv_ready: list | None) -> None:
+        self._embed_prompt(bk)
         t, pcfg = bk.tensors, self.cfg.prefix
         b, p, width = t["embeddings"].shape
         h = t["embeddings"].reshape(b * p, width).clone()
@@ -355,7 +382,7 @@ class FastSampler:
             h, normed = _add_projection_norm(h, attn, lw["o"], self.w.prefix_post_norms[i], pcfg.rms_norm_eps)
             if bk.geglu_tile is not None:  # gate/up and GeGLU in one GEMM (geglu_gemm.py)
                 act, act_fn = geglu_gemm.geglu_linear(normed, lw["gate_up"].weight, bk.geglu_tile,
-                                                      balanced=self.geglu_balanced), "none"
+                                                      max_programs=self.geglu_max_programs), "none"
             else:  # GeGLU'd on the way into down (fp8.mlp's order)
                 act, act_fn = fp8.project(normed, lw["gate_up"]), "gelu_tanh_mul"
             h, normed = _add_projection_norm(h, act, lw["down"], self.w.prefix_norms[i + 1], pcfg.rms_norm_eps,
@@ -478,6 +505,24 @@ def _add_norm(h: Tensor, y: Tensor, gate, scale, shift, eps, pdl_code: int = 0):
     return K.add_rms_norm(h, y, gate, scale, shift, eps, pdl_code)
 
 
+def _host_masks(inputs) -> tuple[Tensor, Tensor]:
+    """(token mask, image masks) as host bools: one device-to-host copy (one sync) for both when they
+    are on the same GPU."""
+    token_mask, image_masks = inputs.token_mask.bool(), inputs.image_masks.bool()
+    if token_mask.device.type == "cpu" or token_mask.device != image_masks.device:
+        return token_mask.cpu(), image_masks.cpu()
+    both = torch.cat([token_mask, image_masks], dim=1).cpu()
+    return both[:, : token_mask.shape[1]], both[:, token_mask.shape[1]:]
+
+
+def _copy_rows(buf: Tensor, value: Tensor) -> None:
+    """value's rows into buf's first rows; buf's padding rows repeat row 0 (finite numbers, outputs dropped)."""
+    b = value.shape[0]
+    buf[:b].copy_(value, non_blocking=True)
+    if b < buf.shape[0]:
+        buf[b:].copy_(buf[:1].expand_as(buf[b:]))
+
+
 def _drop_unused_cameras(inputs, image_masks: Tensor, cam_bits: int | None = None):
     """Drop the camera slots masked in EVERY row (e.g. pi0.5's third slot on LIBERO, which has two
     cameras): their tokens are never attended to (pad keys) and do not advance the RoPE positions,
@@ -495,12 +540,16 @@ def _drop_unused_cameras(inputs, image_masks: Tensor, cam_bits: int | None = Non
         if bool(image_masks[:, ~active].any()):
             raise ValueError(f"camera bitmask {cam_bits} drops a camera slot that holds an image in some row "
                              f"(image masks per slot: {image_masks.any(dim=0).tolist()})")
-    bits = int(sum(1 << i for i in range(cams) if active[i]))
-    if bool(active.all()):
+    bits = sum(1 << i for i, on in enumerate(active.tolist()) if on)
+    if bits == (1 << cams) - 1:
         return inputs, image_masks, bits
     keep = active.nonzero().flatten()
-    images = inputs.images.index_select(1, keep.to(inputs.images.device))
-    masks = inputs.image_masks.index_select(1, keep.to(inputs.image_masks.device))
+    first, last = int(keep[0]), int(keep[-1])
+    if last - first + 1 == len(keep):  # a run of slots (LIBERO's first two): views, no copy and no upload
+        images, masks = inputs.images[:, first:last + 1], inputs.image_masks[:, first:last + 1]
+    else:
+        images = inputs.images.index_select(1, keep.to(inputs.images.device))
+        masks = inputs.image_masks.index_select(1, keep.to(inputs.image_masks.device))
     return type(inputs)(images, masks, inputs.tokens, inputs.token_mask), image_masks[:, keep], bits
 
 

@@ -19,9 +19,10 @@ def test_smoke_run_writes_call_times_and_identity(tmp_path):
     assert all(len(rounds) == 2 for rounds in row["call_ms_rounds"].values())
     assert row["identical"] == {label: True for label in variants if label != "off"} and row["errors"] == {}
     assert record["summary"]["libero_rl_b1_on_nopdl_call_ms"] == row["call_ms"]["on_nopdl"]
-    # the breakdown cuts each variant's call at prepare, every stage and the outputs' copy (host times on CPU)
+    # the breakdown cuts each variant's call at the images' copy, every stage, the rest of the inputs (after
+    # vision's launch) and the outputs' copy (host times on CPU)
     assert set(row["breakdown"]) == set(variants)
-    assert list(row["breakdown"]["off"]) == ["prepare", "vision", "prefix", "denoise", "end"]
+    assert list(row["breakdown"]["off"]) == ["images", "vision", "prepare", "prefix", "denoise", "end"]
     assert all(seg["host_ms"] > 0 and "gpu_ms" not in seg for seg in row["breakdown"]["off"].values())
 
 

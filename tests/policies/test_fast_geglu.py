@@ -46,38 +46,21 @@ def test_matches_reference_fp32(m, tma, wide):
     assert relative_l2(got, skinny_linear_reference(x, w, gelu_mul=True)) < 1e-5
 
 
-@pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("flatten", [False, True])
 @pytest.mark.parametrize("programs", [1, 3, 7])
-def test_persistent_loop_covers_every_block(programs, flatten, balanced):
+def test_persistent_loop_covers_every_block(programs, flatten):
     """A persistent tile walks blocks program, program + P, ...: every block written exactly as the
-    one-program-per-block launch writes it, whatever the program count (12 blocks: 7 programs, or
-    the 6 that `balanced` keeps)."""
+    one-program-per-block launch writes it, whatever the program count."""
     x, w = _operands(40, 64, 32, seed=programs, dtype=torch.float32)
     flat = geglu_gemm.geglu_linear(x, w, GegluTile(16, 16, 32, group_m=2, stages=2, warps=4))
     out = torch.full_like(flat, float("nan"))
     tile = GegluTile(16, 16, 32, group_m=2, stages=2, warps=4, persistent=True, flatten=flatten)
-    geglu_gemm.geglu_linear(x, w, tile, out=out, max_programs=programs, balanced=balanced)
+    geglu_gemm.geglu_linear(x, w, tile, out=out, max_programs=programs)
     assert torch.equal(out, flat)
     wide = torch.full_like(flat, float("nan"))
     tile = GegluTile(16, 16, 32, group_m=2, stages=2, warps=4, persistent=True, flatten=flatten, wide=True)
-    geglu_gemm.geglu_linear(x, w, tile, out=wide, max_programs=programs, balanced=balanced)
+    geglu_gemm.geglu_linear(x, w, tile, out=wide, max_programs=programs)
     assert torch.allclose(wide, flat, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("blocks", [1, 5, 12, 100, 133, 640, 1024, 36864])
-@pytest.mark.parametrize("limit", [1, 7, 128, 132])
-def test_balanced_programs_are_the_fewest_of_the_same_length(blocks, limit):
-    """`persistent_programs`: the launch's length (blocks of its busiest program) as with min(blocks,
-    limit) programs, on the fewest programs that give it (by brute force). PhyAI b1's 1024 blocks: 128."""
-    length = lambda programs: -(-blocks // programs)  # noqa: E731
-    plain = geglu_gemm.persistent_programs(blocks, limit, balanced=False)
-    assert plain == min(blocks, limit)
-    balanced = geglu_gemm.persistent_programs(blocks, limit)
-    assert length(balanced) == length(plain)
-    assert balanced == min(p for p in range(1, plain + 1) if length(p) == length(plain))
-    if (blocks, limit) == (1024, 132):
-        assert balanced == 128
 
 
 @pytest.mark.parametrize("wide", [False, True])

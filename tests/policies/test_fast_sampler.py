@@ -155,10 +155,11 @@ def test_policy_sample_uses_fast_path_when_enabled():
     assert torch.allclose(fast.chunk_logprob, ref.chunk_logprob, atol=1e-3, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dropped", [0, 1])
+@pytest.mark.parametrize("dropped", [0, 1, 2])
 def test_camera_masked_in_every_row_is_skipped_exactly(dropped):
     """A slot masked in every row (pi0.5's third camera on LIBERO) is left out of vision and the
-    prefix: same chains as the reference, which runs it and masks its tokens; smaller bucket."""
+    prefix: same chains as the reference, which runs it and masks its tokens; smaller bucket. The kept
+    slots as a view (a run: slots 0-1, 1-2) or gathered (slots 0 and 2)."""
     policy = build_policy(PolicyConfig.preset("tiny", cameras=["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"]))
     cfg = policy.cfg
     inputs, noise, step_noise = random_inputs(cfg, 3, 13, seed=11 + dropped)
