@@ -3,12 +3,14 @@
     python -m experiments.profile_overlap                      # GPU: pi05, both configurations, batch 1..64
     python -m experiments.profile_overlap --policy tiny --batch-sizes 1 --iters 2 --rounds 1   # CPU smoke
 
-Per (configuration, batch), samplers on the same inputs and noise (`--variants`): "off" (vision,
-prefix and denoise graphs one after the other), "on" (vision, then prefix + denoise as one graph with
-step 0 on a side stream, policies/fast/overlap.py), "on_nopdl" (the same, step 0 without PDL and
-with its MLP split: the default) and "on_nopdl_c<N>" (the same with the prefix's GEMMs on all SMs but
-N while step 0 runs: overlap.prefix_sm_carveout). Each round times every variant, round-robin, so a drifting clock
-hits all alike:
+Per (configuration, batch), samplers on the same inputs and noise (`--variants`):
+- "off": vision, prefix and denoise graphs one after the other;
+- "on": vision, then prefix + denoise as one graph with step 0 on a side stream (policies/fast/overlap.py);
+- "on_nopdl": the same, step 0 without PDL and with its MLP split (the default);
+- "on_nopdl_c<N>": the same with the prefix's GEMMs on all SMs but N (overlap.prefix_sm_carveout);
+- "off_late" / "on_nopdl_late": vision's graph launched only once all of the call's inputs are in
+  place, as before round 15 (FastSampler.early_vision).
+Each round times every variant, round-robin, so a drifting clock hits all alike:
 - `call_ms`: a whole `sample_chains` call, as bench_predict times ours (CUDA events around the call,
   host work included), median of --iters;
 - `graphs_ms`: the graphs after vision alone (prefix then denoise, or prefix_denoise), median of --iters;
@@ -34,9 +36,11 @@ from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
 from policies.policy import build_policy
 
-# label: (overlap, step0_pdl, SMs the prefix's GEMMs leave to step 0: overlap.prefix_sm_carveout)
-VARIANTS = {"off": ("off", True, 0), "on": ("on", True, 0), "on_nopdl": ("on", False, 0),
-            **{f"on_nopdl_c{sms}": ("on", False, sms) for sms in (8, 16, 32)}}
+# label: (policy.fast.overlap, FastSampler attributes): step0_pdl (overlap.py), prefix_sm_carveout (SMs the
+# prefix's GEMMs leave to step 0), early_vision (vision's graph before the rest of the inputs, round 15)
+VARIANTS = {"off": ("off", {}), "on": ("on", {"step0_pdl": True}), "on_nopdl": ("on", {}),
+            "off_late": ("off", {"early_vision": False}), "on_nopdl_late": ("on", {"early_vision": False}),
+            **{f"on_nopdl_c{sms}": ("on", {"prefix_sm_carveout": sms}) for sms in (8, 16, 32)}}
 DEFAULT_VARIANTS = ["off", "on_nopdl"]  # "on_nopdl" is the default since round 14
 
 
@@ -48,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     p.add_argument("--iters", type=int, default=10, help="timed calls per variant and round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--host-profile", action="store_true",
+                   help="also cProfile the host side of --iters calls of each variant (`host_profile`)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
     return p.parse_args(argv)
@@ -85,10 +91,11 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
     stoch[:, 0] = True  # the overlapped step stochastic, as in a rollout's SDE step
     samplers, outputs, errors = {}, {}, {}
     for label in args.variants:
-        mode, step0_pdl, carveout = VARIANTS[label]
+        mode, settings = VARIANTS[label]
         fast = FastSampler(policy.model, FastConfig(enabled=True, dtype=cfg.dtype, batch_buckets=[batch],
                                                     prompt_buckets=[spec["prompt_len"]], overlap=mode))
-        fast.step0_pdl, fast.prefix_sm_carveout = step0_pdl, carveout
+        for name, value in settings.items():
+            setattr(fast, name, value)
         call = lambda f=fast: f.sample_chains(inputs, noise, step_noise, stoch)  # noqa: E731
         try:
             outputs[label] = [t.clone() for t in call()]  # builds the bucket, captures the graphs
@@ -109,11 +116,38 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
             graphs[label].append(common.timed_ms(replay, device, 2, args.iters))
     breakdown = {label: call_breakdown(fast, (inputs, noise, step_noise, stoch), device, args.iters)
                  for label, (fast, _) in samplers.items()}
+    hosts = ({label: host_profile(fast, (inputs, noise, step_noise, stoch), device, args.iters)
+              for label, (fast, _) in samplers.items()} if args.host_profile else {})
     identical = {label: all(torch.equal(a, b) for a, b in zip(out, outputs["off"], strict=True))
                  for label, out in outputs.items() if label != "off"}
     return {"call_ms": {k: statistics.median(v) for k, v in calls.items()}, "call_ms_rounds": calls,
             "graphs_ms": {k: statistics.median(v) for k, v in graphs.items()}, "graphs_ms_rounds": graphs,
-            "breakdown": breakdown, "identical": identical, "errors": errors, "rows": batch * cfg.chunk_size}
+            "breakdown": breakdown, "host_profile": hosts, "identical": identical, "errors": errors,
+            "rows": batch * cfg.chunk_size}
+
+
+def host_profile(fast: FastSampler, call_args: tuple, device: torch.device, calls: int, top: int = 25) -> dict:
+    """cProfile of `calls` whole calls (each followed by a synchronize, outside the profile): per function,
+    calls per call and microseconds per call, the top `top` by own time and by cumulative time. Says
+    which host work the GPU waits on before vision's graph (`call_breakdown`'s "images")."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        profiler.enable()
+        fast.sample_chains(*call_args)
+        profiler.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    rows = [{"function": f"{name} ({file.rsplit('/', 1)[-1]}:{line})", "calls_per_call": n / calls,
+             "own_us": own / calls * 1e6, "cum_us": cum / calls * 1e6}
+            for (file, line, name), (_, n, own, cum, _) in stats.items()]
+    return {"calls": calls, "by_own": sorted(rows, key=lambda r: -r["own_us"])[:top],
+            "by_cumulative": sorted(rows, key=lambda r: -r["cum_us"])[:top]}
 
 
 def call_breakdown(fast: FastSampler, call_args: tuple, device: torch.device, iters: int) -> dict:
@@ -157,6 +191,9 @@ def print_row(name: str, batch: int, row: dict) -> None:
     graphs = "  ".join(f"{label} {ms:.3f}" for label, ms in row["graphs_ms"].items())
     print(f"{name} b{batch}: call ms {'  '.join(parts)} | prefix+denoise graphs ms {graphs} | "
           f"bit-identical {row['identical']}", flush=True)
+    for label, prof in row["host_profile"].items():
+        shown = "  ".join(f"{r['function']} {r['cum_us']:.0f}" for r in prof["by_cumulative"][:12])
+        print(f"    {label} host us per call, cumulative: {shown}", flush=True)
     for label, segs in row["breakdown"].items():
         shown = "  ".join(f"{seg} {v.get('gpu_ms', float('nan')):.3f}/{v['host_ms']:.3f}" for seg, v in segs.items())
         print(f"    {label} breakdown (gpu/host ms): {shown}", flush=True)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
@@ -73,14 +72,14 @@ def attention_pdl(attention, code: int):
 
 @functools.cache
 def _cublas() -> ctypes.CDLL:
-    """The cuBLAS library torch loaded: found by its soname among the process's libraries, else in the
-    nvidia-cublas wheel torch depends on."""
-    try:
-        return ctypes.CDLL("libcublas.so.12")
-    except OSError:
-        import nvidia.cublas  # the pip wheel's namespace package
-
-        return ctypes.CDLL(str(next(Path(p) for p in nvidia.cublas.__path__) / "lib" / "libcublas.so.12"))
+    """The cuBLAS library torch loaded (its wheel and major version vary: libcublas.so.12 or .13 under
+    nvidia/...): the path from the process's memory map, once torch has initialised cuBLAS."""
+    torch.cuda.current_blas_handle()  # loads and initialises cuBLAS if nothing has yet
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "/libcublas.so" in line}
+    if not paths:
+        raise RuntimeError("policy.fast: cannot find the cuBLAS library torch loaded in /proc/self/maps")
+    return ctypes.CDLL(sorted(paths)[0])
 
 
 @contextlib.contextmanager

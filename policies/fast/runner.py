@@ -72,6 +72,7 @@ class FastSampler:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._side_stream = None  # overlap.py's stream for denoise step 0, made on first use
         self.step0_pdl = False  # overlapped step 0 with the denoise graph's PDL; False: no PDL, MLP split (overlap.py)
+        self.early_vision = True  # vision's graph launched before the rest of the inputs are laid out (sample_chains)
         self.prefix_sm_carveout = 0  # SMs the overlapped prefix's GEMMs leave to step 0 (overlap.prefix_sm_carveout)
         self.geglu_max_programs = None  # the fused GeGLU GEMM's persistent programs; None: one per SM
         grid = self.w.grid  # fixed per num_steps: baked into the graphs as constants
@@ -122,15 +123,14 @@ class FastSampler:
             bucket, part, masks = self._select(part)
             self._fill_images(bucket, part)
             mark("images")
-            # vision reads only the images: its graph runs while the host lays out the rest (at batch 1 that
-            # host work was 0.26-0.34 ms of an idle GPU, more at batch 2-8; README, round 15)
-            vision, *rest = self.call_stages(bucket)
-            self.run_stage(bucket, vision)
-            mark(vision)
+            stages = list(self.call_stages(bucket))
+            if self.early_vision:  # vision reads only the images: it runs while the host lays out the rest
+                self.run_stage(bucket, stages[0])
+                mark(stages.pop(0))
             self._fill_rest(bucket, part, masks, noise[s:s + largest],
                             None if step_noise is None else step_noise[s:s + largest], stochastic[s:s + largest])
             mark("prepare")
-            for stage in rest:
+            for stage in stages:
                 self.run_stage(bucket, stage)
                 mark(stage)
             t, rows = bucket.tensors, part.batch_size
