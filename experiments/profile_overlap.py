@@ -7,7 +7,6 @@ Per (configuration, batch), samplers on the same inputs and noise (`--variants`)
 - "off": vision, prefix and denoise graphs one after the other;
 - "on": vision, then prefix + denoise as one graph with step 0 on a side stream (policies/fast/overlap.py);
 - "on_nopdl": the same, step 0 without PDL and with its MLP split (the default);
-- "on_nopdl_c<N>": the same with the prefix's GEMMs on all SMs but N (overlap.prefix_sm_carveout);
 - "off_late" / "on_nopdl_late": vision's graph launched only once all of the call's inputs are in
   place, as before round 15 (FastSampler.early_vision).
 Each round times every variant, round-robin, so a drifting clock hits all alike:
@@ -36,11 +35,10 @@ from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
 from policies.policy import build_policy
 
-# label: (policy.fast.overlap, FastSampler attributes): step0_pdl (overlap.py), prefix_sm_carveout (SMs the
-# prefix's GEMMs leave to step 0), early_vision (vision's graph before the rest of the inputs, round 15)
+# label: (policy.fast.overlap, FastSampler attributes): step0_pdl (overlap.py), early_vision (vision's graph
+# before the rest of the inputs, round 15)
 VARIANTS = {"off": ("off", {}), "on": ("on", {"step0_pdl": True}), "on_nopdl": ("on", {}),
-            "off_late": ("off", {"early_vision": False}), "on_nopdl_late": ("on", {"early_vision": False}),
-            **{f"on_nopdl_c{sms}": ("on", {"prefix_sm_carveout": sms}) for sms in (8, 16, 32)}}
+            "off_late": ("off", {"early_vision": False}), "on_nopdl_late": ("on", {"early_vision": False})}
 DEFAULT_VARIANTS = ["off", "on_nopdl"]  # "on_nopdl" is the default since round 14
 
 

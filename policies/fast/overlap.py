@@ -29,8 +29,6 @@ b64 269.56 / 269.63 / 270.19; bit-identical chains in every case. Hence "auto" u
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 
 import torch
 
@@ -70,46 +68,6 @@ def attention_pdl(attention, code: int):
         attention.pdl = before
 
 
-@functools.cache
-def _cublas() -> ctypes.CDLL:
-    """The cuBLAS library torch loaded (its wheel and major version vary: libcublas.so.12 or .13 under
-    nvidia/...): the path from the process's memory map, once torch has initialised cuBLAS."""
-    torch.cuda.current_blas_handle()  # loads and initialises cuBLAS if nothing has yet
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "/libcublas.so" in line}
-    if not paths:
-        raise RuntimeError("policy.fast: cannot find the cuBLAS library torch loaded in /proc/self/maps")
-    return ctypes.CDLL(sorted(paths)[0])
-
-
-@contextlib.contextmanager
-def prefix_sm_carveout(sampler, sms: int):
-    """While the block runs (the prefix's capture), the prefix's GEMMs target all SMs but `sms`:
-    cuBLAS's SM count target on torch's handle and in cuBLASLt (torch's experimental carveout), and the
-    fused GeGLU GEMM's persistent programs. Why: at PhyAI b1 the prefix's GEMMs run one persistent program
-    per SM, so step 0 found no SM to run on and the overlap gained nothing (round 14); `sms` SMs left to
-    it trade prefix speed for step 0's ~0.6 ms (profile_overlap's `_c<sms>` variants measure it)."""
-    if sms <= 0 or sampler.device.type != "cuda":
-        yield
-        return
-    total = torch.cuda.get_device_properties(sampler.device).multi_processor_count
-    if sms >= total:
-        raise ValueError(f"SM carveout {sms} must leave the prefix some of the device's {total} SMs")
-    handle = ctypes.c_void_p(torch.cuda.current_blas_handle())
-    status = _cublas().cublasSetSmCountTarget(handle, total - sms)
-    if status != 0:
-        raise RuntimeError(f"cublasSetSmCountTarget({total - sms}) failed with cuBLAS status {status}")
-    before = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(sms)
-    sampler.geglu_max_programs = total - sms
-    try:
-        yield
-    finally:
-        _cublas().cublasSetSmCountTarget(handle, 0)  # 0: the library's default again
-        torch._C._set_sm_carveout_experimental(before)
-        sampler.geglu_max_programs = None
-
-
 def stage_prefix_denoise(sampler, bk) -> None:
     """The prefix and the whole denoise loop, step 0 on a side stream (the module docstring). Off CUDA
     (the CPU tests) the same steps run one after another on the one stream. Prefix and expert have
@@ -120,7 +78,7 @@ def stage_prefix_denoise(sampler, bk) -> None:
     if cuda:
         side.wait_stream(main)  # fork: the call's inputs (vision's embeddings, noise) are in place
     kv_ready = [torch.cuda.Event() for _ in sampler.w.expert] if cuda else None
-    sampler._stage_prefix(bk, kv_ready)  # its GEMMs leave sampler.prefix_sm_carveout SMs to step 0
+    sampler._stage_prefix(bk, kv_ready)
     pdl_code = sampler._pdl_for(bk) if sampler.step0_pdl else 0
     with torch.cuda.stream(side) if cuda else contextlib.nullcontext(), attention_pdl(bk.expert_attn, pdl_code):
         cos, sin = sampler._denoise_start(bk)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -72,9 +73,8 @@ class FastSampler:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._side_stream = None  # overlap.py's stream for denoise step 0, made on first use
         self.step0_pdl = False  # overlapped step 0 with the denoise graph's PDL; False: no PDL, MLP split (overlap.py)
+        self._mask_staging: dict[tuple, tuple[Tensor, Tensor]] = {}  # pinned host copies of the masks (_host_masks)
         self.early_vision = True  # vision's graph launched before the rest of the inputs are laid out (sample_chains)
-        self.prefix_sm_carveout = 0  # SMs the overlapped prefix's GEMMs leave to step 0 (overlap.prefix_sm_carveout)
-        self.geglu_max_programs = None  # the fused GeGLU GEMM's persistent programs; None: one per SM
         grid = self.w.grid  # fixed per num_steps: baked into the graphs as constants
         deltas, sigmas = flow.step_deltas(grid), flow.sde_sigmas(grid, self.cfg.sampling.noise_level)
         self.step_constants = [(float(grid[k]), float(deltas[k]), float(sigmas[k]), -1.0 / self.num_steps)
@@ -160,7 +160,7 @@ class FastSampler:
     def _select(self, inputs, key: tuple[int, ...] | None = None):
         """prepare's bucket choice: (bucket, inputs without the unused camera slots, host masks)."""
         b = inputs.batch_size
-        token_mask, image_masks = _host_masks(inputs)
+        token_mask, image_masks = self._host_masks(inputs)
         forced_bits = key[2] if key is not None and len(key) > 2 else None
         inputs, image_masks, cam_bits = _drop_unused_cameras(inputs, image_masks, forced_bits)
         columns = token_mask.numpy().any(axis=0).nonzero()[0]  # numpy: this host work delays vision's launch
@@ -308,6 +308,24 @@ class FastSampler:
         bucket.expert_attn.plan(n_valid + self.cfg.chunk_size)
         bucket.layout_key = masks_key
 
+    def _host_masks(self, inputs) -> tuple[Tensor, Tensor]:
+        """(token mask, image masks) as host bools. From the GPU as asynchronous copies into pinned buffers
+        and one wait: host time here is GPU idle time before vision's launch, and on the H200 box each
+        blocking .cpu() took ~90 us, a cat of the two on the device ~120 (profile_overlap --host-profile).
+        The buffers are reused by the next call of the same shapes, after this call has used them."""
+        masks = (inputs.token_mask, inputs.image_masks)
+        if all(m.device.type == "cpu" for m in masks):
+            return masks[0].bool(), masks[1].bool()
+        key = tuple((tuple(m.shape), m.dtype) for m in masks)
+        if key not in self._mask_staging:
+            self._mask_staging[key] = tuple(torch.empty(m.shape, dtype=m.dtype, pin_memory=True) for m in masks)
+        staging = self._mask_staging[key]
+        for buf, m in zip(staging, masks, strict=True):
+            buf.copy_(m, non_blocking=True)
+        for device in {m.device for m in masks if m.device.type == "cuda"}:
+            torch.cuda.current_stream(device).synchronize()
+        return staging[0].bool(), staging[1].bool()
+
     def _fill_images(self, bucket: Bucket, inputs) -> None:
         """Copy this call's images into the bucket (all the vision stage reads)."""
         _copy_rows(bucket.tensors["images"], inputs.images)
@@ -354,13 +372,7 @@ class FastSampler:
         t["embeddings"].copy_(emb.gather(1, t["order"][..., None].expand_as(emb)))
 
     def _stage_prefix(self, bk: Bucket, kv_ready: list | None = None) -> None:
-        """`kv_ready[i]` (overlap.py) is recorded once layer i's K/V are in the cache. In an overlapped
-        bucket the GEMMs leave `prefix_sm_carveout` SMs to step 0, in the "prefix" stage too (the
-        consistent recompute runs that one), so both capture the same kernels."""
-        with overlap.prefix_sm_carveout(self, self.prefix_sm_carveout if bk.overlap else 0):
-            self._prefix_layers(bk, kv_ready)
-
-    def _prefix_layers(self, bk: Bucket, kv_ready: list | None) -> None:
+        """`kv_ready[i]` (overlap.py) is recorded once layer i's K/V are in the cache."""
         self._embed_prompt(bk)
         t, pcfg = bk.tensors, self.cfg.prefix
         b, p, width = t["embeddings"].shape
@@ -381,8 +393,7 @@ class FastSampler:
             attn = bk.prefix_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * p, -1)
             h, normed = _add_projection_norm(h, attn, lw["o"], self.w.prefix_post_norms[i], pcfg.rms_norm_eps)
             if bk.geglu_tile is not None:  # gate/up and GeGLU in one GEMM (geglu_gemm.py)
-                act, act_fn = geglu_gemm.geglu_linear(normed, lw["gate_up"].weight, bk.geglu_tile,
-                                                      max_programs=self.geglu_max_programs), "none"
+                act, act_fn = geglu_gemm.geglu_linear(normed, lw["gate_up"].weight, bk.geglu_tile), "none"
             else:  # GeGLU'd on the way into down (fp8.mlp's order)
                 act, act_fn = fp8.project(normed, lw["gate_up"]), "gelu_tanh_mul"
             h, normed = _add_projection_norm(h, act, lw["down"], self.w.prefix_norms[i + 1], pcfg.rms_norm_eps,
@@ -505,16 +516,6 @@ def _add_norm(h: Tensor, y: Tensor, gate, scale, shift, eps, pdl_code: int = 0):
     return K.add_rms_norm(h, y, gate, scale, shift, eps, pdl_code)
 
 
-def _host_masks(inputs) -> tuple[Tensor, Tensor]:
-    """(token mask, image masks) as host bools: one device-to-host copy (one sync) for both when they
-    are on the same GPU."""
-    token_mask, image_masks = inputs.token_mask.bool(), inputs.image_masks.bool()
-    if token_mask.device.type == "cpu" or token_mask.device != image_masks.device:
-        return token_mask.cpu(), image_masks.cpu()
-    both = torch.cat([token_mask, image_masks], dim=1).cpu()
-    return both[:, : token_mask.shape[1]], both[:, token_mask.shape[1]:]
-
-
 def _copy_rows(buf: Tensor, value: Tensor) -> None:
     """value's rows into buf's first rows; buf's padding rows repeat row 0 (finite numbers, outputs dropped)."""
     b = value.shape[0]
@@ -531,25 +532,24 @@ def _drop_unused_cameras(inputs, image_masks: Tensor, cam_bits: int | None = Non
     consistent recompute re-runs rows with the set their rollout call used).
     Returns (inputs, host image masks of the kept slots, bitmask of the kept slots)."""
     cams = image_masks.shape[1]
+    per_slot = image_masks.numpy().any(axis=0)  # numpy, not torch ops: this host time delays vision's launch
     if cam_bits is None:
-        active = image_masks.any(dim=0)
-        if not bool(active.any()):
-            active = torch.ones(cams, dtype=torch.bool)
+        active = per_slot if per_slot.any() else np.ones(cams, dtype=bool)
     else:
-        active = torch.tensor([bool(cam_bits >> i & 1) for i in range(cams)])
-        if bool(image_masks[:, ~active].any()):
+        active = np.array([bool(cam_bits >> i & 1) for i in range(cams)])
+        if (per_slot & ~active).any():
             raise ValueError(f"camera bitmask {cam_bits} drops a camera slot that holds an image in some row "
-                             f"(image masks per slot: {image_masks.any(dim=0).tolist()})")
-    bits = sum(1 << i for i, on in enumerate(active.tolist()) if on)
-    if bits == (1 << cams) - 1:
+                             f"(image masks per slot: {per_slot.tolist()})")
+    bits = sum(1 << i for i in range(cams) if active[i])
+    if active.all():
         return inputs, image_masks, bits
-    keep = active.nonzero().flatten()
+    keep = np.flatnonzero(active)
     first, last = int(keep[0]), int(keep[-1])
     if last - first + 1 == len(keep):  # a run of slots (LIBERO's first two): views, no copy and no upload
         images, masks = inputs.images[:, first:last + 1], inputs.image_masks[:, first:last + 1]
     else:
-        images = inputs.images.index_select(1, keep.to(inputs.images.device))
-        masks = inputs.image_masks.index_select(1, keep.to(inputs.image_masks.device))
+        images = inputs.images.index_select(1, torch.as_tensor(keep, device=inputs.images.device))
+        masks = inputs.image_masks.index_select(1, torch.as_tensor(keep, device=inputs.image_masks.device))
     return type(inputs)(images, masks, inputs.tokens, inputs.token_mask), image_masks[:, keep], bits
 
 

@@ -57,32 +57,3 @@ def test_overlapped_graph_sees_weight_updates_without_recapture():
         assert torch.equal(a, b)
     assert next(iter(fast.buckets.values())).graphs["prefix_denoise"] is graph
 
-
-def test_sm_carveout_keeps_the_stages_consistent():
-    """With the prefix's GEMMs on all SMs but 16 (`prefix_sm_carveout`), the overlapped call and the
-    bucket's stages one by one (the consistent recompute's path: "prefix" then "denoise") capture the
-    same kernels, so they agree bit for bit; against the sampler on every SM they agree closely (cuBLAS
-    may pick other kernels for fewer SMs). The settings are restored after each capture."""
-    from policies.fast import overlap
-    from policies.lerobot_bridge import relative_l2
-
-    policy = build_policy(gpu_cfg("bfloat16"), device="cuda")
-    inputs, noise, step_noise, stoch = inputs_for(policy.cfg, 1, seed=5)
-    stoch[:, 0] = True
-    fast = FastSampler(policy.model, FastConfig(attention="triton", batch_buckets=[1], prompt_buckets=[48],
-                                                overlap="on"))
-    fast.prefix_sm_carveout = 16
-    for _ in range(2):
-        chains, logps = fast.sample_chains(inputs, noise, step_noise, stoch)
-    assert fast.geglu_max_programs is None and torch._C._get_sm_carveout_experimental() is None
-    bucket = fast.prepare(inputs, noise, step_noise, stoch)
-    for stage in ("vision", "prefix", "denoise"):
-        fast.run_stage(bucket, stage)
-    assert torch.equal(bucket.tensors["chains"][:1], chains)
-    assert torch.equal(bucket.tensors["step_logprobs"][:1], logps)
-    full = FastSampler(policy.model, FastConfig(attention="triton", batch_buckets=[1], prompt_buckets=[48],
-                                                overlap="off")).sample_chains(inputs, noise, step_noise, stoch)
-    assert relative_l2(chains, full[0]) < 2e-2
-    with pytest.raises(ValueError, match="SM carveout"):
-        with overlap.prefix_sm_carveout(fast, 10_000):
-            pass
