@@ -76,7 +76,7 @@ def stage_prefix_denoise(sampler, bk) -> None:
     main = torch.cuda.current_stream(sampler.device) if cuda else None
     side = sampler.side_stream() if cuda else None
     if cuda:
-        side.wait_stream(main)  # fork: the call's inputs (vision's embeddings, noise) are in place
+        side.wait_stream(main)  # fork: the call's inputs (vision's image tokens, the noise) are in place
     kv_ready = [torch.cuda.Event() for _ in sampler.w.expert] if cuda else None
     sampler._stage_prefix(bk, kv_ready)
     pdl_code = sampler._pdl_for(bk) if sampler.step0_pdl else 0

@@ -2,16 +2,17 @@
 
 Stages of one call (each a CUDA graph per (batch bucket, prompt bucket) on CUDA, eager
 elsewhere), all reading and writing fixed buffers of a `Bucket`:
-1. vision: every camera of the whole batch through SigLIP in one batched call, the prompt
-   embedded, the prefix tokens permuted so the valid ones come first (attention.py's layout).
-2. prefix: the Gemma prefix once, writing RoPE'd K/V of every layer into the slot caches (the
-   last layer stops after its K/V: nothing reads the rest).
+1. vision: every camera of the whole batch through SigLIP in one batched call, into the bucket's
+   image tokens; it reads only the images, so a call launches it before laying out the rest.
+2. prefix: the prompt embedded and the prefix tokens permuted so the valid ones come first
+   (attention.py's layout), then the Gemma prefix once, writing RoPE'd K/V of every layer into
+   the slot caches (the last layer stops after its K/V: nothing reads the rest).
 3. denoise: all K steps (AdaRMS rows from the precomputed table, the expert attending to the
    cached prefix K/V, ODE/SDE update with the step noise and the per-sample stochastic mask,
    log-probs) with no host synchronisation.
-The host work per call is small: pick the bucket, copy inputs into its buffers, plan the
-attention, replay. The plain model (`policies.models.pi05` / `reference.py`) stays the
-reference the tests compare this against.
+The host work per call is small: pick the bucket, copy the images, launch vision, copy the other
+inputs and plan the attention while vision runs, replay the rest. The plain model
+(`policies.models.pi05` / `reference.py`) stays the reference the tests compare this against.
 """
 
 from __future__ import annotations
