@@ -19,13 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import action_io, fp8, fused_mlp, geglu_gemm, overlap, pdl, skinny
+from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, overlap, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -74,7 +73,7 @@ class FastSampler:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._side_stream = None  # overlap.py's stream for denoise step 0, made on first use
         self.step0_pdl = False  # overlapped step 0 with the denoise graph's PDL; False: no PDL, MLP split (overlap.py)
-        self._mask_staging: dict[tuple, tuple[Tensor, Tensor]] = {}  # pinned host copies of the masks (_host_masks)
+        self._mask_staging: dict[tuple, tuple[Tensor, Tensor]] = {}  # pinned mask buffers (call_inputs.host_masks)
         self.early_vision = True  # vision's graph launched before the rest of the inputs are laid out (sample_chains)
         grid = self.w.grid  # fixed per num_steps: baked into the graphs as constants
         deltas, sigmas = flow.step_deltas(grid), flow.sde_sigmas(grid, self.cfg.sampling.noise_level)
@@ -120,7 +119,7 @@ class FastSampler:
         largest = self.fast.batch_buckets[-1]
         chains, logps, keys = [], [], []
         for s in range(0, max(total, 1), largest):  # split: graphs exist only up to the largest bucket
-            part = _rows(inputs, s, s + largest) if total > largest else inputs
+            part = call_inputs.split_rows(inputs, s, s + largest) if total > largest else inputs
             bucket, part, masks = self._select(part)
             self._fill_images(bucket, part)
             mark("images")
@@ -148,7 +147,7 @@ class FastSampler:
         """Pick (and build on first use) the bucket, and copy this call's inputs into it.
         `key` = (batch bucket, prompt bucket[, camera bitmask]) forces a bucket (the consistent
         recompute re-runs rows in the bucket the rollout used); by default the smallest that holds
-        the call. Camera slots masked in every row are left out (`_drop_unused_cameras`).
+        the call. Camera slots masked in every row are left out (`call_inputs.drop_unused_cameras`).
 
         The token layout (valid-first order, RoPE positions, suffix slots) is computed on the
         host from the masks (tiny) and sent as one packed copy; the attention is planned from
@@ -161,14 +160,14 @@ class FastSampler:
     def _select(self, inputs, key: tuple[int, ...] | None = None):
         """prepare's bucket choice: (bucket, inputs without the unused camera slots, host masks)."""
         b = inputs.batch_size
-        token_mask, image_masks = self._host_masks(inputs)
+        token_mask, image_masks = call_inputs.host_masks(inputs, self._mask_staging)
         forced_bits = key[2] if key is not None and len(key) > 2 else None
-        inputs, image_masks, cam_bits = _drop_unused_cameras(inputs, image_masks, forced_bits)
+        inputs, image_masks, cam_bits = call_inputs.drop_unused_cameras(inputs, image_masks, forced_bits)
         columns = token_mask.numpy().any(axis=0).nonzero()[0]  # numpy: this host work delays vision's launch
         used = int(columns[-1]) + 1 if len(columns) else 0  # the longest prompt: up to its last valid token
         if key is None:
-            key = (_pick(self.fast.batch_buckets, b, "batch size"),
-                   _pick(self.fast.prompt_buckets, max(used, 1), "prompt length"))
+            key = (call_inputs.pick(self.fast.batch_buckets, b, "batch size"),
+                   call_inputs.pick(self.fast.prompt_buckets, max(used, 1), "prompt length"))
         elif (key[0] not in self.fast.batch_buckets or key[1] not in self.fast.prompt_buckets
               or b > key[0] or used > key[1]):
             raise ValueError(f"bucket {tuple(key)} (batch, prompt) cannot hold {b} rows with prompts of {used} tokens; "
@@ -288,15 +287,8 @@ class FastSampler:
         masks_key = (token_mask.shape, token_mask.numpy().tobytes(), image_masks.numpy().tobytes())
         if bucket.layout_key == masks_key:
             return
-        rows, prompt_len = bucket.batch, bucket.prompt_len
-        mask = F.pad(token_mask[:, :prompt_len], (0, prompt_len - min(token_mask.shape[1], prompt_len)))
-        image_pad = image_masks[:, :, None].expand(-1, -1, self.cfg.vision.num_patches).flatten(1)
-        valid = _pad_rows(torch.cat([image_pad, mask], dim=1), rows)  # (rows, P) host bool
-        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid tokens first
-        positions = (torch.cumsum(valid.long(), dim=1) - 1).gather(1, order)
-        n_valid = valid.sum(dim=1)
-        suffix = n_valid[:, None] + torch.arange(self.cfg.chunk_size)
-        packed = torch.cat([order.flatten(), positions.flatten(), suffix.flatten()])
+        packed, n_valid = call_inputs.token_layout(image_masks, token_mask, bucket.batch, bucket.prompt_len,
+                                                   self.cfg.vision.num_patches, self.cfg.chunk_size)
         if bucket.staged is not None:
             bucket.staged.synchronize()  # the previous call's copy out of the staging buffer is done
         bucket.host_pack.copy_(packed)
@@ -304,32 +296,13 @@ class FastSampler:
         if self.device.type == "cuda":
             bucket.staged = torch.cuda.Event()
             bucket.staged.record()
-        n_valid = n_valid.to(torch.int32)
         bucket.prefix_attn.plan(n_valid)
         bucket.expert_attn.plan(n_valid + self.cfg.chunk_size)
         bucket.layout_key = masks_key
 
-    def _host_masks(self, inputs) -> tuple[Tensor, Tensor]:
-        """(token mask, image masks) as host bools. From the GPU as asynchronous copies into pinned buffers
-        and one wait: host time here is GPU idle time before vision's launch, and on the H200 box each
-        blocking .cpu() took ~90 us, a cat of the two on the device ~120 (profile_overlap --host-profile).
-        The buffers are reused by the next call of the same shapes, after this call has used them."""
-        masks = (inputs.token_mask, inputs.image_masks)
-        if all(m.device.type == "cpu" for m in masks):
-            return masks[0].bool(), masks[1].bool()
-        key = tuple((tuple(m.shape), m.dtype) for m in masks)
-        if key not in self._mask_staging:
-            self._mask_staging[key] = tuple(torch.empty(m.shape, dtype=m.dtype, pin_memory=True) for m in masks)
-        staging = self._mask_staging[key]
-        for buf, m in zip(staging, masks, strict=True):
-            buf.copy_(m, non_blocking=True)
-        for device in {m.device for m in masks if m.device.type == "cuda"}:
-            torch.cuda.current_stream(device).synchronize()
-        return staging[0].bool(), staging[1].bool()
-
     def _fill_images(self, bucket: Bucket, inputs) -> None:
         """Copy this call's images into the bucket (all the vision stage reads)."""
-        _copy_rows(bucket.tensors["images"], inputs.images)
+        call_inputs.copy_rows(bucket.tensors["images"], inputs.images)
 
     def _fill_rest(self, bucket: Bucket, inputs, masks: tuple[Tensor, Tensor], noise, step_noise, stochastic) -> None:
         """The token layout of the host masks, and this call's tokens and noise into the bucket's buffers."""
@@ -338,10 +311,10 @@ class FastSampler:
         tokens = inputs.tokens[:, : bucket.prompt_len]
         if tokens.shape[1] < t["tokens"].shape[1]:
             t["tokens"].zero_()
-        _copy_rows(t["tokens"][:, : tokens.shape[1]], tokens)
+        call_inputs.copy_rows(t["tokens"][:, : tokens.shape[1]], tokens)
         for name, value in {"noise": noise, "stochastic": stochastic, "step_noise": step_noise}.items():
             if value is not None:
-                _copy_rows(t[name], value)
+                call_inputs.copy_rows(t[name], value)
         if step_noise is None:
             t["step_noise"].normal_()
 
@@ -515,58 +488,3 @@ def _add_norm(h: Tensor, y: Tensor, gate, scale, shift, eps, pdl_code: int = 0):
     if y.dim() == 3:  # split-K partials
         return K.add_rms_norm_partials(h, y, gate, scale, shift, eps, pdl_code)
     return K.add_rms_norm(h, y, gate, scale, shift, eps, pdl_code)
-
-
-def _copy_rows(buf: Tensor, value: Tensor) -> None:
-    """value's rows into buf's first rows; buf's padding rows repeat row 0 (finite numbers, outputs dropped)."""
-    b = value.shape[0]
-    buf[:b].copy_(value, non_blocking=True)
-    if b < buf.shape[0]:
-        buf[b:].copy_(buf[:1].expand_as(buf[b:]))
-
-
-def _drop_unused_cameras(inputs, image_masks: Tensor, cam_bits: int | None = None):
-    """Drop the camera slots masked in EVERY row (e.g. pi0.5's third slot on LIBERO, which has two
-    cameras): their tokens are never attended to (pad keys) and do not advance the RoPE positions,
-    and their SigLIP outputs are never read, so leaving them out changes no output, while it saves
-    a third of the vision tower and of the prefix tokens. `cam_bits` forces the kept set (the
-    consistent recompute re-runs rows with the set their rollout call used).
-    Returns (inputs, host image masks of the kept slots, bitmask of the kept slots)."""
-    cams = image_masks.shape[1]
-    per_slot = image_masks.numpy().any(axis=0)  # numpy, not torch ops: this host time delays vision's launch
-    if cam_bits is None:
-        active = per_slot if per_slot.any() else np.ones(cams, dtype=bool)
-    else:
-        active = np.array([bool(cam_bits >> i & 1) for i in range(cams)])
-        if (per_slot & ~active).any():
-            raise ValueError(f"camera bitmask {cam_bits} drops a camera slot that holds an image in some row "
-                             f"(image masks per slot: {per_slot.tolist()})")
-    bits = sum(1 << i for i in range(cams) if active[i])
-    if active.all():
-        return inputs, image_masks, bits
-    keep = np.flatnonzero(active)
-    first, last = int(keep[0]), int(keep[-1])
-    if last - first + 1 == len(keep):  # a run of slots (LIBERO's first two): views, no copy and no upload
-        images, masks = inputs.images[:, first:last + 1], inputs.image_masks[:, first:last + 1]
-    else:
-        images = inputs.images.index_select(1, torch.as_tensor(keep, device=inputs.images.device))
-        masks = inputs.image_masks.index_select(1, torch.as_tensor(keep, device=inputs.image_masks.device))
-    return type(inputs)(images, masks, inputs.tokens, inputs.token_mask), image_masks[:, keep], bits
-
-
-def _pick(buckets: list[int], value: int, what: str) -> int:
-    for size in buckets:
-        if value <= size:
-            return size
-    raise ValueError(f"{what} {value} exceeds the largest fast-path bucket {buckets[-1]}")
-
-
-def _pad_rows(values: Tensor, rows: int) -> Tensor:
-    if len(values) >= rows:
-        return values
-    return torch.cat([values, values[:1].expand(rows - len(values), *values.shape[1:])])
-
-
-def _rows(inputs, start: int, stop: int):
-    return type(inputs)(inputs.images[start:stop], inputs.image_masks[start:stop], inputs.tokens[start:stop],
-                        inputs.token_mask[start:stop])
