@@ -87,6 +87,7 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
                              generator=torch.Generator().manual_seed(batch)).to(device)
     stoch = torch.zeros(batch, cfg.sampling.num_steps, dtype=torch.bool, device=device)
     stoch[:, 0] = True  # the overlapped step stochastic, as in a rollout's SDE step
+    call_args = (inputs, noise, step_noise, stoch)
     samplers, outputs, errors = {}, {}, {}
     for label in args.variants:
         mode, settings = VARIANTS[label]
@@ -94,7 +95,7 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
                                                     prompt_buckets=[spec["prompt_len"]], overlap=mode))
         for name, value in settings.items():
             setattr(fast, name, value)
-        call = lambda f=fast: f.sample_chains(inputs, noise, step_noise, stoch)  # noqa: E731
+        call = lambda f=fast: f.sample_chains(*call_args)  # noqa: E731
         try:
             outputs[label] = [t.clone() for t in call()]  # builds the bucket, captures the graphs
         except Exception as exc:  # recorded, and the other variants still run
@@ -112,9 +113,8 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
             replay = lambda f=fast, b=bucket, s=after_vision: [f.run_stage(b, x) for x in s]  # noqa: E731
             calls[label].append(common.timed_ms(call, device, 2, args.iters))
             graphs[label].append(common.timed_ms(replay, device, 2, args.iters))
-    breakdown = {label: call_breakdown(fast, (inputs, noise, step_noise, stoch), device, args.iters)
-                 for label, (fast, _) in samplers.items()}
-    hosts = ({label: host_profile(fast, (inputs, noise, step_noise, stoch), device, args.iters)
+    breakdown = {label: call_breakdown(fast, call_args, device, args.iters) for label, (fast, _) in samplers.items()}
+    hosts = ({label: host_profile(fast, call_args, device, args.iters)
               for label, (fast, _) in samplers.items()} if args.host_profile else {})
     identical = {label: all(torch.equal(a, b) for a, b in zip(out, outputs["off"], strict=True))
                  for label, out in outputs.items() if label != "off"}
@@ -152,10 +152,9 @@ def call_breakdown(fast: FastSampler, call_args: tuple, device: torch.device, it
     """Where a whole call's time goes: a CUDA event at the call's start, after the bucket's choice and the
     images' copy ("images": the GPU idle until vision's graph starts), after each stage's graph, after the
     rest of the inputs ("prepare": tokens, noise, layout, done while vision runs) and after the outputs'
-    copy ("end"). Per
-    segment, the median over `iters` calls of `gpu_ms` (event to event: what the call's CUDA-event
-    time adds up from, GPU idle time waiting on the host included) and `host_ms` (wall time for the
-    host to get there). Off CUDA only host times."""
+    copy ("end"). Per segment, the median over `iters` calls of `gpu_ms` (event to event: what the call's
+    CUDA-event time adds up from, GPU idle time waiting on the host included) and `host_ms` (wall time
+    for the host to get there). Off CUDA only host times."""
     cuda = device.type == "cuda"
     samples: dict[str, dict[str, list[float]]] = {}
     for _ in range(iters):
