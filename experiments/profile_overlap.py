@@ -8,17 +8,14 @@ Per (configuration, batch), samplers on the same inputs and noise (`--variants`)
 - "on": vision, then prefix + denoise as one graph with step 0 on a side stream (policies/fast/overlap.py);
 - "on_nopdl": the same, step 0 without PDL and with its MLP split (the default);
 - "off_late" / "on_nopdl_late": vision's graph launched only once all of the call's inputs are in
-  place, as before round 15 (FastSampler.early_vision);
-- "v2" / "v3" (overlap on) and "off_v2": vision as 2 or 3 parallel graph branches of image groups
-  (FastSampler.vision_branches, policies/fast/vision.py; round 16).
+  place, as before round 15 (FastSampler.early_vision).
 Each round times every variant, round-robin, so a drifting clock hits all alike:
 - `call_ms`: a whole `sample_chains` call, as bench_predict times ours (CUDA events around the call,
   host work included), median of --iters;
 - `graphs_ms`: the graphs after vision alone (prefix then denoise, or prefix_denoise), median of --iters;
 - `breakdown`: per variant, a call cut at the images' copy / each graph / the rest of the inputs / the
   outputs' copy (`call_breakdown`).
-Each variant's chains and log-probs are compared with "off"'s bit for bit (`identical`), and by
-relative L2 (`rel_l2`: vision branches may round differently). Off CUDA
+Each variant's chains and log-probs are compared with "off"'s bit for bit (`identical`). Off CUDA
 the variants run without graphs, so "on" is "off" (smoke run: the script's plumbing only).
 """
 
@@ -39,11 +36,9 @@ from policies.fast.runner import FastSampler
 from policies.policy import build_policy
 
 # label: (policy.fast.overlap, FastSampler attributes): step0_pdl (overlap.py), early_vision (vision's graph
-# before the rest of the inputs, round 15), vision_branches (vision.py, round 16)
+# before the rest of the inputs, round 15)
 VARIANTS = {"off": ("off", {}), "on": ("on", {"step0_pdl": True}), "on_nopdl": ("on", {}),
-            "off_late": ("off", {"early_vision": False}), "on_nopdl_late": ("on", {"early_vision": False}),
-            "v2": ("on", {"vision_branches": 2}), "v3": ("on", {"vision_branches": 3}),
-            "off_v2": ("off", {"vision_branches": 2})}
+            "off_late": ("off", {"early_vision": False}), "on_nopdl_late": ("on", {"early_vision": False})}
 DEFAULT_VARIANTS = ["off", "on_nopdl"]  # "on_nopdl" is the default since round 14
 
 
@@ -123,12 +118,9 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
               for label, (fast, _) in samplers.items()} if args.host_profile else {})
     identical = {label: all(torch.equal(a, b) for a, b in zip(out, outputs["off"], strict=True))
                  for label, out in outputs.items() if label != "off"}
-    rel_l2 = {label: [float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
-                      for a, b in zip(out, outputs["off"], strict=True)]
-              for label, out in outputs.items() if label != "off"}
     return {"call_ms": {k: statistics.median(v) for k, v in calls.items()}, "call_ms_rounds": calls,
             "graphs_ms": {k: statistics.median(v) for k, v in graphs.items()}, "graphs_ms_rounds": graphs,
-            "breakdown": breakdown, "host_profile": hosts, "identical": identical, "rel_l2": rel_l2, "errors": errors,
+            "breakdown": breakdown, "host_profile": hosts, "identical": identical, "errors": errors,
             "rows": batch * cfg.chunk_size}
 
 

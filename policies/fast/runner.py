@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, overlap, pdl, skinny, vision
+from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, overlap, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -75,8 +75,6 @@ class FastSampler:
         self.step0_pdl = False  # overlapped step 0 with the denoise graph's PDL; False: no PDL, MLP split (overlap.py)
         self._mask_staging: dict[tuple, tuple[Tensor, Tensor]] = {}  # pinned mask buffers (call_inputs.host_masks)
         self.early_vision = True  # vision's graph launched before the rest of the inputs are laid out (sample_chains)
-        self.vision_branches = 1  # image groups the vision stage runs as parallel graph branches (vision.py)
-        self._vision_streams: list[torch.cuda.Stream] = []
         grid = self.w.grid  # fixed per num_steps: baked into the graphs as constants
         deltas, sigmas = flow.step_deltas(grid), flow.sde_sigmas(grid, self.cfg.sampling.noise_level)
         self.step_constants = [(float(grid[k]), float(deltas[k]), float(sigmas[k]), -1.0 / self.num_steps)
@@ -322,13 +320,22 @@ class FastSampler:
 
     # ------------------------------------------------------------------ stages
     def _stage_vision(self, bk: Bucket) -> None:
-        vision.stage_vision(self, bk)
-
-    def vision_streams(self, count: int) -> list[torch.cuda.Stream]:
-        """`count` side streams for vision's branches (vision.py), created once and reused."""
-        while len(self._vision_streams) < count:
-            self._vision_streams.append(torch.cuda.Stream(device=self.device))
-        return self._vision_streams[:count]
+        t, w, cfg = bk.tensors, self.w.vision, self.cfg.vision
+        imgs = t["images"].flatten(0, 1)
+        h = _patch_embed(imgs, w["patch"], w["pos"], cfg.patch_size)  # residual stream, updated in place
+        n, (tok, width) = imgs.shape[0], w["pos"].shape
+        layers, eps = w["layers"], cfg.layer_norm_eps
+        _, y = K.add_layer_norm(h, None, layers[0]["ln1"].weight, layers[0]["ln1"].bias, eps)
+        for i, lw in enumerate(layers):
+            qkv = fp8.project(y, lw["qkv"]).view(n, tok, 3, cfg.num_heads, -1)  # FP8 or bf16 (fp8.py)
+            qkv = qkv.permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape(n * tok, width)
+            out = fp8.project(a, lw["out"])
+            h, y = K.add_layer_norm(h, out, lw["ln2"].weight, lw["ln2"].bias, eps)
+            mlp = fp8.mlp(y, lw["fc1"], lw["fc2"], "gelu_tanh")
+            norm = layers[i + 1]["ln1"] if i + 1 < len(layers) else w["post_ln"]  # next pre-norm, or post_ln
+            h, y = K.add_layer_norm(h, mlp, norm.weight, norm.bias, eps)
+        t["image_embeddings"].view(-1, self.cfg.prefix.width).copy_(fp8.project(y, w["proj"]))
 
     def _embed_prompt(self, bk: Bucket) -> None:
         """The prefix's input: image and prompt embeddings in the token order (valid tokens first). Not in
@@ -432,6 +439,17 @@ class FastSampler:
         out = action_io.add_norm_action_out(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, w.action_out.weight,
                                             w.action_out.bias, pdl_code)
         return out.view(b, hlen, d)
+
+
+def _patch_embed(images: Tensor, patch, pos: Tensor, size: int) -> Tensor:
+    """SigLIP's patch embedding, (N, 3, R, R) -> (N * R*R/size^2, width) with the position embedding
+    added: the stride-`size` convolution as one GEMM over the unfolded patches (on the H200 cuDNN's
+    convolution plus its NCHW/NHWC layout kernels took ~2 ms at 128 images; the GEMM ~0.1 ms)."""
+    n, c, res, _ = images.shape
+    side = res // size
+    patches = images.view(n, c, side, size, side, size).permute(0, 2, 4, 1, 3, 5).reshape(n * side * side, -1)
+    x = F.linear(patches, patch.weight.view(patch.weight.shape[0], -1), patch.bias)
+    return x.view(n, side * side, -1).add_(pos).view(n * side * side, -1)
 
 
 def _project(x: Tensor, lw, tile, pdl_code: int = 0) -> Tensor:

@@ -178,7 +178,7 @@ def test_camera_masked_in_every_row_is_skipped_exactly(dropped):
 
 def test_patch_embed_gemm_equals_the_convolution():
     """The fast path's patch embedding (one GEMM over unfolded patches) is SigLIP's strided conv."""
-    from policies.fast.vision import patch_embed as _patch_embed
+    from policies.fast.runner import _patch_embed
 
     g = torch.Generator().manual_seed(2)
     conv = torch.nn.Conv2d(3, 24, kernel_size=7, stride=7)
