@@ -85,6 +85,7 @@ def measure_ours(policy: Policy, precision: str, batch: int, prompt_len: int, in
     bucket = next(iter(fast.buckets.values()))
     row["geglu_tile"] = geglu_gemm.tile_label(bucket.geglu_tile)
     row["call_stages"] = list(fast.call_stages(bucket))  # with policy.fast.overlap: vision, prefix_denoise
+    row["overlap_ms"] = bucket.overlap_ms  # overlap "auto": the two ways' replay medians at the first call
     if gap_calls:
         try:  # rollouts plus plain-path recomputes: a few times the sampler's call each
             budget.require(gap_calls * 4 * timing["ms"] / 1e3, f"log-prob gap {precision} b={batch}")

@@ -8,7 +8,9 @@ Per (configuration, batch), samplers on the same inputs and noise (`--variants`)
 - "on": vision, then prefix + denoise as one graph with step 0 on a side stream (policies/fast/overlap.py);
 - "on_nopdl": the same, step 0 without PDL and with its MLP split (the default);
 - "off_late" / "on_nopdl_late": vision's graph launched only once all of the call's inputs are in
-  place, as before round 15 (FastSampler.early_vision).
+  place, as before round 15 (FastSampler.early_vision);
+- "auto": the default since round 16, which up to overlap.AUTO_MAX_ROWS times both ways at the bucket's
+  first call and keeps the faster (overlap.pick; its choice and timings are in `overlap`).
 Each round times every variant, round-robin, so a drifting clock hits all alike:
 - `call_ms`: a whole `sample_chains` call, as bench_predict times ours (CUDA events around the call,
   host work included), median of --iters;
@@ -38,8 +40,9 @@ from policies.policy import build_policy
 # label: (policy.fast.overlap, FastSampler attributes): step0_pdl (overlap.py), early_vision (vision's graph
 # before the rest of the inputs, round 15)
 VARIANTS = {"off": ("off", {}), "on": ("on", {"step0_pdl": True}), "on_nopdl": ("on", {}),
-            "off_late": ("off", {"early_vision": False}), "on_nopdl_late": ("on", {"early_vision": False})}
-DEFAULT_VARIANTS = ["off", "on_nopdl"]  # "on_nopdl" is the default since round 14
+            "off_late": ("off", {"early_vision": False}), "on_nopdl_late": ("on", {"early_vision": False}),
+            "auto": ("auto", {})}
+DEFAULT_VARIANTS = ["off", "on_nopdl", "auto"]  # "auto" is the default since round 16 ("on_nopdl" in rounds 14-15)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -116,11 +119,13 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
     breakdown = {label: call_breakdown(fast, call_args, device, args.iters) for label, (fast, _) in samplers.items()}
     hosts = ({label: host_profile(fast, call_args, device, args.iters)
               for label, (fast, _) in samplers.items()} if args.host_profile else {})
+    chosen = {label: {"overlap": b.overlap, "overlap_ms": b.overlap_ms}
+              for label, (fast, _) in samplers.items() for b in fast.buckets.values()}
     identical = {label: all(torch.equal(a, b) for a, b in zip(out, outputs["off"], strict=True))
                  for label, out in outputs.items() if label != "off"}
     return {"call_ms": {k: statistics.median(v) for k, v in calls.items()}, "call_ms_rounds": calls,
             "graphs_ms": {k: statistics.median(v) for k, v in graphs.items()}, "graphs_ms_rounds": graphs,
-            "breakdown": breakdown, "host_profile": hosts, "identical": identical, "errors": errors,
+            "breakdown": breakdown, "host_profile": hosts, "identical": identical, "overlap": chosen, "errors": errors,
             "rows": batch * cfg.chunk_size}
 
 
@@ -187,7 +192,7 @@ def print_row(name: str, batch: int, row: dict) -> None:
     parts = [f"{label} {ms:.3f} ({ms / off - 1:+.1%})" for label, ms in row["call_ms"].items()]
     graphs = "  ".join(f"{label} {ms:.3f}" for label, ms in row["graphs_ms"].items())
     print(f"{name} b{batch}: call ms {'  '.join(parts)} | prefix+denoise graphs ms {graphs} | "
-          f"bit-identical {row['identical']}", flush=True)
+          f"bit-identical {row['identical']} | auto chose {row['overlap'].get('auto')}", flush=True)
     for label, prof in row["host_profile"].items():
         shown = "  ".join(f"{r['function']} {r['cum_us']:.0f}" for r in prof["by_cumulative"][:12])
         print(f"    {label} host us per call, cumulative: {shown}", flush=True)

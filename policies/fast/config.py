@@ -65,8 +65,9 @@ class FastConfig:
     fused_mlp.AUTO_ROWS rows (batch x chunk), where it was measured faster.
     overlap: the prefix and the denoise loop as one CUDA graph whose first denoise step runs on a
     second stream, each expert layer waiting only for that prefix layer's K/V (policies/fast/overlap.py):
-    "on", "off", or "auto" (on up to overlap.AUTO_MAX_ROWS denoise rows: batch x chunk). Needs CUDA
-    graphs; the numerics do not change."""
+    "on", "off", or "auto" (off above overlap.AUTO_MAX_ROWS denoise rows, batch x chunk; up to it both
+    ways are timed at a bucket's first call and the faster kept, overlap.pick). Needs CUDA graphs; the
+    numerics do not change."""
 
     enabled: bool = False
     cuda_graphs: bool = True

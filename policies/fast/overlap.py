@@ -24,30 +24,71 @@ graph's PDL and MLP plan. H200, whole calls, overlap off / on with step-0 PDL / 
 PhyAI b1 14.470 / 14.569 / 14.360, b2 23.863 / 23.870 / 23.415, b32 254.37 / 255.44 / 254.96; LIBERO b1
 8.524 / 8.540 / 8.299, b2 12.240 / 12.207 / 12.118, b4 20.614 / 20.284 / 20.344, b16 72.45 / 73.13 / 72.67,
 b64 269.56 / 269.63 / 270.19; bit-identical chains in every case. Hence "auto" up to 128 denoise rows.
+Later runs put PhyAI b1 at +0.1% to +0.8% (H200, four runs) and +1.4% (H100, round 16) against off, while
+LIBERO b1-b4 and PhyAI b2 kept gaining: so since round 16 "auto" times both ways at a bucket's first
+call and keeps the faster (`pick`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 
 import torch
 
 from policies.fast.config import OVERLAP_CHOICES
 
-# "auto" overlaps up to this many denoise rows (batch x chunk): LIBERO b1-b4 and PhyAI b2 gained 1-2.6% a call,
-# PhyAI b1 0.8%; at 160 rows and more (LIBERO b16, b64, PhyAI b32) the calls were 0.2-0.4% slower (docstring).
+# "auto" considers the overlap up to this many denoise rows (batch x chunk) and keeps it where it times faster
+# (`pick`): LIBERO b1-b4 and PhyAI b2 gained 1-4% a call on the H200 and the H100, PhyAI b1 lost 0.1-1.4% in
+# five runs since round 14; at 160 rows and more (LIBERO b16, b64, PhyAI b32) it was 0.2-0.4% slower (docstring).
 AUTO_MAX_ROWS = 128
+TIMING_ROUNDS, TIMING_REPLAYS = 5, 3  # pick: round-robin rounds, replays of each way per round
 
 
-def choose(mode: str, rows: int, graphs: bool) -> bool:
+def choose(mode: str, rows: int, graphs: bool) -> bool | None:
     """Whether a bucket of `rows` denoise rows (batch x chunk) runs prefix and denoise as one overlapped
-    graph: never without CUDA graphs (the side stream is a graph branch), "on" / "off" as said,
-    "auto" up to AUTO_MAX_ROWS rows."""
+    graph: never without CUDA graphs (the side stream is a graph branch), "on" / "off" as said; "auto"
+    off above AUTO_MAX_ROWS and None up to it: `pick` times both ways at the bucket's first call."""
     if mode not in OVERLAP_CHOICES:
         raise ValueError(f"policy.fast.overlap must be one of {OVERLAP_CHOICES}, got {mode!r}")
     if not graphs or mode == "off":
         return False
-    return mode == "on" or rows <= AUTO_MAX_ROWS
+    if mode == "on":
+        return True
+    return None if rows <= AUTO_MAX_ROWS else False
+
+
+def pick(sampler, bucket, timer=None, rounds: int = TIMING_ROUNDS, replays: int = TIMING_REPLAYS) -> bool:
+    """"auto" at a bucket's first call, once vision and the inputs are in place: capture the prefix and
+    denoise graphs and the overlapped one, replay the two ways round-robin (`rounds` rounds of `replays`
+    replays each, `timer(fn)` -> ms, CUDA events by default), keep the faster by median and drop the
+    other way's graphs. Both compute the same bits (module docstring), so the choice changes only time.
+    The medians go to `bucket.overlap_ms` (bench_predict records them)."""
+    ways = {False: ("prefix", "denoise"), True: ("prefix_denoise",)}
+    timer = timer or (lambda fn: _cuda_ms(fn, sampler.device))
+    times = {way: [] for way in ways}
+    for stages in ways.values():  # capture (and one replay) before any timing
+        for stage in stages:
+            sampler.run_stage(bucket, stage)
+    for _ in range(rounds):
+        for way, stages in ways.items():
+            replay = lambda st=stages: [sampler.run_stage(bucket, s) for _ in range(replays) for s in st]  # noqa: E731
+            times[way].append(timer(replay))
+    medians = {way: statistics.median(ts) / replays for way, ts in times.items()}
+    chosen = medians[True] < medians[False]
+    for stage in ways[not chosen]:
+        del bucket.graphs[stage]
+    bucket.overlap_ms = {"off": medians[False], "on": medians[True]}
+    return chosen
+
+
+def _cuda_ms(fn, device: torch.device) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end)
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:

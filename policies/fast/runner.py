@@ -53,7 +53,8 @@ class Bucket:
     host_pack: Tensor | None = None  # pinned staging buffer of tensors["index_pack"]
     staged: object = None  # CUDA event recorded after the last copy out of host_pack
     layout_key: tuple | None = None  # the masks whose token layout index_pack and the attention plans hold
-    overlap: bool = False  # prefix and denoise as one graph, step 0 under the prefix (overlap.py)
+    overlap: bool | None = False  # prefix + denoise as one graph, step 0 under the prefix; None: to time (overlap.py)
+    overlap_ms: dict | None = None  # overlap.pick's medians of the two ways, ms
 
 
 class FastSampler:
@@ -123,14 +124,18 @@ class FastSampler:
             bucket, part, masks = self._select(part)
             self._fill_images(bucket, part)
             mark("images")
-            stages = list(self.call_stages(bucket))
             if self.early_vision:  # vision reads only the images: it runs while the host lays out the rest
-                self.run_stage(bucket, stages[0])
-                mark(stages.pop(0))
+                self.run_stage(bucket, "vision")
+                mark("vision")
             self._fill_rest(bucket, part, masks, noise[s:s + largest],
                             None if step_noise is None else step_noise[s:s + largest], stochastic[s:s + largest])
             mark("prepare")
-            for stage in stages:
+            if not self.early_vision:
+                self.run_stage(bucket, "vision")
+                mark("vision")
+            if bucket.overlap is None:  # overlap "auto" at the bucket's first call: the faster way on these inputs
+                bucket.overlap = overlap.pick(self, bucket)
+            for stage in self.call_stages(bucket)[1:]:  # after vision
                 self.run_stage(bucket, stage)
                 mark(stage)
             t, rows = bucket.tensors, part.batch_size
@@ -178,7 +183,8 @@ class FastSampler:
         return bucket, inputs, (image_masks, token_mask)
 
     def call_stages(self, bucket: Bucket) -> tuple[str, ...]:
-        """The stages one call runs: STAGES, or with overlap vision then prefix + denoise as one graph."""
+        """The stages one call runs, vision first: STAGES, or with overlap vision then prefix + denoise as one
+        graph (an undecided "auto" bucket, before its first call, counts as not overlapped)."""
         return OVERLAPPED_STAGES if bucket.overlap else STAGES
 
     def side_stream(self) -> torch.cuda.Stream:

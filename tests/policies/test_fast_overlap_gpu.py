@@ -57,3 +57,24 @@ def test_overlapped_graph_sees_weight_updates_without_recapture():
         assert torch.equal(a, b)
     assert next(iter(fast.buckets.values())).graphs["prefix_denoise"] is graph
 
+
+
+def test_auto_times_both_ways_once_and_keeps_one():
+    """overlap "auto" (overlap.pick): at the bucket's first call both ways are captured and timed, one way's
+    graphs stay, later calls reuse them, and the chains equal the stages-in-order ones bit for bit."""
+    policy = build_policy(gpu_cfg("bfloat16"), device="cuda")
+    inputs, noise, step_noise, stoch = inputs_for(policy.cfg, 1, seed=5)
+    auto = FastSampler(policy.model, FastConfig(attention="triton", batch_buckets=[1], prompt_buckets=[48]))
+    off = FastSampler(policy.model, FastConfig(attention="triton", batch_buckets=[1], prompt_buckets=[48],
+                                               overlap="off"))
+    first = auto.sample_chains(inputs, noise, step_noise, stoch)
+    bucket = next(iter(auto.buckets.values()))
+    assert isinstance(bucket.overlap, bool) and set(bucket.overlap_ms) == {"off", "on"}
+    assert set(bucket.graphs) == set(auto.call_stages(bucket))
+    graphs = dict(bucket.graphs)
+    again = auto.sample_chains(inputs, noise, step_noise, stoch)
+    assert bucket.graphs == graphs  # no second timing, no re-capture
+    want = off.sample_chains(inputs, noise, step_noise, stoch)
+    for got in (first, again):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)

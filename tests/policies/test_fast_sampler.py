@@ -227,15 +227,47 @@ def test_prefix_denoise_stage_equals_prefix_then_denoise(step0_pdl):
 def test_overlap_choice_follows_the_mode_rows_and_graphs():
     from policies.fast import overlap
 
-    assert overlap.choose("auto", overlap.AUTO_MAX_ROWS, graphs=True)
-    assert not overlap.choose("auto", overlap.AUTO_MAX_ROWS + 1, graphs=True)
-    assert overlap.choose("on", 10 * overlap.AUTO_MAX_ROWS, graphs=True)
-    assert not overlap.choose("off", 1, graphs=True)
-    assert not overlap.choose("on", 1, graphs=False)  # the side stream is a branch of the graph
+    assert overlap.choose("auto", overlap.AUTO_MAX_ROWS, graphs=True) is None  # timed at the first call (pick)
+    assert overlap.choose("auto", overlap.AUTO_MAX_ROWS + 1, graphs=True) is False
+    assert overlap.choose("auto", 1, graphs=False) is False
+    assert overlap.choose("on", 10 * overlap.AUTO_MAX_ROWS, graphs=True) is True
+    assert overlap.choose("off", 1, graphs=True) is False
+    assert overlap.choose("on", 1, graphs=False) is False  # the side stream is a branch of the graph
     with pytest.raises(ValueError, match="policy.fast.overlap must be one of"):
         overlap.choose("sometimes", 1, graphs=True)
     with pytest.raises(ValueError, match="policy.fast.overlap must be one of"):
         FastConfig(overlap="sometimes")
+
+
+@pytest.mark.parametrize(("on_ms", "want"), [(9.0, True), (11.0, False)])
+def test_overlap_pick_keeps_the_faster_way_and_drops_the_other_graphs(on_ms, want):
+    """overlap.pick on a stand-in sampler whose stages cost fixed times (one noisy round each way):
+    it captures both ways first, times them round-robin, keeps the faster by median, deletes the rest."""
+    from types import SimpleNamespace
+
+    from policies.fast import overlap
+
+    cost = {"prefix": 4.0, "denoise": 6.0, "prefix_denoise": on_ms}
+    runs = []
+    bucket = SimpleNamespace(graphs={}, overlap_ms=None)
+
+    def run_stage(bk, stage):
+        runs.append(stage)
+        bk.graphs.setdefault(stage, object())
+
+    noisy = iter([0.0, 0.0, 100.0, 0.0, 0.0, -100.0, 0.0, 0.0])  # an outlier round each way: the median ignores it
+
+    def timer(fn):
+        before = len(runs)
+        fn()
+        return sum(cost[s] for s in runs[before:]) + next(noisy)
+
+    chosen = overlap.pick(SimpleNamespace(run_stage=run_stage), bucket, timer=timer, rounds=4, replays=2)
+    assert chosen is want
+    assert runs[:3] == ["prefix", "denoise", "prefix_denoise"]  # captured before the timed rounds
+    assert runs[3:7] == ["prefix", "denoise", "prefix", "denoise"]  # a round: `replays` replays of one way
+    assert set(bucket.graphs) == ({"prefix_denoise"} if want else {"prefix", "denoise"})
+    assert bucket.overlap_ms == {"off": 10.0, "on": on_ms}
 
 
 def test_overlap_call_runs_vision_then_prefix_denoise(policy):
