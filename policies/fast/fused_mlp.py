@@ -1,7 +1,7 @@
 """The expert's MLP (gate/up + GeGLU, then down) at few rows as one launch, its two GEMMs joined by
 arrival counters instead of a kernel boundary.
 
-Why: at batch 1 the denoise loop is bound by its chain of dependent kernels, not by HBM (README,
+Why: at batch 1 the denoise loop is bound by its chain of dependent kernels, not by HBM (docs/predict.md,
 "The denoise loop at small batch"). Split in two kernels, `down` starts only once every gate/up
 program has finished and the grid's completion has been signalled (PDL's wait), although each of
 its split-K programs reads only one K slice of the activation, which 32 of the 256 gate/up programs

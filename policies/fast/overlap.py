@@ -2,7 +2,7 @@
 step on a second stream (`policy.fast.overlap`).
 
 Why: at small batch the prefix's GEMMs fill the GPU's tensor cores while the denoise loop is a chain
-of small latency-bound kernels (README, "The denoise loop at small batch"). The expert's layer i in
+of small latency-bound kernels (docs/predict.md, "The denoise loop at small batch"). The expert's layer i in
 step 0 needs only the prefix's K/V of layer i, which the prefix writes at the start of its layer i,
 not the whole prefix. So step 0 runs on a high-priority side stream of the same graph: it forks at
 the start of the prefix, each of its layers waits on an event recorded right after the prefix's
