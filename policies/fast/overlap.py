@@ -24,8 +24,8 @@ graph's PDL and MLP plan. H200, whole calls, overlap off / on with step-0 PDL / 
 PhyAI b1 14.470 / 14.569 / 14.360, b2 23.863 / 23.870 / 23.415, b32 254.37 / 255.44 / 254.96; LIBERO b1
 8.524 / 8.540 / 8.299, b2 12.240 / 12.207 / 12.118, b4 20.614 / 20.284 / 20.344, b16 72.45 / 73.13 / 72.67,
 b64 269.56 / 269.63 / 270.19; bit-identical chains in every case. Hence "auto" up to 128 denoise rows.
-Later runs put PhyAI b1 at +0.1% to +0.8% (H200, four runs) and +1.4% (H100, round 16) against off, while
-LIBERO b1-b4 and PhyAI b2 kept gaining: so since round 16 "auto" times both ways at a bucket's first
+Later runs put PhyAI b1 between -0.3% and +0.8% (H200, five runs) and at +1.4% (H100, round 16) against
+off, while LIBERO b1-b4 and PhyAI b2 kept gaining: so since round 16 "auto" times both ways at a bucket's first
 call and keeps the faster (`pick`).
 """
 
@@ -39,8 +39,9 @@ import torch
 from policies.fast.config import OVERLAP_CHOICES
 
 # "auto" considers the overlap up to this many denoise rows (batch x chunk) and keeps it where it times faster
-# (`pick`): LIBERO b1-b4 and PhyAI b2 gained 1-4% a call on the H200 and the H100, PhyAI b1 lost 0.1-1.4% in
-# five runs since round 14; at 160 rows and more (LIBERO b16, b64, PhyAI b32) it was 0.2-0.4% slower (docstring).
+# (`pick`): LIBERO b1-b4 and PhyAI b2 gained 1-4% a call on the H200 and the H100, PhyAI b1 measured -0.3% to
+# +1.4% in six runs since round 14; at 160 rows and more (LIBERO b16, b64, PhyAI b32) it was 0.2-0.4% slower
+# (docstring).
 AUTO_MAX_ROWS = 128
 TIMING_ROUNDS, TIMING_REPLAYS = 5, 3  # pick: round-robin rounds, replays of each way per round
 
