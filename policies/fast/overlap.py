@@ -39,7 +39,7 @@ import torch
 from policies.fast.config import OVERLAP_CHOICES
 
 # "auto" considers the overlap up to this many denoise rows (batch x chunk) and keeps it where it times faster
-# (`pick`): LIBERO b1-b4 and PhyAI b2 gained 1-4% a call on the H200 and the H100, PhyAI b1 measured -0.3% to
+# (`pick`): LIBERO b1-b4 and PhyAI b2 gained 1-4% a call in most runs, PhyAI b1 measured -0.3% to
 # +1.4% in six runs since round 14; at 160 rows and more (LIBERO b16, b64, PhyAI b32) it was 0.2-0.4% slower
 # (docstring).
 AUTO_MAX_ROWS = 128
