@@ -225,13 +225,15 @@ def graph_call_ms(fn, calls: int = 10, replays: int = 10) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    times.sort()
+    times = sorted(event_ms(graph.replay) / calls for _ in range(replays))
     return times[len(times) // 2]
+
+
+def event_ms(fn, device: torch.device | None = None) -> float:
+    """GPU ms of whatever `fn` enqueues on the current stream: CUDA events around it, then a wait."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end)

@@ -36,6 +36,7 @@ import statistics
 
 import torch
 
+from policies.fast.attention import event_ms
 from policies.fast.config import OVERLAP_CHOICES
 
 # "auto" considers the overlap up to this many denoise rows (batch x chunk) and keeps it where it times faster
@@ -66,7 +67,7 @@ def pick(sampler, bucket, timer=None, rounds: int = TIMING_ROUNDS, replays: int 
     other way's graphs. Both compute the same bits (module docstring), so the choice changes only time.
     The medians go to `bucket.overlap_ms` (bench_predict records them)."""
     ways = {False: ("prefix", "denoise"), True: ("prefix_denoise",)}
-    timer = timer or (lambda fn: _cuda_ms(fn, sampler.device))
+    timer = timer or (lambda fn: event_ms(fn, sampler.device))
     times = {way: [] for way in ways}
     for stages in ways.values():  # capture (and one replay) before any timing
         for stage in stages:
@@ -81,15 +82,6 @@ def pick(sampler, bucket, timer=None, rounds: int = TIMING_ROUNDS, replays: int 
         del bucket.graphs[stage]
     bucket.overlap_ms = {"off": medians[False], "on": medians[True]}
     return chosen
-
-
-def _cuda_ms(fn, device: torch.device) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end)
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
