@@ -182,6 +182,20 @@ TILE_SETS = {
     "o_s4k128": {"o": T(64, 128, 4)},
     # round 12: round 11's two 50-row tiles together at the other row counts (PhyAI b2: 100 rows)
     "qkv_s2_o_s4": {"qkv": T(64, 64, 2), "o": T(64, 64, 4)},
+    # round 17: SkinnyTile.preload (each program's whole weight slab loaded before the PDL wait, then one
+    # dot), the 50-row tiles' shapes, with 4 or 8 warps; gate_up and down share warps when the MLP is fused
+    "pre_o": {"o": T(64, 64, 4, preload=True)},
+    "pre_o_w8": {"o": T(64, 64, 4, warps=8, preload=True)},
+    "pre_qkv": {"qkv": T(64, 64, 2, preload=True)},
+    "pre_qkv_o": {"qkv": T(64, 64, 2, preload=True), "o": T(64, 64, 4, preload=True)},
+    "pre_qkv_o_w8": {"qkv": T(64, 64, 2, warps=8, preload=True), "o": T(64, 64, 4, warps=8, preload=True)},
+    "pre_down": {"down": T(64, 64, 8, preload=True), "gate_up": T(16, 128, 1, prefetch=0)},
+    "pre_down_w8": {"down": T(64, 64, 8, warps=8, preload=True), "gate_up": T(16, 128, 1, warps=8, prefetch=0)},
+    "pre_mlp_w8": {"down": T(64, 64, 8, warps=8, preload=True), "gate_up": T(16, 128, 1, warps=8, preload=True)},
+    "pre_3": {"qkv": T(64, 64, 2, preload=True), "o": T(64, 64, 4, preload=True), "down": T(64, 64, 8, preload=True),
+              "gate_up": T(16, 128, 1, prefetch=0)},
+    "pre_all_w8": {"qkv": T(64, 64, 2, warps=8, preload=True), "o": T(64, 64, 4, warps=8, preload=True),
+                   "down": T(64, 64, 8, warps=8, preload=True), "gate_up": T(16, 128, 1, warps=8, preload=True)},
 }
 
 

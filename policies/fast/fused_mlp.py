@@ -50,19 +50,24 @@ def _kernel():
     @triton.jit
     def gate_up_role(program, x_ptr, wgu_ptr, act_ptr, sync_ptr, M, F, stride_xm, stride_wgu,
                      K_GU: tl.constexpr, K_SPLIT: tl.constexpr, SLICES: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
-                     IEEE: tl.constexpr, PDL: tl.constexpr):
+                     BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr,
+                     UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         """gate/up + GeGLU: skinny.py's tile, then count in on the K slice of down it belongs to."""
         pid_n = program % (F // BN)
         pid_m = program // (F // BN)
         rows = pid_m * BM + tl.arange(0, BM)
         row_ok = rows < M
         cols = pid_n * BN + tl.arange(0, BN)
-        if PDL and PREFETCH > 0:
+        if PRELOAD:  # skinny.SkinnyTile.preload: the slab into registers while the predecessor runs
+            w, w_up = C.load_slab(wgu_ptr, cols, 0, stride_wgu, F, K_GU, True)
+        elif PDL and PREFETCH > 0:
             C.prefetch_slab(wgu_ptr, cols, 0, stride_wgu, F, PREFETCH, True)
         C.pdl_wait(PDL)  # the predecessor is done: x is visible
-        act = C.skinny_accumulate(x_ptr, wgu_ptr, rows, row_ok, cols, 0, stride_xm, stride_wgu, F, K_GU, True,
-                                  BM, BN, BK, UPCAST, IEEE)
+        if PRELOAD:
+            act = C.skinny_preloaded(x_ptr, w, w_up, rows, row_ok, 0, stride_xm, K_GU, True, UPCAST, IEEE)
+        else:
+            act = C.skinny_accumulate(x_ptr, wgu_ptr, rows, row_ok, cols, 0, stride_xm, stride_wgu, F, K_GU, True,
+                                      BM, BN, BK, UPCAST, IEEE)
         tl.store(act_ptr + rows[:, None] * F + cols[None, :], act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None])
         tl.debug_barrier()  # every thread's store is done before the release
         tl.atomic_add(sync_ptr + 1 + pid_m * SLICES + (pid_n * BN) // K_SPLIT, 1, sem="release", scope="gpu")
@@ -70,8 +75,8 @@ def _kernel():
     @triton.jit
     def down_role(program, act_ptr, wd_ptr, out_ptr, sync_ptr, M, F, N, stride_wd, D_COLUMNS,
                   K_SPLIT: tl.constexpr, SLICES: tl.constexpr, PRODUCERS: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
-                  IEEE: tl.constexpr, PDL: tl.constexpr):
+                  BN: tl.constexpr, BK: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr,
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         """down, split-K: wait for the PRODUCERS gate/up programs of this program's K slice only."""
         pid_n = program % D_COLUMNS
         split = (program // D_COLUMNS) % SLICES
@@ -80,7 +85,9 @@ def _kernel():
         row_ok = rows < M
         cols = pid_n * BN + tl.arange(0, BN)
         k0 = split * K_SPLIT
-        if PREFETCH > 0:  # the slab needs nothing from the producers: into L2 while they run
+        if PRELOAD:  # the slab needs nothing from the producers: into registers while they run
+            w, w_up = C.load_slab(wd_ptr, cols, k0, stride_wd, 0, K_SPLIT, False)
+        elif PREFETCH > 0:  # the slab needs nothing from the producers: into L2 while they run
             C.prefetch_slab(wd_ptr, cols, k0, stride_wd, 0, PREFETCH, False)
         C.pdl_wait(PDL)  # before any write (buffers the allocator reuses)
         counter = sync_ptr + 1 + pid_m * SLICES + split
@@ -88,8 +95,11 @@ def _kernel():
         while seen < PRODUCERS:
             seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()  # the acquire orders every thread's reads of the slice after it
-        acc = C.skinny_accumulate(act_ptr, wd_ptr, rows, row_ok, cols, k0, F, stride_wd, 0, K_SPLIT, False,
-                                  BM, BN, BK, UPCAST, IEEE)
+        if PRELOAD:
+            acc = C.skinny_preloaded(act_ptr, w, w_up, rows, row_ok, k0, F, K_SPLIT, False, UPCAST, IEEE)
+        else:
+            acc = C.skinny_accumulate(act_ptr, wd_ptr, rows, row_ok, cols, k0, F, stride_wd, 0, K_SPLIT, False,
+                                      BM, BN, BK, UPCAST, IEEE)
         tl.store(out_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None])
 
     @triton.jit
@@ -98,15 +108,16 @@ def _kernel():
                          K_GU: tl.constexpr, K_SPLIT: tl.constexpr, SLICES: tl.constexpr, PRODUCERS: tl.constexpr,
                          BM: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr,
                          BK_D: tl.constexpr, PREFETCH_GU: tl.constexpr, PREFETCH_D: tl.constexpr,
-                         UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                         PRELOAD_GU: tl.constexpr, PRELOAD_D: tl.constexpr, UPCAST: tl.constexpr,
+                         IEEE: tl.constexpr, PDL: tl.constexpr):
         ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")  # this program's role, in start order
         C.pdl_trigger_early(PDL)
         if ticket < GU_PROGRAMS:
             gate_up_role(ticket, x_ptr, wgu_ptr, act_ptr, sync_ptr, M, F, stride_xm, stride_wgu, K_GU, K_SPLIT,
-                         SLICES, BM, BN_GU, BK_GU, PREFETCH_GU, UPCAST, IEEE, PDL)
+                         SLICES, BM, BN_GU, BK_GU, PREFETCH_GU, PRELOAD_GU, UPCAST, IEEE, PDL)
         else:
             down_role(ticket - GU_PROGRAMS, act_ptr, wd_ptr, out_ptr, sync_ptr, M, F, N, stride_wd, D_COLUMNS,
-                      K_SPLIT, SLICES, PRODUCERS, BM, BN_D, BK_D, PREFETCH_D, UPCAST, IEEE, PDL)
+                      K_SPLIT, SLICES, PRODUCERS, BM, BN_D, BK_D, PREFETCH_D, PRELOAD_D, UPCAST, IEEE, PDL)
 
     return fused_mlp_kernel
 
@@ -187,6 +198,7 @@ def fused_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, gate_up: SkinnyTile,
         PRODUCERS=k_split // gate_up.block_n, BM=gate_up.block_m, BN_GU=gate_up.block_n, BK_GU=gate_up.block_k,
         BN_D=down.block_n, BK_D=down.block_k, PREFETCH_GU=prefetch_lines(k, gate_up.prefetch, w_gate_up),
         PREFETCH_D=prefetch_lines(k_split, down.prefetch, w_down) if pdl else 0,
+        PRELOAD_GU=gate_up.preload, PRELOAD_D=down.preload,
         UPCAST=triton_interpreting(), IEEE=x.dtype == torch.float32, PDL=pdl,
         num_warps=gate_up.warps, num_stages=gate_up.stages, **launch_kwargs(pdl),
     )

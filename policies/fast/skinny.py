@@ -33,13 +33,16 @@ from policies.fast.pdl import launch_kwargs
 
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
 PREFETCH_SHARES = (0, 1, 2, 4)  # SkinnyTile.prefetch: none, all, the first half or quarter of the slab
+PRELOAD_MAX_ELEMENTS = 65536  # SkinnyTile.preload: the weight slab and the x slab each held whole (128 KB of bf16)
 
 
 @dataclass(frozen=True)
 class SkinnyTile:
     """block_n x block_k weight tiles, `splits` slices of K (1 for gelu_mul), block_m rows per program;
     with PDL each program first pulls 1/`prefetch` of its weight slab into L2 (0: none), while the
-    predecessor still runs."""
+    predecessor still runs. `preload`: each program instead loads its whole weight slab into registers
+    before the PDL wait, then its whole x slab and one dot over the K slice (block_k unused): after the
+    wait only x's load and the MMAs remain."""
 
     block_n: int = 32
     block_k: int = 128
@@ -48,6 +51,7 @@ class SkinnyTile:
     warps: int = 4
     stages: int = 4
     prefetch: int = 1
+    preload: bool = False
 
     def __post_init__(self):
         if self.prefetch not in PREFETCH_SHARES:
@@ -64,6 +68,19 @@ class SkinnyTile:
             return f"N={cols} is not a multiple of block_n={self.block_n}"
         if min(self.block_n, self.block_k, self.block_m) < 16:
             return "tl.dot needs block sizes >= 16"
+        if self.preload:
+            return self._preload_problem(k // self.splits, gelu_mul)
+        return None
+
+    def _preload_problem(self, k_split: int, gelu_mul: bool) -> str | None:
+        """Why `preload` cannot hold this slab: one tl.arange over the K slice (a power of two), and at most
+        PRELOAD_MAX_ELEMENTS each for the weight slab (gate and up with gelu_mul) and the x slab."""
+        if k_split & (k_split - 1):
+            return f"preload needs a power-of-two K slice, got {k_split}"
+        slab = self.block_n * k_split * (2 if gelu_mul else 1)
+        if max(slab, self.block_m * k_split) > PRELOAD_MAX_ELEMENTS:
+            return (f"preload holds at most {PRELOAD_MAX_ELEMENTS} elements per slab, got weights {slab} and "
+                    f"x {self.block_m * k_split}")
         return None
 
 
@@ -91,18 +108,23 @@ def _kernel():
     def skinny_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, stride_xm, stride_wn, pair_offset,
                       K_SPLIT: tl.constexpr, GELU_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                      PREFETCH_LINES: tl.constexpr):
+                      PREFETCH_LINES: tl.constexpr, PRELOAD: tl.constexpr):
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
         row_ok = rows < M
         k0 = split * K_SPLIT
         C.pdl_trigger_early(PDL)
-        if PDL and PREFETCH_LINES > 0:  # the weights need nothing from the predecessor: into L2 first
+        if PRELOAD:  # the whole slab into registers while the predecessor runs (it needs nothing from it)
+            w, w_up = C.load_slab(w_ptr, cols, k0, stride_wn, pair_offset, K_SPLIT, GELU_MUL)
+        elif PDL and PREFETCH_LINES > 0:  # the weights need nothing from the predecessor: into L2 first
             C.prefetch_slab(w_ptr, cols, k0, stride_wn, pair_offset, PREFETCH_LINES, GELU_MUL)
         C.pdl_wait(PDL)  # the predecessor is done: its activations are visible
-        acc = C.skinny_accumulate(x_ptr, w_ptr, rows, row_ok, cols, k0, stride_xm, stride_wn, pair_offset,
-                                  K_SPLIT, GELU_MUL, BM, BN, BK, UPCAST, IEEE)
+        if PRELOAD:
+            acc = C.skinny_preloaded(x_ptr, w, w_up, rows, row_ok, k0, stride_xm, K_SPLIT, GELU_MUL, UPCAST, IEEE)
+        else:
+            acc = C.skinny_accumulate(x_ptr, w_ptr, rows, row_ok, cols, k0, stride_xm, stride_wn, pair_offset,
+                                      K_SPLIT, GELU_MUL, BM, BN, BK, UPCAST, IEEE)
         dst = out_ptr + split * M * N_OUT + rows[:, None] * N_OUT + cols[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -144,7 +166,7 @@ def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = 
     _kernel()[grid](x, weight, out, m, cols, x.stride(0), weight.stride(0), cols, K_SPLIT=k_split,
                     GELU_MUL=gelu_mul, BM=tile.block_m, BN=tile.block_n, BK=tile.block_k,
                     UPCAST=triton_interpreting(), IEEE=x.dtype == torch.float32, PDL=pdl,
-                    PREFETCH_LINES=prefetch_lines(k_split, tile.prefetch, weight),
+                    PREFETCH_LINES=prefetch_lines(k_split, tile.prefetch, weight), PRELOAD=tile.preload,
                     num_warps=tile.warps, num_stages=tile.stages, **launch_kwargs(pdl))
     return out
 

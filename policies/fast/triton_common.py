@@ -75,6 +75,16 @@ def prefetch_slab(w_ptr, cols, k0, stride_wn, pair_offset, LINES: tl.constexpr, 
 
 
 @triton.jit
+def skinny_dot(x, w, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + x @ w in fp32 for the skinny tiles (bf16 or fp32 operands)."""
+    if UPCAST:  # the CPU interpreter's bf16 tl.dot returns garbage (Triton 3.x); fp32 there
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    if IEEE:  # fp32 operands: full fp32 products, as cuBLAS without TF32
+        return tl.dot(x, w, acc, input_precision="ieee")
+    return tl.dot(x, w, acc)
+
+
+@triton.jit
 def skinny_accumulate(x_ptr, w_ptr, rows, row_ok, cols, k0, stride_xm, stride_wn, pair_offset,
                       K_SPLIT: tl.constexpr, GELU_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
@@ -87,24 +97,39 @@ def skinny_accumulate(x_ptr, w_ptr, rows, row_ok, cols, k0, stride_xm, stride_wn
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for _ in range(0, K_SPLIT, BK):
         x = tl.load(x_tile, mask=row_ok[:, None], other=0.0)
-        w = tl.load(w_tile)
-        if UPCAST:  # the CPU interpreter's bf16 tl.dot returns garbage (Triton 3.x); fp32 there
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        if IEEE:  # fp32 operands: full fp32 products, as cuBLAS without TF32
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+        acc = skinny_dot(x, tl.load(w_tile), acc, UPCAST, IEEE)
         if GELU_MUL:
-            w_up = tl.load(w_tile + pair_offset * stride_wn)
-            if UPCAST:
-                w_up = w_up.to(tl.float32)
-            if IEEE:
-                acc_up = tl.dot(x, w_up, acc_up, input_precision="ieee")
-            else:
-                acc_up = tl.dot(x, w_up, acc_up)
+            acc_up = skinny_dot(x, tl.load(w_tile + pair_offset * stride_wn), acc_up, UPCAST, IEEE)
         x_tile += BK
         w_tile += BK
     if GELU_MUL:  # gelu_tanh(gate) * up, the GeGLU kernel's formula
+        acc = gelu_tanh(acc) * acc_up
+    return acc
+
+
+@triton.jit
+def load_slab(w_ptr, cols, k0, stride_wn, pair_offset, K_SPLIT: tl.constexpr, GELU_MUL: tl.constexpr):
+    """A skinny program's whole weight slab W[cols, k0:k0+K_SPLIT]^T (K_SPLIT, BN) into registers, and
+    with GELU_MUL the up rows' too (else the same tensor again). Needs nothing from the predecessor, so
+    SkinnyTile.preload issues it before the PDL wait: its HBM latency overlaps the predecessor."""
+    ks = tl.arange(0, K_SPLIT)
+    tile = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None]
+    w = tl.load(tile)
+    w_up = w
+    if GELU_MUL:
+        w_up = tl.load(tile + pair_offset * stride_wn)
+    return w, w_up
+
+
+@triton.jit
+def skinny_preloaded(x_ptr, w, w_up, rows, row_ok, k0, stride_xm, K_SPLIT: tl.constexpr,
+                     GELU_MUL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """skinny_accumulate's result from load_slab's slab: the x slab in one load, one dot over K_SPLIT."""
+    ks = tl.arange(0, K_SPLIT)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
+    acc = skinny_dot(x, w, tl.zeros((x.shape[0], w.shape[1]), dtype=tl.float32), UPCAST, IEEE)
+    if GELU_MUL:
+        acc_up = skinny_dot(x, w_up, tl.zeros((x.shape[0], w.shape[1]), dtype=tl.float32), UPCAST, IEEE)
         acc = gelu_tanh(acc) * acc_up
     return acc
 

@@ -44,6 +44,19 @@ def test_fused_equals_the_two_kernels(m, block_m, splits, dtype):
     assert torch.equal(got, _two_kernels(x, w_gate_up, w_down, gate_up, down))
 
 
+@pytest.mark.parametrize("preload_gate_up,preload_down", [(True, False), (False, True), (True, True)])
+def test_fused_with_preloaded_slabs_equals_the_two_kernels(preload_gate_up, preload_down):
+    """SkinnyTile.preload in either role: the same as the two skinny kernels with the same tiles."""
+    m, dtype = 50, torch.float32
+    x, w_gate_up, w_down = _operands(m, 64, 128, 96, seed=5, dtype=dtype)
+    gate_up = SkinnyTile(block_n=16, block_k=32, splits=1, block_m=64, preload=preload_gate_up)
+    down = SkinnyTile(block_n=32, block_k=32, splits=2, block_m=64, preload=preload_down)
+    got = fused_mlp.fused_mlp(x, w_gate_up, w_down, gate_up, down)
+    assert torch.equal(got, _two_kernels(x, w_gate_up, w_down, gate_up, down))
+    streamed = _two_kernels(x, w_gate_up, w_down, SkinnyTile(16, 32, 1, block_m=64), SkinnyTile(32, 32, 2, block_m=64))
+    assert float((got - streamed).norm() / streamed.norm()) < 1e-5
+
+
 def test_sync_buffer_is_checked_and_counts_every_program():
     m, gate_up, down = 20, SkinnyTile(16, 32, 1, block_m=16), SkinnyTile(32, 32, 2, block_m=16)
     x, w_gate_up, w_down = _operands(m, 64, 64, 64, seed=1, dtype=torch.float32)

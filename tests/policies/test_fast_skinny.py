@@ -66,6 +66,29 @@ def test_gelu_mul_tails_are_finite_and_exact():
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m,splits,block_m,gelu_mul,dtype", [
+    (50, 2, 64, False, torch.bfloat16), (10, 4, 16, False, torch.float32), (70, 1, 32, False, torch.bfloat16),
+    (50, 1, 64, True, torch.bfloat16), (20, 1, 32, True, torch.float32),
+])
+def test_preloaded_slab_matches_streamed_tile(m, splits, block_m, gelu_mul, dtype):
+    """SkinnyTile.preload (whole slab before the PDL wait, one dot) computes what the K loop does."""
+    x, w = _operands(m, 96, 256, seed=7 * m + splits, dtype=dtype)
+    streamed = SkinnyTile(block_n=16 if gelu_mul else 32, block_k=32, splits=splits, block_m=block_m)
+    preloaded = SkinnyTile(**{**vars(streamed), "preload": True})
+    got = skinny.skinny_linear(x, w, preloaded, gelu_mul=gelu_mul)
+    want = skinny.skinny_linear(x, w, streamed, gelu_mul=gelu_mul)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert rel(got, want) < (8e-3 if gelu_mul and dtype == torch.bfloat16 else 1e-5)
+    assert rel(got, skinny.skinny_linear_reference(x, w, splits, gelu_mul)) < (8e-3 if gelu_mul else 1e-5)
+
+
+def test_preload_refuses_what_it_cannot_hold():
+    assert "power-of-two K slice" in SkinnyTile(32, 32, 3, preload=True).fits(50, 64, 288)
+    too_wide = SkinnyTile(block_n=128, block_k=64, splits=1, preload=True)
+    assert "at most 65536 elements" in too_wide.fits(50, 1024, 1024)
+    assert SkinnyTile(block_n=64, block_k=64, splits=2, preload=True).fits(50, 2560, 1024) is None
+
+
 def test_tile_that_does_not_fit_names_the_problem():
     x, w = _operands(50, 64, 96, seed=1)
     with pytest.raises(ValueError, match="K=96 is not a multiple of splits x block_k"):
