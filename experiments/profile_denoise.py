@@ -24,6 +24,7 @@ import itertools
 import os
 import statistics
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
@@ -194,6 +195,11 @@ TILE_SETS = {
     "pre_mlp_w8": {"down": T(64, 64, 8, warps=8, preload=True), "gate_up": T(16, 128, 1, warps=8, preload=True)},
     "pre_3": {"qkv": T(64, 64, 2, preload=True), "o": T(64, 64, 4, preload=True), "down": T(64, 64, 8, preload=True),
               "gate_up": T(16, 128, 1, prefetch=0)},
+    "pre_down_only": {"down": T(64, 64, 8, preload=True)},
+    # the other projections preloaded at TUNED's splits (the 10-32-row tiles' K slices)
+    "pre_gu32": {"gate_up": T(32, 64, 1, preload=True)},
+    "pre_qkv_s4": {"qkv": T(64, 64, 4, preload=True)},
+    "pre_o_s8": {"o": T(64, 64, 8, preload=True)},
     "pre_all_w8": {"qkv": T(64, 64, 2, warps=8, preload=True), "o": T(64, 64, 4, warps=8, preload=True),
                    "down": T(64, 64, 8, warps=8, preload=True), "gate_up": T(16, 128, 1, warps=8, preload=True)},
 }
@@ -204,12 +210,29 @@ def tuned_for(policy, tile_set: str | None) -> tuple[dict, dict]:
     every row count: the row table loses the shapes the set names (None: both unchanged)."""
     if tile_set is None:
         return dict(skinny.TUNED), dict(skinny.TUNED_BY_ROWS)
+    if tile_set.startswith("nopreload"):  # "nopreload[_<projection>]": the tuned tiles, SkinnyTile.preload off
+        return _without_preload(policy, tile_set.partition("_")[2] or None)
     if tile_set not in TILE_SETS:
         raise ValueError(f"unknown tile set {tile_set!r}; known: {sorted(TILE_SETS)}")
     shapes = expert_shapes(policy)
     overrides = {shapes[name]: tile for name, tile in TILE_SETS[tile_set].items()}
     by_rows = {shape: rows for shape, rows in skinny.TUNED_BY_ROWS.items() if shape not in overrides}
     return {**skinny.TUNED, **overrides}, by_rows
+
+
+def _without_preload(policy, projection: str | None) -> tuple[dict, dict]:
+    """(skinny.TUNED, skinny.TUNED_BY_ROWS) with SkinnyTile.preload off for `projection`'s tiles (None: all)."""
+    shapes = expert_shapes(policy)
+    if projection is not None and projection not in shapes:
+        raise ValueError(f"unknown projection {projection!r} in tile set nopreload_{projection}; "
+                         f"known: {sorted(shapes)}")
+
+    def strip(shape, tile):
+        return replace(tile, preload=False) if projection is None or shape == shapes[projection] else tile
+
+    by_rows = {shape: tuple((a, b, strip(shape, t)) for a, b, t in rows)
+               for shape, rows in skinny.TUNED_BY_ROWS.items()}
+    return {shape: strip(shape, t) for shape, t in skinny.TUNED.items()}, by_rows
 
 
 def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:

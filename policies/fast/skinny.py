@@ -203,11 +203,19 @@ TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
 # 9.216 (9.179-9.227) for TUNED's, faster in every round; at 10 and 20 rows +0.01 / +0.02 ms
 # (profile_denoise_nvidia-h200_20261202-104824.json), so their range runs to 128 rows (AUTO_MAX_ROWS;
 # 65-99 and 101-128 rows not timed).
+# Round 17, SkinnyTile.preload (profile_denoise_nvidia-h200_20261202-195219.json, 3 rounds round-robin,
+# denoise stage in ms): `o` preloaded at 100 rows (PhyAI b2) 8.41 against 8.97, but at 50 rows 6.33
+# against 6.27 and at 10 / 20 rows 2.61 / 2.94 against 2.44 / 2.87; `down` preloaded (with a 16 x 128
+# gate_up tile) at 10 / 20 rows (LIBERO b1 / b2) 2.37 / 2.58 against 2.44 / 2.87, bit-identical chains;
+# inside the fused MLP at 50 rows 6.90 against 6.27 (its 128 KB of shared memory leave one program per SM).
 TUNED_BY_ROWS: dict[tuple[int, int, bool], tuple[tuple[int, int, SkinnyTile], ...]] = {
     (8192, 1024, True): ((17, 32, SkinnyTile(block_n=32, block_k=128, splits=1)),
                          (33, 64, SkinnyTile(block_n=16, block_k=128, splits=1, prefetch=0))),
-    (1024, 2048, False): ((33, 128, SkinnyTile(block_n=64, block_k=64, splits=4)),),
+    (1024, 2048, False): ((33, 64, SkinnyTile(block_n=64, block_k=64, splits=4)),
+                          (65, 128, SkinnyTile(block_n=64, block_k=64, splits=4, preload=True))),
     (2560, 1024, False): ((33, 128, SkinnyTile(block_n=64, block_k=64, splits=2)),),
+    (1024, 4096, False): ((1, 32, SkinnyTile(block_n=64, block_k=64, splits=8, preload=True)),
+                          (65, 128, SkinnyTile(block_n=64, block_k=64, splits=8, preload=True))),
 }
 
 

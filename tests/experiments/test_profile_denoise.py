@@ -57,11 +57,31 @@ def test_tile_set_replaces_the_row_table_for_the_shapes_it_names(monkeypatch):
     monkeypatch.setattr(profile_denoise, "expert_shapes", lambda policy: shapes)
     tuned, by_rows = profile_denoise.tuned_for(None, "s4")
     assert tuned[shapes["gate_up"]] == profile_denoise.TILE_SETS["s4"]["gate_up"] and shapes["gate_up"] not in by_rows
-    tuned, by_rows = profile_denoise.tuned_for(None, "down32")  # down has no row table: by_rows unchanged
-    assert by_rows == skinny.TUNED_BY_ROWS and tuned[shapes["down"]] == profile_denoise.TILE_SETS["down32"]["down"]
+    tuned, by_rows = profile_denoise.tuned_for(None, "down32")
+    assert shapes["down"] not in by_rows and tuned[shapes["down"]] == profile_denoise.TILE_SETS["down32"]["down"]
     tuned, by_rows = profile_denoise.tuned_for(None, "qkv32")
     assert shapes["qkv"] not in by_rows and tuned[shapes["qkv"]] == profile_denoise.TILE_SETS["qkv32"]["qkv"]
     assert profile_denoise.tuned_for(None, None) == (skinny.TUNED, skinny.TUNED_BY_ROWS)
+
+
+def test_nopreload_keeps_the_row_tables_with_preload_off(monkeypatch):
+    """"nopreload" times the tuned tiles as they were before SkinnyTile.preload; "nopreload_o" only o's."""
+    from policies.fast import skinny
+
+    shapes = {"qkv": (2560, 1024, False), "o": (1024, 2048, False), "gate_up": (8192, 1024, True),
+              "down": (1024, 4096, False)}
+    monkeypatch.setattr(profile_denoise, "expert_shapes", lambda policy: shapes)
+    assert any(t.preload for rows in skinny.TUNED_BY_ROWS.values() for _, _, t in rows)
+    tuned, by_rows = profile_denoise.tuned_for(None, "nopreload")
+    assert not any(t.preload for rows in by_rows.values() for _, _, t in rows)
+    ranges = [(a, b) for a, b, _ in skinny.TUNED_BY_ROWS[shapes["down"]]]
+    assert [(a, b) for a, b, _ in by_rows[shapes["down"]]] == ranges
+    assert tuned == skinny.TUNED
+    _, by_rows = profile_denoise.tuned_for(None, "nopreload_o")
+    assert not any(t.preload for _, _, t in by_rows[shapes["o"]])
+    assert by_rows[shapes["down"]] == skinny.TUNED_BY_ROWS[shapes["down"]]
+    with pytest.raises(ValueError, match="unknown projection 'up'"):
+        profile_denoise.tuned_for(None, "nopreload_up")
 
 
 def test_every_tile_set_fits_the_expert_at_the_goal_row_counts():

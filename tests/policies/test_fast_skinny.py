@@ -182,6 +182,19 @@ def test_o_and_qkv_split_k_less_at_33_to_128_rows(shape, splits):
     assert skinny.choose_tile("skinny", 50, *shape, torch.device("cpu")).splits == splits
 
 
+def test_preload_follows_the_row_count():
+    """Round 17's in-graph winners: down preloaded up to 32 rows and at 65-128 (the MLP split there), o at
+    65-128; neither at 33-64 rows, where the MLP runs fused, nor past the skinny kernels' 128 rows."""
+    down, o = (1024, 4096, False), (1024, 2048, False)
+    for rows in (1, 10, 32, 65, 100, 128):
+        assert skinny.tuned_tile(rows, *down).preload and skinny.tuned_tile(rows, *down).splits == 8
+    for rows in (33, 50, 64, 129):
+        assert not skinny.tuned_tile(rows, *down).preload
+    assert [skinny.tuned_tile(rows, *o).preload for rows in (10, 32, 50, 64, 65, 100, 128, 129)] == [
+        False, False, False, False, True, True, True, False]
+    assert skinny.choose_tile("skinny", 10, *down, torch.device("cpu")).preload
+
+
 def test_prefetch_share_is_validated_and_kept_by_choose_tile(monkeypatch):
     with pytest.raises(ValueError, match="SkinnyTile.prefetch must be one of"):
         SkinnyTile(prefetch=3)
