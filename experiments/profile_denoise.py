@@ -197,7 +197,6 @@ TILE_SETS = {
               "gate_up": T(16, 128, 1, prefetch=0)},
     "pre_down_only": {"down": T(64, 64, 8, preload=True)},
     # the other projections preloaded at TUNED's splits (the 10-32-row tiles' K slices)
-    "pre_gu32": {"gate_up": T(32, 64, 1, preload=True)},
     "pre_qkv_s4": {"qkv": T(64, 64, 4, preload=True)},
     "pre_o_s8": {"o": T(64, 64, 8, preload=True)},
     "pre_all_w8": {"qkv": T(64, 64, 2, warps=8, preload=True), "o": T(64, 64, 4, warps=8, preload=True),

@@ -33,7 +33,9 @@ from policies.fast.pdl import launch_kwargs
 
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
 PREFETCH_SHARES = (0, 1, 2, 4)  # SkinnyTile.prefetch: none, all, the first half or quarter of the slab
-PRELOAD_MAX_ELEMENTS = 65536  # SkinnyTile.preload: the weight slab and the x slab each held whole (128 KB of bf16)
+# SkinnyTile.preload: the weight slab and the x slab are staged whole in shared memory, at most this many
+# elements together (192 KB of bf16 of the H100/H200's 227 KB a block; 256 KB failed to launch on the H200)
+PRELOAD_MAX_ELEMENTS = 98304
 
 
 @dataclass(frozen=True)
@@ -74,13 +76,13 @@ class SkinnyTile:
 
     def _preload_problem(self, k_split: int, gelu_mul: bool) -> str | None:
         """Why `preload` cannot hold this slab: one tl.arange over the K slice (a power of two), and at most
-        PRELOAD_MAX_ELEMENTS each for the weight slab (gate and up with gelu_mul) and the x slab."""
+        PRELOAD_MAX_ELEMENTS for the weight slab (gate and up with gelu_mul) and the x slab together."""
         if k_split & (k_split - 1):
             return f"preload needs a power-of-two K slice, got {k_split}"
         slab = self.block_n * k_split * (2 if gelu_mul else 1)
-        if max(slab, self.block_m * k_split) > PRELOAD_MAX_ELEMENTS:
-            return (f"preload holds at most {PRELOAD_MAX_ELEMENTS} elements per slab, got weights {slab} and "
-                    f"x {self.block_m * k_split}")
+        if slab + self.block_m * k_split > PRELOAD_MAX_ELEMENTS:
+            return (f"preload holds at most {PRELOAD_MAX_ELEMENTS} elements of weight and x slabs, got weights "
+                    f"{slab} and x {self.block_m * k_split}")
         return None
 
 

@@ -85,7 +85,10 @@ def test_preloaded_slab_matches_streamed_tile(m, splits, block_m, gelu_mul, dtyp
 def test_preload_refuses_what_it_cannot_hold():
     assert "power-of-two K slice" in SkinnyTile(32, 32, 3, preload=True).fits(50, 64, 288)
     too_wide = SkinnyTile(block_n=128, block_k=64, splits=1, preload=True)
-    assert "at most 65536 elements" in too_wide.fits(50, 1024, 1024)
+    assert "at most 98304 elements" in too_wide.fits(50, 1024, 1024)
+    # gate and up 32 wide over K = 1024 with 64 rows of x: 256 KB of shared memory, which failed to launch
+    assert "got weights 65536 and x 65536" in SkinnyTile(32, 64, 1, preload=True).fits(50, 8192, 1024, True)
+    assert SkinnyTile(16, 128, 1, preload=True).fits(50, 8192, 1024, True) is None
     assert SkinnyTile(block_n=64, block_k=64, splits=2, preload=True).fits(50, 2560, 1024) is None
 
 
