@@ -62,7 +62,8 @@ class FastConfig:
     mlp: the expert's gate/up + GeGLU and down projections in the denoise loop: "split" as two skinny
     kernels, "fused" as one launch joined by per-slice arrival counters (policies/fast/fused_mlp.py)
     wherever both run skinny tiles that fit it (elsewhere split), "auto" fused there with PDL on at
-    fused_mlp.AUTO_ROWS rows (batch x chunk), where it was measured faster.
+    fused_mlp.AUTO_ROWS rows (batch x chunk), where it was measured faster, unless down's tile preloads
+    its weights (skinny.SkinnyTile.preload; the tuned tiles do at 1-64 rows, which split then won).
     overlap: the prefix and the denoise loop as one CUDA graph whose first denoise step runs on a
     second stream, each expert layer waiting only for that prefix layer's K/V (policies/fast/overlap.py):
     "on", "off", or "auto" (off above overlap.AUTO_MAX_ROWS denoise rows, batch x chunk; up to it both

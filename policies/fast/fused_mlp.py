@@ -157,13 +157,14 @@ AUTO_ROWS = (33, 64)
 def choose(mode: str, m: int, gate_up_shape, down_shape, gate_up: SkinnyTile | None, down: SkinnyTile | None,
            pdl_code: int) -> bool:
     """Whether the MLP runs fused (`policy.fast.mlp`): "split" never; "fused" wherever `unfit` finds nothing;
-    "auto" there too, only at AUTO_ROWS rows and with PDL on (its programs take their tickets and pull the
-    weights into L2 while the predecessor runs)."""
+    "auto" there too, only at AUTO_ROWS rows, with PDL on (its programs take their tickets and pull the
+    weights into L2 while the predecessor runs) and with a down tile that does not preload (split, a
+    preloaded down kernel measured faster than the fused launch at 40 and 50 rows: skinny.TUNED_BY_ROWS)."""
     if mode not in MLP_CHOICES:
         raise ValueError(f"policy.fast.mlp must be one of {MLP_CHOICES}, got {mode!r}")
     if mode == "split" or unfit(m, gate_up_shape, down_shape, gate_up, down) is not None:
         return False
-    return mode == "fused" or (bool(pdl_code) and AUTO_ROWS[0] <= m <= AUTO_ROWS[1])
+    return mode == "fused" or (bool(pdl_code) and AUTO_ROWS[0] <= m <= AUTO_ROWS[1] and not down.preload)
 
 
 def fused_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, gate_up: SkinnyTile, down: SkinnyTile,

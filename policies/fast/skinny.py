@@ -205,19 +205,25 @@ TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
 # 9.216 (9.179-9.227) for TUNED's, faster in every round; at 10 and 20 rows +0.01 / +0.02 ms
 # (profile_denoise_nvidia-h200_20261202-104824.json), so their range runs to 128 rows (AUTO_MAX_ROWS;
 # 65-99 and 101-128 rows not timed).
-# Round 17, SkinnyTile.preload (profile_denoise_nvidia-h200_20261202-195219.json, 3 rounds round-robin,
-# denoise stage in ms): `o` preloaded at 100 rows (PhyAI b2) 8.41 against 8.97, but at 50 rows 6.33
-# against 6.27 and at 10 / 20 rows 2.61 / 2.94 against 2.44 / 2.87; `down` preloaded (with a 16 x 128
-# gate_up tile) at 10 / 20 rows (LIBERO b1 / b2) 2.37 / 2.58 against 2.44 / 2.87, bit-identical chains;
-# inside the fused MLP at 50 rows 6.90 against 6.27 (its 128 KB of shared memory leave one program per SM).
+# Round 17, SkinnyTile.preload (benchmarks/results/profile_denoise_nvidia-h200_20261202-195219.json, 3 rounds,
+# and ..._200212.json / ..._200259.json, 5 rounds round-robin; a call between them, whose LIBERO b1 / b2 rows
+# were printed but not written, gave the second qkv pair below), denoise stage in ms, preloaded against not:
+# - down, split MLP: 10 rows (LIBERO b1) 2.175 / 2.304, 20 rows 2.563 / 2.728 (chains bit-identical), 40 rows
+#   2.444 against 2.494 fused, 50 rows (PhyAI b1) 6.155 against 6.294 fused (fused_mlp.choose's "auto" splits
+#   a preloaded down); at 80 rows 3.443 / 3.261 and 100 rows 8.964 / 8.899 it lost; inside the fused MLP at
+#   50 rows 6.90 / 6.27 (128 KB of shared memory leave one program per SM);
+# - o: 100 rows (PhyAI b2) 8.426 / 8.899 and 8.41 / 8.97 (two calls); 80 rows (LIBERO b8) 3.393 / 3.261; at
+#   50 rows 6.33 / 6.27 and at 10 / 20 rows 2.61 / 2.94 against 2.44 / 2.87;
+# - qkv with TUNED's 4 K splits: 10 rows 2.162 / 2.175 and 2.176 / 2.181, 20 rows 2.520 / 2.563 and
+#   2.530 / 2.561 (bit-identical chains); with 2 splits at 50 rows 6.38 / 6.27.
 TUNED_BY_ROWS: dict[tuple[int, int, bool], tuple[tuple[int, int, SkinnyTile], ...]] = {
     (8192, 1024, True): ((17, 32, SkinnyTile(block_n=32, block_k=128, splits=1)),
                          (33, 64, SkinnyTile(block_n=16, block_k=128, splits=1, prefetch=0))),
-    (1024, 2048, False): ((33, 64, SkinnyTile(block_n=64, block_k=64, splits=4)),
-                          (65, 128, SkinnyTile(block_n=64, block_k=64, splits=4, preload=True))),
-    (2560, 1024, False): ((33, 128, SkinnyTile(block_n=64, block_k=64, splits=2)),),
-    (1024, 4096, False): ((1, 32, SkinnyTile(block_n=64, block_k=64, splits=8, preload=True)),
-                          (65, 128, SkinnyTile(block_n=64, block_k=64, splits=8, preload=True))),
+    (1024, 2048, False): ((33, 80, SkinnyTile(block_n=64, block_k=64, splits=4)),
+                          (81, 128, SkinnyTile(block_n=64, block_k=64, splits=4, preload=True))),
+    (2560, 1024, False): ((1, 32, SkinnyTile(block_n=64, block_k=64, splits=4, preload=True)),
+                          (33, 128, SkinnyTile(block_n=64, block_k=64, splits=2))),
+    (1024, 4096, False): ((1, 64, SkinnyTile(block_n=64, block_k=64, splits=8, preload=True)),),
 }
 
 

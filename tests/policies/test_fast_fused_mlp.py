@@ -91,6 +91,9 @@ def test_choose_follows_the_mode_and_pdl():
     assert not fused_mlp.choose("auto", *shapes, 0) and not fused_mlp.choose("split", *shapes, 1)
     assert not fused_mlp.choose("fused", 50, (8192, 1024), (1024, 4096), None, down, 1)
     assert fused_mlp.choose("fused", 20, *shapes[1:], 0) and not fused_mlp.choose("auto", 20, *shapes[1:], 1)
+    preloaded = SkinnyTile(64, 64, 8, block_m=64, preload=True)  # split won against fused at 40 and 50 rows
+    assert not fused_mlp.choose("auto", 50, (8192, 1024), (1024, 4096), gate_up, preloaded, 1)
+    assert fused_mlp.choose("fused", 50, (8192, 1024), (1024, 4096), gate_up, preloaded, 1)
     with pytest.raises(ValueError, match="policy.fast.mlp must be one of"):
         fused_mlp.choose("on", *shapes, 1)
     with pytest.raises(ValueError, match="policy.fast.mlp must be one of"):

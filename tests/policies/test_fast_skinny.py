@@ -2,6 +2,7 @@
 PyTorch on fresh random inputs: Triton's interpreter on CPU, compiled on a CUDA machine."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -171,7 +172,7 @@ def test_gate_up_tile_follows_the_row_count():
     assert (skinny.tuned_tile(20, *shape).block_n, skinny.tuned_tile(20, *shape).block_k) == (32, 128)
     tile = skinny.choose_tile("skinny", 50, *shape, torch.device("cpu"))
     assert (tile.block_n, tile.block_k, tile.block_m) == (16, 128, 64)
-    assert skinny.tuned_tile(20, 2560, 1024, False) == skinny.TUNED[(2560, 1024, False)]
+    assert skinny.tuned_tile(20, 2560, 1024, False) == replace(skinny.TUNED[(2560, 1024, False)], preload=True)
 
 
 @pytest.mark.parametrize("shape,splits", [((1024, 2048, False), 4), ((2560, 1024, False), 2)])
@@ -180,21 +181,23 @@ def test_o_and_qkv_split_k_less_at_33_to_128_rows(shape, splits):
     at 32 rows and fewer, and past the skinny kernels' 128 rows."""
     for rows in (33, 50, 64, 100, 128):
         assert skinny.tuned_tile(rows, *shape).splits == splits
-    assert skinny.tuned_tile(10, *shape) == skinny.TUNED[shape] == skinny.tuned_tile(32, *shape)
+    assert replace(skinny.tuned_tile(10, *shape), preload=False) == skinny.TUNED[shape]
+    assert skinny.tuned_tile(10, *shape) == skinny.tuned_tile(32, *shape)
     assert skinny.tuned_tile(129, *shape) == skinny.TUNED[shape]
     assert skinny.choose_tile("skinny", 50, *shape, torch.device("cpu")).splits == splits
 
 
 def test_preload_follows_the_row_count():
-    """Round 17's in-graph winners: down preloaded up to 32 rows and at 65-128 (the MLP split there), o at
-    65-128; neither at 33-64 rows, where the MLP runs fused, nor past the skinny kernels' 128 rows."""
-    down, o = (1024, 4096, False), (1024, 2048, False)
-    for rows in (1, 10, 32, 65, 100, 128):
+    """Round 17's in-graph winners: down preloaded up to 64 rows (the MLP then split), qkv up to 32, o at
+    81-128; none past the skinny kernels' 128 rows."""
+    down, o, qkv = (1024, 4096, False), (1024, 2048, False), (2560, 1024, False)
+    for rows in (1, 10, 32, 50, 64):
         assert skinny.tuned_tile(rows, *down).preload and skinny.tuned_tile(rows, *down).splits == 8
-    for rows in (33, 50, 64, 129):
-        assert not skinny.tuned_tile(rows, *down).preload
-    assert [skinny.tuned_tile(rows, *o).preload for rows in (10, 32, 50, 64, 65, 100, 128, 129)] == [
-        False, False, False, False, True, True, True, False]
+    assert not any(skinny.tuned_tile(rows, *down).preload for rows in (65, 80, 100, 129))
+    assert [skinny.tuned_tile(rows, *o).preload for rows in (10, 32, 50, 64, 80, 81, 100, 128, 129)] == [
+        False, False, False, False, False, True, True, True, False]
+    assert [(t.preload, t.splits) for t in (skinny.tuned_tile(r, *qkv) for r in (10, 32, 33, 129))] == [
+        (True, 4), (True, 4), (False, 2), (False, 4)]
     assert skinny.choose_tile("skinny", 10, *down, torch.device("cpu")).preload
 
 
