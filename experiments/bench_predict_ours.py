@@ -54,7 +54,7 @@ class SameChoiceSelector(AttentionSelector):
         name = self.chosen.get(f"{stage}/b{batch}/q{queries}/s{rows}")
         if name is None:
             return super().build(stage, batch, queries, rows, heads, kv_heads, head_dim, dtype, device, key_len)
-        backend = self.candidates(batch, queries, rows, heads, kv_heads, head_dim, dtype, device)[name]()
+        backend = self.candidates(batch, queries, rows, heads, kv_heads, head_dim, dtype, device, stage)[name]()
         return self._record(f"{stage}/b{batch}/q{queries}/s{rows}", backend, {}, {}, "same as the bf16 sampler")
 
 

@@ -40,6 +40,7 @@ from policies.fast import skinny
 from policies.fast.attention import graph_call_ms
 from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
+from policies.fast.triton_attention import TritonSplitKVAttention
 from policies.lerobot_bridge import relative_l2
 from policies.policy import build_policy
 
@@ -273,14 +274,35 @@ def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise
     that call's last chain state."""
     gemm, attention, pdl_mode, *mlp = variant.split("/")
     gemm, _, tile_set = gemm.partition("@")
-    saved = skinny.TUNED, skinny.TUNED_BY_ROWS
+    attention, _, attention_set = attention.partition("@")
+    saved = skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS
     skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
+    TritonSplitKVAttention.EXPERT_OPTIONS = expert_attention_options(attention_set)
     try:
         fast = _sampler(policy, batch, spec["prompt_len"], graphs=graphs, gemm=gemm, attention=attention,
                         pdl=pdl_mode, mlp=mlp[0] if mlp else "auto")
         return fast, fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
     finally:
-        skinny.TUNED, skinny.TUNED_BY_ROWS = saved
+        skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS = saved
+
+
+ATTENTION_OPTION_KEYS = {"w": "warps", "m": "block_m", "n": "block_n", "s": "stages"}
+
+
+def expert_attention_options(attention_set: str) -> dict:
+    """The expert's Triton attention options of an attention setting's "@<options>" part: "_"-separated
+    "nopre" (TritonSplitKVAttention preload off), "w<warps>", "m<block_m>", "n<block_n>", "s<stages>";
+    "" keeps the class's defaults."""
+    options = dict(TritonSplitKVAttention.EXPERT_OPTIONS)
+    for token in filter(None, attention_set.split("_")):
+        if token == "nopre":
+            options["preload"] = False
+        elif token[:1] in ATTENTION_OPTION_KEYS and token[1:].isdigit():
+            options[ATTENTION_OPTION_KEYS[token[:1]]] = int(token[1:])
+        else:
+            raise ValueError(f"unknown attention option {token!r} in {attention_set!r}: use nopre, w<warps>, "
+                             f"m<block_m>, n<block_n> or s<stages>, joined by '_'")
+    return options
 
 
 def _batch1_bucket(policy, spec: dict, device, variant: str = "auto/auto/auto", graphs: bool = True):
@@ -443,7 +465,6 @@ def attention_sweep(cfg, spec: dict, device, args) -> list[dict]:
     against the prefix): SDPA (K/V expanded to every head, and with enable_gqa) and every Triton
     block setting, timed in graphs, checked against fp32 attention."""
     from policies.fast.attention import SdpaAttention
-    from policies.fast.triton_attention import TritonSplitKVAttention
 
     e = cfg.expert
     prefix_len = spec["cameras"] * cfg.vision.num_patches + spec["prompt_len"]

@@ -126,7 +126,7 @@ class AttentionSelector:
         if self.policy not in ("auto", *BACKENDS):
             raise ValueError(f"policy.fast.attention must be 'auto' or one of {BACKENDS}, got {self.policy!r}")
 
-    def candidates(self, batch, queries, rows, heads, kv_heads, head_dim, dtype, device) -> dict:
+    def candidates(self, batch, queries, rows, heads, kv_heads, head_dim, dtype, device, stage: str = "") -> dict:
         found = {"sdpa": lambda: SdpaAttention(batch, rows, device)}
         if device.type == "cuda" and flashinfer_available():
             found["flashinfer"] = lambda: FlashInferAttention(batch, queries, rows, heads, kv_heads, head_dim,
@@ -134,13 +134,15 @@ class AttentionSelector:
         if device.type == "cuda" and triton_available():
             from policies.fast.triton_attention import TritonSplitKVAttention
 
-            found["triton"] = lambda: TritonSplitKVAttention(batch, queries, rows, heads, kv_heads, head_dim, device)
+            options = TritonSplitKVAttention.EXPERT_OPTIONS if stage == "expert" else {}
+            found["triton"] = lambda: TritonSplitKVAttention(batch, queries, rows, heads, kv_heads, head_dim, device,
+                                                             **options)
         return found
 
     def build(self, stage: str, batch: int, queries: int, rows: int, heads: int, kv_heads: int,
               head_dim: int, dtype: torch.dtype, device: torch.device, key_len: Tensor):
         key = f"{stage}/b{batch}/q{queries}/s{rows}"
-        found = self.candidates(batch, queries, rows, heads, kv_heads, head_dim, dtype, device)
+        found = self.candidates(batch, queries, rows, heads, kv_heads, head_dim, dtype, device, stage)
         if self.policy != "auto":
             if self.policy not in found:
                 raise RuntimeError(f"policy.fast.attention={self.policy!r} is not usable on {device} here")

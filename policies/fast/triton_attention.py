@@ -38,9 +38,15 @@ def _kernels():
         q_ptr, k_ptr, v_ptr, key_len_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         qk_scale, T, S, NUM_SPLITS, SPLIT_ROWS,
         H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, PDL: tl.constexpr,
+        DIRECT: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
     ):
-        C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
+        """PRELOAD: the last T rows of each key run are the queries' own K/V (the expert's suffix, written
+        by the kernel before); the last split holds just them, the others the rows before, and each of
+        those loads its first K/V block before the PDL wait (nothing in the chain writes those rows)."""
+        if PRELOAD:
+            C.pdl_trigger_early(PDL)
+        else:
+            C.pdl_enter(PDL)  # pdl.py: wait for the predecessor before the first activation read
         group = H // KV
         bk = tl.program_id(0)  # b * KV + kv head
         row_tile = tl.program_id(1)
@@ -53,13 +59,32 @@ def _kernels():
         head = kvh * group + rows % group
         d = tl.arange(0, HD)
         q_off = ((b * T + t) * H + head) * HD
-        q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-        key_len = tl.load(key_len_ptr + b)
-        start = split * SPLIT_ROWS
-        end = tl.minimum(start + SPLIT_ROWS, key_len)
+        key_len = tl.load(key_len_ptr + b)  # planned before the graph: nothing in the chain writes it
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HD], tl.float32)
+        if PRELOAD:
+            fixed = tl.maximum(key_len - T, 0)  # rows [0, fixed): the prefix's, written before this stage
+            own = split == NUM_SPLITS - 1
+            start = tl.where(own, fixed, split * SPLIT_ROWS)
+            end = tl.where(own, key_len, tl.minimum(start + SPLIT_ROWS, fixed))
+            if (split < NUM_SPLITS - 1) & (start < end):  # a prefix split: its first block before the wait
+                n = start + tl.arange(0, BLOCK_N)
+                n_ok = n < end
+                kv_off = ((b * S + n) * KV + kvh) * HD
+                k = tl.load(k_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+                v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+                C.pdl_wait(PDL)
+                q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+                m_i, l_i, acc = C.attend_block(q, k, v, m_i, l_i, acc, qk_scale, n_ok, True)
+                start += BLOCK_N
+            else:
+                C.pdl_wait(PDL)
+                q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        else:
+            q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+            start = split * SPLIT_ROWS
+            end = tl.minimum(start + SPLIT_ROWS, key_len)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < end
@@ -181,6 +206,16 @@ def tma_default(batch: int) -> bool:
     return batch >= 16 or batch <= 2
 
 
+def preload_warps(block_n: int, head_dim: int, warps: int) -> int:
+    """Warps for a preloading split-KV program: its first K and V blocks (bf16) wait in registers across the
+    PDL wait, at most 128 registers of them per thread. Compiled here for sm_90 (Triton 3.9), the PhyAI
+    b1 block (32 x 128, head_dim 256) spilled 3.2 KB a thread at 4 warps (255 registers) and fit at 8
+    (249, no spill); LIBERO's (16 x 64) fit at 4 (201)."""
+    while warps < 8 and 2 * block_n * head_dim * 2 > 128 * 4 * 32 * warps:
+        warps *= 2
+    return warps
+
+
 # No KV split once the unsplit blocks fill this share of the target: on the H200 (profile_stages,
 # PhyAI's expert at batch 32: 128 blocks for 132 SMs) splitting in two cost a merge kernel of 21 us
 # per call on top of 59 us of attention, for blocks that already filled 97% of the SMs.
@@ -192,14 +227,21 @@ class TritonSplitKVAttention:
 
     name = "triton"
     pdl = 0  # pdl.py's mode code; the fast sampler sets it on the expert's backend
+    # keyword arguments the attention selector builds the expert's backend with (profile_denoise's attention
+    # settings "triton@<options>" change them for a variant)
+    EXPERT_OPTIONS = {"preload": True}
 
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, target_blocks: int | None = None, block_m: int | None = None,
                  block_n: int | None = None, warps: int | None = None, stages: int | None = None,
-                 tma: bool | None = None):
+                 tma: bool | None = None, preload: bool = False):
         """block_m / block_n / warps / stages / target_blocks (programs aimed for; default: the SM
         count) override the class defaults (experiments/profile_denoise.py sweeps them). `tma`: the
-        one-KV-head kernel whose whole blocks load through TMA (None: where `tma_default` says)."""
+        one-KV-head kernel whose whole blocks load through TMA (None: where `tma_default` says).
+        `preload` (the expert's attention): the last `queries` rows of every key run are the queries'
+        own K/V, which the kernel before writes; the rows before them (the prefix's) are written before
+        the stage. Where the KV is split, those own rows get a split of their own and every other split
+        loads its first K/V block before its PDL wait (`preloads`), overlapping its predecessor."""
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
         packed_rows = queries * (heads // kv_heads)
@@ -220,6 +262,11 @@ class TritonSplitKVAttention:
             self.num_splits = max(1, min(max_splits, math.ceil(target_blocks / base_blocks)))
         # split length: whole BLOCK_N multiples so no block straddles two splits
         self.split_rows = math.ceil(math.ceil(rows / self.num_splits) / self.BLOCK_N) * self.BLOCK_N
+        self.preloads = preload and self.num_splits > 1 and rows > queries
+        if self.preloads:  # the prefix's rows in splits of that length, then one split of the own rows
+            self.num_splits = math.ceil((rows - queries) / self.split_rows) + 1
+            if warps is None:
+                self.WARPS = preload_warps(self.BLOCK_N, head_dim, self.WARPS)
         self.tma = self._use_tma(tma, kv_heads, device, batch)
         if self.num_splits > 1:
             self.part_o = torch.empty(batch * kv_heads * self.num_splits * packed_rows, head_dim,
@@ -277,7 +324,8 @@ class TritonSplitKVAttention:
         attend[(b * kv, self.row_tiles, self.num_splits)](
             q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5 * LOG2_E, t, k_cache.shape[1],
             self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
-            DIRECT=direct, PDL=self.pdl, num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl),
+            DIRECT=direct, PRELOAD=self.preloads, PDL=self.pdl, num_warps=self.WARPS, num_stages=self.STAGES,
+            **launch_kwargs(self.pdl),
         )
         if not direct:
             packed = t * (heads // kv)
