@@ -102,6 +102,8 @@ def main(argv=None) -> None:
             record["denoise"].append({"configuration": name, "batch": batch, "rows": batch * spec["chunk_size"],
                                       "variants": variants})
             for variant, v in variants.items():
+                if "error" in v:
+                    continue
                 print(f"{name} b={batch} {variant:24s} denoise {v['ms']:.3f} ms  attention {v['attention']}  "
                       f"rel {v['chains_rel_l2_vs_first']:.1e}  pdl-bits-equal {v.get('bit_equal_to_pdl_off', '-')}",
                       flush=True)
@@ -118,7 +120,7 @@ def main(argv=None) -> None:
             record["attention_sweep"][name] = attention_sweep(policy.cfg, spec, device, args)
         del policy
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    summary = {f"{r['configuration']}_b{r['batch']}_{variant}_ms": v["ms"] for r in record["denoise"]
+    summary = {f"{r['configuration']}_b{r['batch']}_{variant}_ms": v.get("ms") for r in record["denoise"]
                for variant, v in r["variants"].items()}
     if args.sweep:
         record["gemm_sweep"] = sweep(shapes, args, device)
@@ -242,9 +244,15 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     need several placements to tell from the drift between timings); `ms` is the median of rounds."""
     inputs, noise = common.make_inputs(policy.cfg, batch, spec["prompt_len"], device, seed=batch)
     stoch = torch.zeros(batch, policy.cfg.sampling.num_steps, dtype=torch.bool, device=device)
-    samplers, chains = {}, {}
+    samplers, chains, failed = {}, {}, {}
     for variant in args.variants:
-        samplers[variant], chains[variant] = _variant_sampler(policy, variant, batch, spec, inputs, noise, stoch)
+        try:
+            samplers[variant], chains[variant] = _variant_sampler(policy, variant, batch, spec, inputs, noise, stoch)
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot run (e.g. out of shared memory) is recorded
+            failed[variant] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            print(f"{variant}: failed at batch {batch}: {failed[variant]['error']}", flush=True)
+    if args.variants[0] in failed:
+        raise RuntimeError(f"the reference variant {args.variants[0]!r} failed: {failed[args.variants[0]]['error']}")
     buckets = {variant: next(iter(fast.buckets.values())) for variant, fast in samplers.items()}
     rounds: dict[str, list[float]] = {variant: [] for variant in args.variants}
     for _ in range(args.rounds):
@@ -256,16 +264,23 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
         bucket = buckets[variant]
         out[variant] = {"ms": statistics.median(rounds[variant]), "ms_rounds": rounds[variant], "pdl_code": fast.pdl,
                         "attention": getattr(bucket.expert_attn, "name", "?"),
+                        "attention_layout": attention_layout(bucket.expert_attn),
                         "tiles": {k: None if t is None else vars(t) for k, t in bucket.tiles.items()},
                         "chains_rel_l2_vs_first": relative_l2(chains[variant], chains[args.variants[0]])}
-    for variant in args.variants:  # PDL must not change a bit: against the same variant with PDL off
+    for variant in samplers:  # PDL must not change a bit: against the same variant with PDL off
         twin = variant.rsplit("/", 1)[0] + "/off"
         if twin in chains and twin != variant and VARIANT_FIELDS[variant.count("/")] == "pdl":
             out[variant]["bit_equal_to_pdl_off"] = bool(torch.equal(chains[variant], chains[twin]))
-    return out
+    return {**out, **failed}
 
 
 VARIANT_FIELDS = ("gemm", "attention", "pdl", "mlp")
+
+
+def attention_layout(backend) -> dict | None:
+    """The Triton attention's blocks, warps, KV splits and preload (None for another backend)."""
+    names = ("BLOCK_M", "BLOCK_N", "WARPS", "STAGES", "num_splits", "split_rows", "preloads", "tma")
+    return {name: getattr(backend, name) for name in names} if getattr(backend, "name", "") == "triton" else None
 
 
 def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise, stoch, graphs: bool = True):

@@ -140,3 +140,19 @@ def test_expert_attention_options_parse_and_are_restored_after_a_variant():
     with pytest.raises(RuntimeError, match="triton"):  # no Triton attention on CPU: the build fails
         profile_denoise._variant_sampler(policy, "skinny/triton@w8/off", 1, spec, inputs, noise, stoch, graphs=False)
     assert TritonSplitKVAttention.EXPERT_OPTIONS == defaults
+
+
+def test_a_variant_that_fails_is_recorded_and_the_others_still_run(monkeypatch):
+    from experiments import bench_predict_common as common
+    from policies.config import PolicyConfig
+    from policies.policy import build_policy
+
+    args = profile_denoise.parse_args(["--policy", "tiny", "--variants", "skinny/sdpa/off", "skinny/triton/off",
+                                       "cublas/sdpa/off", "--iters", "1"])
+    policy = build_policy(PolicyConfig.preset("tiny"), device="cpu")
+    out = profile_denoise.profile_stage(policy, common.CONFIGURATIONS["libero_rl"], 1, torch.device("cpu"), args)
+    assert "not usable" in out["skinny/triton/off"]["error"]  # no Triton attention on CPU
+    assert out["cublas/sdpa/off"]["ms"] > 0 and out["skinny/sdpa/off"]["attention_layout"] is None
+    args.variants = ["skinny/triton/off", "skinny/sdpa/off"]
+    with pytest.raises(RuntimeError, match="reference variant"):
+        profile_denoise.profile_stage(policy, common.CONFIGURATIONS["libero_rl"], 1, torch.device("cpu"), args)
