@@ -278,8 +278,8 @@ VARIANT_FIELDS = ("gemm", "attention", "pdl", "mlp")
 
 
 def attention_layout(backend) -> dict | None:
-    """The Triton attention's blocks, warps, KV splits and preload (None for another backend)."""
-    names = ("BLOCK_M", "BLOCK_N", "WARPS", "STAGES", "num_splits", "split_rows", "preloads", "tma")
+    """The Triton attention's blocks, warps and KV splits (None for another backend)."""
+    names = ("BLOCK_M", "BLOCK_N", "WARPS", "STAGES", "num_splits", "split_rows", "tma")
     return {name: getattr(backend, name) for name in names} if getattr(backend, "name", "") == "triton" else None
 
 
@@ -306,16 +306,14 @@ ATTENTION_OPTION_KEYS = {"w": "warps", "m": "block_m", "n": "block_n", "s": "sta
 
 def expert_attention_options(attention_set: str) -> dict:
     """The expert's Triton attention options of an attention setting's "@<options>" part: "_"-separated
-    "nopre" (TritonSplitKVAttention preload off), "w<warps>", "m<block_m>", "n<block_n>", "s<stages>";
-    "" keeps the class's defaults."""
+    "w<warps>", "m<block_m>", "n<block_n>", "s<stages>" (TritonSplitKVAttention's arguments); "" keeps
+    the class's defaults."""
     options = dict(TritonSplitKVAttention.EXPERT_OPTIONS)
     for token in filter(None, attention_set.split("_")):
-        if token == "nopre":
-            options["preload"] = False
-        elif token[:1] in ATTENTION_OPTION_KEYS and token[1:].isdigit():
+        if token[:1] in ATTENTION_OPTION_KEYS and token[1:].isdigit():
             options[ATTENTION_OPTION_KEYS[token[:1]]] = int(token[1:])
         else:
-            raise ValueError(f"unknown attention option {token!r} in {attention_set!r}: use nopre, w<warps>, "
+            raise ValueError(f"unknown attention option {token!r} in {attention_set!r}: use w<warps>, "
                              f"m<block_m>, n<block_n> or s<stages>, joined by '_'")
     return options
 

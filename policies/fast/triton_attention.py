@@ -140,56 +140,7 @@ def _kernels():
         offsets = (b * ROWS + rows).to(tl.int64)[:, None] * HD + d[None, :]
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
-    @triton.jit
-    def kv1_split_attention(
-        q_ptr, k_desc, v_desc, key_len_ptr, part_o_ptr, part_lse_ptr, qk_scale, T, S, NUM_SPLITS, SPLIT_ROWS,
-        H: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
-    ):
-        """split_kv_attention for one KV head with its K/V blocks through TMA (`preload`): the last T rows of
-        each key run are the queries' own K/V, written by the kernel before, and form the last split; every
-        other split covers prefix rows and loads its first block into shared memory before the PDL wait.
-        Key rows past a split's end in a block score -inf and their V rows are zeroed; the partials and
-        log-sum-exps go where split_kv_attention's do (merge_splits merges them)."""
-        C.pdl_trigger_early(PDL)
-        row_tile = tl.program_id(0)
-        b = tl.program_id(1)
-        split = tl.program_id(2)
-        rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (t, head) rows of sample b
-        row_ok = rows < T * H
-        d = tl.arange(0, HD)
-        key_len = tl.load(key_len_ptr + b)  # planned before the graph: nothing in the chain writes it
-        fixed = tl.maximum(key_len - T, 0)  # rows [0, fixed): the prefix's, written before this stage
-        own = split == NUM_SPLITS - 1
-        start = tl.where(own, fixed, split * SPLIT_ROWS)
-        end = tl.where(own, key_len, tl.minimum(start + SPLIT_ROWS, fixed))
-        base = b * S
-        q_rows = (b * T * H + rows).to(tl.int64)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HD], tl.float32)
-        if (split < NUM_SPLITS - 1) & (start < end):  # a prefix split: its first block before the wait
-            n_ok = start + tl.arange(0, BLOCK_N) < end
-            k = k_desc.load([base + start, 0])
-            v = v_desc.load([base + start, 0])  # rows past `end` get p = 0: finite there, no select (shared memory)
-            C.pdl_wait(PDL)
-            q = tl.load(q_ptr + q_rows[:, None] * HD + d[None, :], mask=row_ok[:, None], other=0.0)
-            m_i, l_i, acc = C.attend_block(q, k, v, m_i, l_i, acc, qk_scale, n_ok, True)
-            start += BLOCK_N
-        else:
-            C.pdl_wait(PDL)
-            q = tl.load(q_ptr + q_rows[:, None] * HD + d[None, :], mask=row_ok[:, None], other=0.0)
-        for n0 in range(start, end, BLOCK_N):
-            n_ok = n0 + tl.arange(0, BLOCK_N) < end
-            k = k_desc.load([base + n0, 0])
-            v = tl.where(n_ok[:, None], v_desc.load([base + n0, 0]), 0.0)
-            m_i, l_i, acc = C.attend_block(q, k, v, m_i, l_i, acc, qk_scale, n_ok, True)
-        safe_l = tl.where(l_i > 0, l_i, 1.0)
-        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-        part = (b * NUM_SPLITS + split) * (T * H) + rows
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
-        tl.store(part_o_ptr + part[:, None] * HD + d[None, :], acc / safe_l[:, None], mask=row_ok[:, None])
-
-    return split_kv_attention, merge_splits, kv1_attention_tma, kv1_split_attention
+    return split_kv_attention, merge_splits, kv1_attention_tma
 
 
 def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
@@ -241,24 +192,17 @@ class TritonSplitKVAttention:
 
     name = "triton"
     pdl = 0  # pdl.py's mode code; the fast sampler sets it on the expert's backend
-    # keyword arguments the attention selector builds the expert's backend with (profile_denoise's attention
-    # settings "triton@<options>" change them for a variant)
-    EXPERT_OPTIONS = {"preload": True}
+    # keyword arguments (block_m, block_n, warps, stages) the attention selector builds the expert's backend
+    # with; profile_denoise's attention settings "triton@<options>" set them to time a layout in the graph
+    EXPERT_OPTIONS: dict = {}
 
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, target_blocks: int | None = None, block_m: int | None = None,
                  block_n: int | None = None, warps: int | None = None, stages: int | None = None,
-                 tma: bool | None = None, preload: bool = False):
+                 tma: bool | None = None):
         """block_m / block_n / warps / stages / target_blocks (programs aimed for; default: the SM
         count) override the class defaults (experiments/profile_denoise.py sweeps them). `tma`: the
-        one-KV-head kernel whose whole blocks load through TMA (None: where `tma_default` says).
-        `preload` (the expert's attention): the last `queries` rows of every key run are the queries'
-        own K/V, which the kernel before writes; the rows before them (the prefix's) are written before
-        the stage. With one KV head and a KV split, those own rows get a split of their own and every
-        other split loads its first K/V block through TMA before its PDL wait (`preloads`;
-        kv1_split_attention), overlapping its predecessor. Cache rows past a prefix split's end inside its
-        first block must be finite (the prefix stage and the suffix writes leave them so): they score -inf
-        and their V rows are zeroed."""
+        one-KV-head kernel whose whole blocks load through TMA (None: where `tma_default` says)."""
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
         packed_rows = queries * (heads // kv_heads)
@@ -279,9 +223,6 @@ class TritonSplitKVAttention:
             self.num_splits = max(1, min(max_splits, math.ceil(target_blocks / base_blocks)))
         # split length: whole BLOCK_N multiples so no block straddles two splits
         self.split_rows = math.ceil(math.ceil(rows / self.num_splits) / self.BLOCK_N) * self.BLOCK_N
-        self.preloads = preload and kv_heads == 1 and self.num_splits > 1 and rows > queries
-        if self.preloads:  # the prefix's rows in splits of that length, then one split of the own rows
-            self.num_splits = math.ceil((rows - queries) / self.split_rows) + 1
         self.tma = self._use_tma(tma, kv_heads, device, batch)
         if self.num_splits > 1:
             self.part_o = torch.empty(batch * kv_heads * self.num_splits * packed_rows, head_dim,
@@ -311,10 +252,14 @@ class TritonSplitKVAttention:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         b, t, heads, hd = q.shape
-        k_desc, v_desc = self._descriptors(q, k_cache, v_cache)
+        if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError(f"the TMA attention kernel needs contiguous q, k and v, got strides {q.stride()}, "
+                             f"{k_cache.stride()}, {v_cache.stride()}")
         out = torch.empty_like(q)
         slots = k_cache.shape[1]
         q_desc = TensorDescriptor.from_tensor(q.view(b * t * heads, hd), [self.BLOCK_M, hd])
+        k_desc = TensorDescriptor.from_tensor(k_cache.view(b * slots, hd), [self.BLOCK_N, hd])
+        v_desc = TensorDescriptor.from_tensor(v_cache.view(b * slots, hd), [self.BLOCK_N, hd])
         _kernels()[2][(self.row_tiles, b)](
             q_desc, k_desc, v_desc, self.key_len, out, hd ** -0.5 * LOG2_E, t * heads, slots,
             HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, PDL=self.pdl,
@@ -322,40 +267,21 @@ class TritonSplitKVAttention:
         )
         return out.view(b, t, heads * hd)
 
-    def _descriptors(self, q: Tensor, k_cache: Tensor, v_cache: Tensor):
-        """TMA descriptors of the caches viewed (B S, hd), BLOCK_N rows a block (one KV head)."""
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError(f"the TMA attention kernels need contiguous q, k and v, got strides {q.stride()}, "
-                             f"{k_cache.stride()}, {v_cache.stride()}")
-        b, slots, _, hd = k_cache.shape
-        return tuple(TensorDescriptor.from_tensor(cache.view(b * slots, hd), [self.BLOCK_N, hd])
-                     for cache in (k_cache, v_cache))
-
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         if self.tma:
             return self._call_tma(q, k_cache, v_cache)
-        attend, merge, _, attend_preloading = _kernels()
+        attend, merge = _kernels()[:2]
         b, t, heads, hd = q.shape
         kv = k_cache.shape[2]
         out = torch.empty_like(q)
         direct = self.num_splits == 1
         part_o = out if direct else self.part_o
         part_lse = out if direct else self.part_lse
-        launch = dict(num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl))
-        if self.preloads:
-            attend_preloading[(self.row_tiles, b, self.num_splits)](
-                q, *self._descriptors(q, k_cache, v_cache), self.key_len, part_o, part_lse, hd ** -0.5 * LOG2_E, t,
-                k_cache.shape[1], self.num_splits, self.split_rows, H=heads, HD=hd, BLOCK_M=self.BLOCK_M,
-                BLOCK_N=self.BLOCK_N, PDL=self.pdl, **launch,
-            )
-        else:
-            attend[(b * kv, self.row_tiles, self.num_splits)](
-                q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5 * LOG2_E, t, k_cache.shape[1],
-                self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
-                DIRECT=direct, PDL=self.pdl, **launch,
-            )
+        attend[(b * kv, self.row_tiles, self.num_splits)](
+            q, k_cache, v_cache, self.key_len, out, part_o, part_lse, hd ** -0.5 * LOG2_E, t, k_cache.shape[1],
+            self.num_splits, self.split_rows, H=heads, KV=kv, HD=hd, BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N,
+            DIRECT=direct, PDL=self.pdl, num_warps=self.WARPS, num_stages=self.STAGES, **launch_kwargs(self.pdl),
+        )
         if not direct:
             packed = t * (heads // kv)
             merge[(b * kv, packed)](

@@ -127,15 +127,15 @@ def test_expert_attention_options_parse_and_are_restored_after_a_variant():
 
     defaults = dict(TritonSplitKVAttention.EXPERT_OPTIONS)
     assert profile_denoise.expert_attention_options("") == defaults
-    assert profile_denoise.expert_attention_options("nopre_w8_m16_n64_s3") == {
-        **defaults, "preload": False, "warps": 8, "block_m": 16, "block_n": 64, "stages": 3}
+    assert profile_denoise.expert_attention_options("w8_m16_n64_s3") == {
+        **defaults, "warps": 8, "block_m": 16, "block_n": 64, "stages": 3}
     with pytest.raises(ValueError, match="'x8'"):
         profile_denoise.expert_attention_options("w8_x8")
     policy = build_policy(PolicyConfig.preset("tiny"), device="cpu")
     spec, cpu = common.CONFIGURATIONS["libero_rl"], torch.device("cpu")
     inputs, noise = common.make_inputs(policy.cfg, 1, spec["prompt_len"], cpu, seed=1)
     stoch = torch.zeros(1, policy.cfg.sampling.num_steps, dtype=torch.bool)
-    profile_denoise._variant_sampler(policy, "skinny/sdpa@nopre_w8/off", 1, spec, inputs, noise, stoch, graphs=False)
+    profile_denoise._variant_sampler(policy, "skinny/sdpa@m16_w8/off", 1, spec, inputs, noise, stoch, graphs=False)
     assert TritonSplitKVAttention.EXPERT_OPTIONS == defaults
     with pytest.raises(RuntimeError, match="triton"):  # no Triton attention on CPU: the build fails
         profile_denoise._variant_sampler(policy, "skinny/triton@w8/off", 1, spec, inputs, noise, stoch, graphs=False)

@@ -150,55 +150,6 @@ def test_split_kv_attention_matches_masked_sdpa(dtype, heads, kv_heads, target_b
     assert rel(got, want) < (fp32_tol if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("dtype", ATTN_DTYPES)
-@pytest.mark.parametrize("block_n,target_blocks", [(16, 64), (32, 16), (16, 24)])
-def test_preloading_split_kv_attention_matches_masked_sdpa(dtype, block_n, target_blocks):
-    """preload=True (the expert's attention): the last t rows of each key run (the queries' own K/V) in a
-    split of their own, the prefix rows in BLOCK_N-multiple splits whose first block loads through TMA
-    before the PDL wait. Key lengths: the own rows only, a prefix that ends on a block boundary and inside
-    one, the full slot; large finite garbage past each key length must not leak in (a preloaded block's V
-    rows past its split are not selected away: they meet p = 0), nor may a split that gets no rows."""
-    from policies.fast.attention import SdpaAttention
-    from policies.fast.triton_attention import TritonSplitKVAttention
-
-    g = torch.Generator().manual_seed(block_n + target_blocks)
-    b, t, heads, rows, hd = 4, 5, 4, 150, 32
-    q = 3 * torch.randn(b, t, heads, hd, generator=g).to(DEVICE, dtype)  # peaked rows: the max moves
-    k, v = (torch.randn(b, rows, 1, hd, generator=g).to(DEVICE, dtype) for _ in range(2))
-    key_len = torch.tensor([t, 64 + t, 70 + t, rows], dtype=torch.int32)
-    for i, n in enumerate(key_len.tolist()):
-        k[i, n:], v[i, n:] = 1e4, -1e4
-    plain = TritonSplitKVAttention(b, t, rows, heads, 1, hd, torch.device(DEVICE), target_blocks=target_blocks,
-                                   block_m=16, block_n=block_n, tma=False)
-    attention = TritonSplitKVAttention(b, t, rows, heads, 1, hd, torch.device(DEVICE), target_blocks=target_blocks,
-                                       block_m=16, block_n=block_n, tma=False, preload=True)
-    assert attention.preloads and plain.num_splits > 1
-    # the prefix's rows (rows - t) in splits of the plain layout's length, then the own rows' split
-    assert attention.split_rows == plain.split_rows
-    assert attention.num_splits == -(-(rows - t) // plain.split_rows) + 1
-    exact = SdpaAttention(b, rows, torch.device(DEVICE))
-    for backend in (attention, exact):
-        backend.plan(key_len.to(DEVICE))
-    want = exact(q.float(), k.float(), v.float())
-    got = attention(q, k, v)
-    assert got.shape == (b, t, heads * hd) and got.dtype == dtype and bool(got.isfinite().all())
-    fp32_tol = 2e-3 if DEVICE == "cuda" else 1e-5  # Triton's fp32 tl.dot uses TF32 on the GPU
-    assert rel(got, want) < (fp32_tol if dtype == torch.float32 else 1e-2)
-
-
-def test_preload_needs_a_kv_split_and_rows_before_the_queries():
-    from policies.fast.triton_attention import TritonSplitKVAttention
-
-    cpu = torch.device("cpu")
-    assert not TritonSplitKVAttention(2, 5, 70, 4, 1, 32, cpu, target_blocks=1, preload=True).preloads  # no split
-    assert not TritonSplitKVAttention(1, 70, 70, 4, 1, 32, cpu, target_blocks=64, preload=True).preloads  # no prefix
-    assert not TritonSplitKVAttention(1, 5, 70, 4, 2, 32, cpu, target_blocks=64, preload=True).preloads  # 2 KV heads
-    # the expert at PhyAI / LIBERO batch 1 on 132 SMs: 8 prefix splits of 128 rows + 1, 9 of 64 + 1
-    phyai = TritonSplitKVAttention(1, 50, 1068, 8, 1, 256, cpu, target_blocks=132, preload=True)
-    libero = TritonSplitKVAttention(1, 10, 570, 8, 1, 256, cpu, target_blocks=132, preload=True)
-    assert (phyai.num_splits, phyai.split_rows, libero.num_splits, libero.split_rows) == (9, 128, 10, 64)
-
-
 def test_split_kv_attention_large_batch_blocks_match_masked_sdpa():
     """Batch >= 16 with > 128 packed query rows (the prefix, PhyAI's expert at large batch) runs
     default_blocks' 128 x 64 blocks with 8 warps; a row block straddles several query tokens."""
