@@ -202,6 +202,10 @@ TILE_SETS = {
     # the other projections preloaded at TUNED's splits (the 10-32-row tiles' K slices)
     "pre_qkv_s4": {"qkv": T(64, 64, 4, preload=True)},
     "pre_o_s8": {"o": T(64, 64, 8, preload=True)},
+    # round 18: down preloaded with 4 K splits, 32 wide (the norm after it adds 4 partials, not 8; the weight
+    # and x slabs of 1024 columns fill the 192 KB a preloaded tile may use at 64 rows)
+    "pre_down_s4n32": {"down": T(32, 64, 4, preload=True)},
+    "pre_down_s4n32_w8": {"down": T(32, 64, 4, warps=8, preload=True)},
     "pre_all_w8": {"qkv": T(64, 64, 2, warps=8, preload=True), "o": T(64, 64, 4, warps=8, preload=True),
                    "down": T(64, 64, 8, warps=8, preload=True), "gate_up": T(16, 128, 1, warps=8, preload=True)},
 }
