@@ -56,3 +56,20 @@ def test_no_accurate_backend_lists_each_error():
     assert f"sdpa: relative L2 error {errors['sdpa']:.3g} (tolerance 1e-06)" in message
     assert "flashinfer: failed: " in message
     assert selector.records["expert/b2/q3/s16"]["chosen"] is None
+
+
+def test_expert_options_reach_the_experts_triton_backend_only(monkeypatch):
+    """TritonSplitKVAttention.EXPERT_OPTIONS (profile_denoise's "triton@<options>") are passed when the
+    selector builds the expert's Triton backend, never the prefix's."""
+    pytest.importorskip("triton")
+    from policies.fast import attention as A
+    from policies.fast.triton_attention import TritonSplitKVAttention
+
+    built = []
+    monkeypatch.setattr(TritonSplitKVAttention, "__init__", lambda self, *args, **kwargs: built.append(kwargs))
+    monkeypatch.setattr(TritonSplitKVAttention, "EXPERT_OPTIONS", {"warps": 8, "block_m": 16})
+    monkeypatch.setattr(A, "flashinfer_available", lambda: False)
+    cuda = torch.device("cuda")  # only named: the patched constructor allocates nothing
+    for stage in ("expert", "prefix"):
+        AttentionSelector().candidates(B, Q, S, H, KV, HD, torch.bfloat16, cuda, stage)["triton"]()
+    assert built == [{"warps": 8, "block_m": 16}, {}]
