@@ -258,7 +258,7 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     if args.variants[0] in failed:
         raise RuntimeError(f"the reference variant {args.variants[0]!r} failed: {failed[args.variants[0]]['error']}")
     buckets = {variant: next(iter(fast.buckets.values())) for variant, fast in samplers.items()}
-    rounds: dict[str, list[float]] = {variant: [] for variant in args.variants}
+    rounds: dict[str, list[float]] = {variant: [] for variant in samplers}
     for _ in range(args.rounds):
         for variant, fast in samplers.items():
             rounds[variant].append(common.timed_ms(lambda f=fast, b=buckets[variant]: f.run_stage(b, "denoise"),
@@ -275,7 +275,7 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
         twin = variant.rsplit("/", 1)[0] + "/off"
         if twin in chains and twin != variant and VARIANT_FIELDS[variant.count("/")] == "pdl":
             out[variant]["bit_equal_to_pdl_off"] = bool(torch.equal(chains[variant], chains[twin]))
-    return {**out, **failed}
+    return {variant: out[variant] if variant in out else failed[variant] for variant in args.variants}
 
 
 VARIANT_FIELDS = ("gemm", "attention", "pdl", "mlp")

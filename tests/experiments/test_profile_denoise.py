@@ -142,7 +142,7 @@ def test_expert_attention_options_parse_and_are_restored_after_a_variant():
     assert TritonSplitKVAttention.EXPERT_OPTIONS == defaults
 
 
-def test_a_variant_that_fails_is_recorded_and_the_others_still_run(monkeypatch):
+def test_a_variant_that_fails_is_recorded_and_the_others_still_run():
     from experiments import bench_predict_common as common
     from policies.config import PolicyConfig
     from policies.policy import build_policy
@@ -151,6 +151,7 @@ def test_a_variant_that_fails_is_recorded_and_the_others_still_run(monkeypatch):
                                        "cublas/sdpa/off", "--iters", "1"])
     policy = build_policy(PolicyConfig.preset("tiny"), device="cpu")
     out = profile_denoise.profile_stage(policy, common.CONFIGURATIONS["libero_rl"], 1, torch.device("cpu"), args)
+    assert list(out) == args.variants  # the command line's order, the failed variant in its place
     assert "not usable" in out["skinny/triton/off"]["error"]  # no Triton attention on CPU
     assert out["cublas/sdpa/off"]["ms"] > 0 and out["skinny/sdpa/off"]["attention_layout"] is None
     args.variants = ["skinny/triton/off", "skinny/sdpa/off"]
