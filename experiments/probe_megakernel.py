@@ -23,6 +23,10 @@ from experiments.megakernel import layout as L
 from experiments.results import write_result
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+# layer_chain's profiling modes (results garbage): phases that do not wait, or only the waits
+PROFILING_FLAGS = {"": 0, "nowaits": 2, "synconly": 4}
+# timed variants: (weights prefetched, profiling mode)
+VARIANTS = ((True, ""), (False, ""), (True, "nowaits"), (True, "synconly"))
 
 
 class Kernel:
@@ -82,11 +86,11 @@ class Chain:
     """Device buffers of one kernel configuration (packed weights of every layer, activations)."""
 
     def __init__(self, kernel: Kernel, packed: dict, mod, rows: int, shape: L.ChainShape, prefetch: bool,
-                 no_waits: bool = False):
+                 profiling: str = ""):
         dev = "cuda"
         phases = {p.name: p for p in shape.phases()}
         self.kernel, self.rows, self.layers = kernel, rows, mod.shape[0]
-        self.flags = int(prefetch) | (2 if no_waits else 0)
+        self.flags = int(prefetch) | PROFILING_FLAGS[profiling]
         self.packed = packed
         self.mod = mod.float().contiguous().to(dev)
         act = lambda k: torch.zeros(k // L.CHUNK, L.ROWS, L.CHUNK, dtype=torch.bfloat16, device=dev)  # noqa: E731
@@ -197,12 +201,12 @@ def main(argv=None) -> None:
     timings, summary = [], {"backend": kernel.backend}
     for rows in args.rows:
         h0 = torch.randn(rows, shape.width, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda")
-        for prefetch, no_waits in ((True, False), (False, False), (True, True)):
-            chain = Chain(kernel, packed, mod, rows, shape, prefetch, no_waits)
+        for prefetch, profiling in VARIANTS:
+            chain = Chain(kernel, packed, mod, rows, shape, prefetch, profiling)
             chain.set_inputs(L.ada_rms(h0, mod[0, 1]).to(torch.bfloat16), h0)
             us = time_chain(chain, args.steps, args.replays, args.rounds)
-            name = ("prefetch" if prefetch else "noprefetch") + ("_nowaits" if no_waits else "")
-            row = {"variant": name, "rows": rows, "prefetch": prefetch, "no_waits": no_waits, "us_per_layer_step": us,
+            name = ("prefetch" if prefetch else "noprefetch") + (f"_{profiling}" if profiling else "")
+            row = {"variant": name, "rows": rows, "prefetch": prefetch, "profiling": profiling, "us_per_layer_step": us,
                    "median_us": statistics.median(us), "clocks": phase_clocks(chain)}
             timings.append(row)
             print("time", row, flush=True)

@@ -133,7 +133,7 @@ struct Args {
     uint32_t* counters;                       // (layers, PHASES), zero at launch
     long long* clocks;                        // (grid, layers, PHASES, 3) or null
     int M, layers, prefetch;
-    bool no_waits;
+    bool no_waits, no_work;
 };
 
 struct Pipe {  // per-CTA state, the same in every thread
@@ -169,9 +169,9 @@ __device__ __forceinline__ void stamp(const Args& a, int layer, int phase, int w
 }
 
 // Weight tile `tile` of a phase into a buffer (only CTAs that own a tile)
-__device__ __forceinline__ void fetch_weights(const bf16_t* w_layer, int tile_bytes, unsigned char* buf,
-                                              uint64_t* bar) {
-    if (threadIdx.x == 0 && blockIdx.x < TILES) {
+__device__ __forceinline__ void fetch_weights(const Args& a, const bf16_t* w_layer, int tile_bytes,
+                                              unsigned char* buf, uint64_t* bar) {
+    if (threadIdx.x == 0 && blockIdx.x < TILES && !a.no_work) {
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         load_async(buf, reinterpret_cast<const unsigned char*>(w_layer) + (size_t)blockIdx.x * tile_bytes,
                    tile_bytes, bar);
@@ -182,7 +182,10 @@ __device__ __forceinline__ void fetch_weights(const bf16_t* w_layer, int tile_by
 // Warp w: rows (w & 3) * 16, columns (w >> 2) * TN / 2, J = TN / 16 n8 blocks.
 template <int TN, int KR>
 __device__ __forceinline__ void gemm_tile(Pipe& p, const bf16_t* x_chunks, const unsigned char* wbuf,
-                                          float (*acc)[4]) {
+                                          float (*acc)[4], int M) {
+    // only the M valid rows are copied (contiguous at each chunk's start); the rows past them hold
+    // stale shared memory, which reaches only the accumulator rows that are never stored
+    const uint32_t x_bytes = (uint32_t)M * CHUNK * 2;
     constexpr int J = TN / 16;
     constexpr int NCH = KR / CHUNK;
     constexpr int W_ROW_WORDS = KR / 2;
@@ -197,7 +200,7 @@ __device__ __forceinline__ void gemm_tile(Pipe& p, const bf16_t* x_chunks, const
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         for (int c = 0; c < NCH && c < X_STAGES; ++c) {
             uint32_t s = (first + c) % X_STAGES;
-            load_async(p.x_ring + s * CHUNK_BYTES, x_chunks + (size_t)c * ROWS * CHUNK, CHUNK_BYTES, &p.x_bar[s]);
+            load_async(p.x_ring + s * CHUNK_BYTES, x_chunks + (size_t)c * ROWS * CHUNK, x_bytes, &p.x_bar[s]);
         }
     }
     for (int c = 0; c < NCH; ++c) {
@@ -221,7 +224,7 @@ __device__ __forceinline__ void gemm_tile(Pipe& p, const bf16_t* x_chunks, const
         __syncthreads();  // every warp is done with this stage
         if (threadIdx.x == 0 && c + X_STAGES < NCH) {
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            load_async(p.x_ring + s * CHUNK_BYTES, x_chunks + (size_t)(c + X_STAGES) * ROWS * CHUNK, CHUNK_BYTES,
+            load_async(p.x_ring + s * CHUNK_BYTES, x_chunks + (size_t)(c + X_STAGES) * ROWS * CHUNK, x_bytes,
                        &p.x_bar[s]);
         }
     }
@@ -328,9 +331,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 float* pq, float* po, float* pd, float* h, uint32_t* counters, long long* clocks, int use_clocks,
                 int M, int layers, int flags) {
     // flags: 1 = weight prefetch (else each tile is fetched after its phase's wait);
-    //        2 = no waits (profiling only: the phases race and the results are garbage)
+    //        2 = no waits (profiling only: the phases race and the results are garbage);
+    //        4 = no work, only the waits and signals (profiling only: the chain's sync latency)
     const Args a{wq, wo, wgu, wd, mod, xa, att, xm, g, pq, po, pd, h, counters, use_clocks ? clocks : nullptr,
-                 M, layers, flags & 1, (flags & 2) != 0};
+                 M, layers, flags & 1, (flags & 2) != 0, (flags & 4) != 0};
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) uint64_t bars[2 + X_STAGES];
     __shared__ float scratch[THREADS / 32];
@@ -347,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     }
     __syncthreads();
 
-    const bool owner = blockIdx.x < TILES;
+    const bool owner = blockIdx.x < TILES && !a.no_work;
     const int tile = blockIdx.x;
     const size_t q_layer = (size_t)QKV_N * D, o_layer = (size_t)D * ATT_N, g_layer = (size_t)2 * F * D,
                  d_layer = (size_t)D * F;
@@ -355,8 +359,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                   D_BYTES = DN_TN * DN_KR * 2;
     float acc[5][4];
     if (a.prefetch) {
-        fetch_weights(a.wq, Q_BYTES, p.buf_a, &p.w_bar[0]);
-        fetch_weights(a.wo, O_BYTES, p.buf_b, &p.w_bar[1]);
+        fetch_weights(a, a.wq, Q_BYTES, p.buf_a, &p.w_bar[0]);
+        fetch_weights(a, a.wo, O_BYTES, p.buf_b, &p.w_bar[1]);
     }
     for (int layer = 0; layer < a.layers; ++layer) {
         uint32_t* cnt = a.counters + layer * PHASES;
@@ -365,79 +369,79 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // phase 0: qkv partials (x_a from the previous layer's phase 6)
         stamp(a, layer, 0, 0);
         if (layer > 0) wait_phase(a, a.counters + (layer - 1) * PHASES + 6, gridDim.x);
-        if (!a.prefetch) fetch_weights(a.wq + layer * q_layer, Q_BYTES, p.buf_a, &p.w_bar[0]);
+        if (!a.prefetch) fetch_weights(a, a.wq + layer * q_layer, Q_BYTES, p.buf_a, &p.w_bar[0]);
         stamp(a, layer, 0, 1);
         if (owner) {
             const int split = tile % Q_S, nt = tile / Q_S;
             mbar_wait(&p.w_bar[0], use & 1);
-            gemm_tile<Q_TN, Q_KR>(p, a.xa + (size_t)(split * Q_KR / CHUNK) * ROWS * CHUNK, p.buf_a, acc);
+            gemm_tile<Q_TN, Q_KR>(p, a.xa + (size_t)(split * Q_KR / CHUNK) * ROWS * CHUNK, p.buf_a, acc, a.M);
             store_partial<Q_TN>(acc, a.pq + (size_t)split * ROWS * QKV_N, QKV_N, nt * Q_TN, a.M);
         }
         signal_phase(&cnt[0]);
-        if (a.prefetch) fetch_weights(a.wgu + layer * g_layer, G_BYTES, p.buf_a, &p.w_bar[0]);
+        if (a.prefetch) fetch_weights(a, a.wgu + layer * g_layer, G_BYTES, p.buf_a, &p.w_bar[0]);
         stamp(a, layer, 0, 2);
         // phase 1: attention stand-in
         stamp(a, layer, 1, 0);
         wait_phase(a, &cnt[0], gridDim.x);
         stamp(a, layer, 1, 1);
-        attention_stand_in(a);
+        if (!a.no_work) attention_stand_in(a);
         signal_phase(&cnt[1]);
         stamp(a, layer, 1, 2);
         // phase 2: o partials
         stamp(a, layer, 2, 0);
         wait_phase(a, &cnt[1], gridDim.x);
-        if (!a.prefetch) fetch_weights(a.wo + layer * o_layer, O_BYTES, p.buf_b, &p.w_bar[1]);
+        if (!a.prefetch) fetch_weights(a, a.wo + layer * o_layer, O_BYTES, p.buf_b, &p.w_bar[1]);
         stamp(a, layer, 2, 1);
         if (owner) {
             const int split = tile % O_S, nt = tile / O_S;
             mbar_wait(&p.w_bar[1], use & 1);
-            gemm_tile<O_TN, O_KR>(p, a.att + (size_t)(split * O_KR / CHUNK) * ROWS * CHUNK, p.buf_b, acc);
+            gemm_tile<O_TN, O_KR>(p, a.att + (size_t)(split * O_KR / CHUNK) * ROWS * CHUNK, p.buf_b, acc, a.M);
             store_partial<O_TN>(acc, a.po + (size_t)split * ROWS * D, D, nt * O_TN, a.M);
         }
         signal_phase(&cnt[2]);
-        if (a.prefetch) fetch_weights(a.wd + layer * d_layer, D_BYTES, p.buf_b, &p.w_bar[1]);
+        if (a.prefetch) fetch_weights(a, a.wd + layer * d_layer, D_BYTES, p.buf_b, &p.w_bar[1]);
         stamp(a, layer, 2, 2);
         // phase 3: residual + AdaRMS before the MLP
         stamp(a, layer, 3, 0);
         wait_phase(a, &cnt[2], gridDim.x);
         stamp(a, layer, 3, 1);
-        add_norm_rows<O_S>(a, a.po, mod, a.xm, scratch);
+        if (!a.no_work) add_norm_rows<O_S>(a, a.po, mod, a.xm, scratch);
         signal_phase(&cnt[3]);
         stamp(a, layer, 3, 2);
         // phase 4: gate_up + GeGLU
         stamp(a, layer, 4, 0);
         wait_phase(a, &cnt[3], gridDim.x);
-        if (!a.prefetch) fetch_weights(a.wgu + layer * g_layer, G_BYTES, p.buf_a, &p.w_bar[0]);
+        if (!a.prefetch) fetch_weights(a, a.wgu + layer * g_layer, G_BYTES, p.buf_a, &p.w_bar[0]);
         stamp(a, layer, 4, 1);
         if (owner) {
             mbar_wait(&p.w_bar[0], (use + 1) & 1);
-            gemm_tile<G_TN, G_KR>(p, a.xm, p.buf_a, acc);
+            gemm_tile<G_TN, G_KR>(p, a.xm, p.buf_a, acc, a.M);
             store_geglu(acc, a.g, tile * (G_TN / 2), a.M);
         }
         signal_phase(&cnt[4]);
         if (a.prefetch && layer + 1 < a.layers)
-            fetch_weights(a.wq + (layer + 1) * q_layer, Q_BYTES, p.buf_a, &p.w_bar[0]);
+            fetch_weights(a, a.wq + (layer + 1) * q_layer, Q_BYTES, p.buf_a, &p.w_bar[0]);
         stamp(a, layer, 4, 2);
         // phase 5: down partials
         stamp(a, layer, 5, 0);
         wait_phase(a, &cnt[4], gridDim.x);
-        if (!a.prefetch) fetch_weights(a.wd + layer * d_layer, D_BYTES, p.buf_b, &p.w_bar[1]);
+        if (!a.prefetch) fetch_weights(a, a.wd + layer * d_layer, D_BYTES, p.buf_b, &p.w_bar[1]);
         stamp(a, layer, 5, 1);
         if (owner) {
             const int split = tile % DN_S, nt = tile / DN_S;
             mbar_wait(&p.w_bar[1], (use + 1) & 1);
-            gemm_tile<DN_TN, DN_KR>(p, a.g + (size_t)(split * DN_KR / CHUNK) * ROWS * CHUNK, p.buf_b, acc);
+            gemm_tile<DN_TN, DN_KR>(p, a.g + (size_t)(split * DN_KR / CHUNK) * ROWS * CHUNK, p.buf_b, acc, a.M);
             store_partial<DN_TN>(acc, a.pd + (size_t)split * ROWS * D, D, nt * DN_TN, a.M);
         }
         signal_phase(&cnt[5]);
         if (a.prefetch && layer + 1 < a.layers)
-            fetch_weights(a.wo + (layer + 1) * o_layer, O_BYTES, p.buf_b, &p.w_bar[1]);
+            fetch_weights(a, a.wo + (layer + 1) * o_layer, O_BYTES, p.buf_b, &p.w_bar[1]);
         stamp(a, layer, 5, 2);
         // phase 6: residual + AdaRMS before the next layer's qkv
         stamp(a, layer, 6, 0);
         wait_phase(a, &cnt[5], gridDim.x);
         stamp(a, layer, 6, 1);
-        add_norm_rows<DN_S>(a, a.pd, mod + 3 * D, a.xa, scratch);
+        if (!a.no_work) add_norm_rows<DN_S>(a, a.pd, mod + 3 * D, a.xa, scratch);
         signal_phase(&cnt[6]);
         stamp(a, layer, 6, 2);
     }
