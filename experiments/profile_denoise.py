@@ -206,13 +206,6 @@ TILE_SETS = {
     # and x slabs of 1024 columns fill the 192 KB a preloaded tile may use at 64 rows)
     "pre_down_s4n32": {"down": T(32, 64, 4, preload=True)},
     "pre_down_s4n32_w8": {"down": T(32, 64, 4, warps=8, preload=True)},
-    # round 19: qkv with RoPE and the cache scatter in its epilogue (qkv_rope.py: no rope_scatter kernel; no
-    # K split, block_n columns of a head's first half and their partners; 80 programs at 16 wide)
-    "qkvrope16": {"qkv": T(16, 128, 1, rope=True)},
-    "qkvrope16k64": {"qkv": T(16, 64, 1, rope=True)},
-    "qkvrope32": {"qkv": T(32, 128, 1, rope=True)},
-    "qkvrope16pre": {"qkv": T(16, 128, 1, preload=True, rope=True)},
-    "qkvrope16pre_w8": {"qkv": T(16, 128, 1, warps=8, preload=True, rope=True)},
     "pre_all_w8": {"qkv": T(64, 64, 2, warps=8, preload=True), "o": T(64, 64, 4, warps=8, preload=True),
                    "down": T(64, 64, 8, warps=8, preload=True), "gate_up": T(16, 128, 1, warps=8, preload=True)},
 }
@@ -406,19 +399,14 @@ SKINNY_ROLES = ("qkv", "o", "gate_up", "down")
 def chain_by_role(names: list[str], shares: list[float]) -> dict:
     """Mean critical-path share per role of the layer-step's repeated kernels, from kernel names in
     launch order: the skinny_kernel calls are projections SKINNY_ROLES in turn, a fused_mlp_kernel is
-    `gate_up+down` (the next skinny call is a qkv again), a qkv_rope_kernel `qkv+rope` (the next is an o),
-    a rope_scatter_kernel `rope`, and an add_norm_kernel is `norm_before_<role>` of the next projection.
-    Empty without skinny calls."""
+    `gate_up+down` (the next skinny call is a qkv again), and an add_norm_kernel is
+    `norm_before_<role>` of the next projection. Empty without skinny calls."""
     roles: list[str | None] = [None] * len(names)
     pending, position = [], 0
     for i, name in enumerate(names):
-        if name == "rope_scatter_kernel":
-            roles[i] = "rope"
-        elif name in ("skinny_kernel", "fused_mlp_kernel", "qkv_rope_kernel"):
+        if name in ("skinny_kernel", "fused_mlp_kernel"):
             if name == "fused_mlp_kernel":
                 roles[i], position = "gate_up+down", 0
-            elif name == "qkv_rope_kernel":
-                roles[i], position = "qkv+rope", 1
             else:
                 roles[i] = SKINNY_ROLES[position % len(SKINNY_ROLES)]
                 position += 1

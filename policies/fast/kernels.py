@@ -154,8 +154,13 @@ def _triton_kernels():
         token = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)[:, None]  # flat (b * T + t), (TOKENS, 1)
         ok = token < num_tokens
         d = tl.arange(0, HALF)[None, :]
-        cache_row, c1, c2, s1, s2 = C.rope_tables(cos_ptr, sin_ptr, slot_ptr, token, ok, d, tokens_per_sample,
-                                                  cache_rows, HD, HALF)
+        slot = tl.load(slot_ptr + token, mask=ok, other=0).to(tl.int64)
+        cache_row = (token // tokens_per_sample).to(tl.int64) * cache_rows + slot
+        trig = token.to(tl.int64) * HD
+        c1 = tl.load(cos_ptr + trig + d, mask=ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + trig + HALF + d, mask=ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + trig + d, mask=ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + trig + HALF + d, mask=ok, other=0.0).to(tl.float32)
         if ALL_HEADS:
             for head in tl.static_range(H + 2 * KV):
                 C.rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c1, c2, s1, s2,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, overlap, pdl, qkv_rope, skinny
+from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, overlap, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -419,7 +419,11 @@ class FastSampler:
                                              ecfg.rms_norm_eps, pdl_code)
         last = len(w.expert) - 1
         for i, lw in enumerate(w.expert):
-            self._qkv_rope(bk, lw["qkv"], normed, i, cos, sin, q, kv_ready, pdl_code)
+            qkv = _project(normed, lw["qkv"], tiles["qkv"], pdl_code)
+            if kv_ready is not None:  # the prefix's scatter of this layer comes first (overlap.py)
+                torch.cuda.current_stream(self.device).wait_event(kv_ready[i])
+            K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], b, hlen, -1), cos, sin, ecfg.num_heads, ecfg.num_kv_heads,
+                               q, bk.k_cache[i], bk.v_cache[i], bk.tensors["suffix_slots"], pdl_code)
             attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1)
             o = _project(attn, lw["o"], tiles["o"], pdl_code)
             scale, shift, post_gate = w.modulation(step, 2 * i + 1)
@@ -441,23 +445,6 @@ class FastSampler:
         out = action_io.add_norm_action_out(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, w.action_out.weight,
                                             w.action_out.bias, pdl_code)
         return out.view(b, hlen, d)
-
-    def _qkv_rope(self, bk: Bucket, lw, normed: Tensor, i: int, cos: Tensor, sin: Tensor, q: Tensor,
-                  kv_ready: list | None, pdl_code: int) -> None:
-        """Layer i's q (into q) and its k / v (into the bucket's cache rows of the chunk): one kernel with a
-        rope tile (qkv_rope.py), else the projection and rope_scatter_qkv."""
-        ecfg, tile, slots = self.cfg.expert, bk.tiles["qkv"], bk.tensors["suffix_slots"]
-        fused = tile is not None and tile.rope
-        if not fused:
-            qkv = _project(normed, lw, tile, pdl_code)
-        if kv_ready is not None:  # the prefix's scatter of this layer comes first (overlap.py)
-            torch.cuda.current_stream(self.device).wait_event(kv_ready[i])
-        if fused:
-            qkv_rope.qkv_rope(normed, lw.weight, tile, cos, sin, ecfg.num_heads, ecfg.num_kv_heads, q, bk.k_cache[i],
-                              bk.v_cache[i], slots, pdl_code)
-        else:
-            K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], *slots.shape, -1), cos, sin, ecfg.num_heads,
-                               ecfg.num_kv_heads, q, bk.k_cache[i], bk.v_cache[i], slots, pdl_code)
 
 
 def _patch_embed(images: Tensor, patch, pos: Tensor, size: int) -> Tensor:

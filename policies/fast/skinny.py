@@ -44,8 +44,7 @@ class SkinnyTile:
     with PDL each program first pulls 1/`prefetch` of its weight slab into L2 (0: none), while the
     predecessor still runs. `preload`: each program instead loads its whole weight slab into registers
     before the PDL wait, then its whole x slab and one dot over the K slice (block_k unused): after the
-    wait only x's load and the MMAs remain. `rope`: the qkv projection with RoPE and the cache scatter in
-    its epilogue (qkv_rope.py; block_n columns of a head's first half and their partners, no K split)."""
+    wait only x's load and the MMAs remain."""
 
     block_n: int = 32
     block_k: int = 128
@@ -55,7 +54,6 @@ class SkinnyTile:
     stages: int = 4
     prefetch: int = 1
     preload: bool = False
-    rope: bool = False
 
     def __post_init__(self):
         if self.prefetch not in PREFETCH_SHARES:
@@ -66,16 +64,14 @@ class SkinnyTile:
         cols = n // 2 if gelu_mul else n
         if gelu_mul and (n % 2 or self.splits != 1):
             return f"gelu_mul needs an even N ({n}) and splits=1 (got {self.splits})"
-        if self.rope and (gelu_mul or self.splits != 1):
-            return f"a rope tile projects qkv whole: no gelu_mul and splits=1 (got {self.splits})"
         if k % (self.splits * self.block_k):
             return f"K={k} is not a multiple of splits x block_k = {self.splits} x {self.block_k}"
         if cols % self.block_n:
             return f"N={cols} is not a multiple of block_n={self.block_n}"
         if min(self.block_n, self.block_k, self.block_m) < 16:
             return "tl.dot needs block sizes >= 16"
-        if self.preload:  # a rope tile holds pairs of slabs, as gelu_mul's gate and up
-            return self._preload_problem(k // self.splits, gelu_mul or self.rope)
+        if self.preload:
+            return self._preload_problem(k // self.splits, gelu_mul)
         return None
 
     def _preload_problem(self, k_split: int, gelu_mul: bool) -> str | None:
@@ -153,8 +149,6 @@ def skinny_linear(x: Tensor, weight: Tensor, tile: SkinnyTile, gelu_mul: bool = 
     pdl: pdl.py's mode code (bf16 weights only: the L2 prefetch counts 64-element lines)."""
     m, k = x.shape
     n = weight.shape[0]
-    if tile.rope:
-        raise ValueError(f"skinny tile {tile} is a rope tile: it runs through qkv_rope.qkv_rope")
     problem = tile.fits(m, n, k, gelu_mul)
     if problem is not None:
         raise ValueError(f"skinny tile {tile} cannot run x {tuple(x.shape)} @ W {tuple(weight.shape)}^T: {problem}")

@@ -85,34 +85,23 @@ def skinny_dot(x, w, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def skinny_accumulate_pair(x_ptr, w_ptr, rows, row_ok, cols, k0, stride_xm, stride_wn, pair_offset,
-                           K_SPLIT: tl.constexpr, PAIR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """skinny.py's tile: x[rows, k0:k0+K_SPLIT] @ W[cols, k0:k0+K_SPLIT]^T in fp32 (BM, BN), and with PAIR
-    the same for the rows pair_offset below (GeGLU's up rows, RoPE's second halves; else zeros)."""
+def skinny_accumulate(x_ptr, w_ptr, rows, row_ok, cols, k0, stride_xm, stride_wn, pair_offset,
+                      K_SPLIT: tl.constexpr, GELU_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """skinny.py's tile: x[rows, k0:k0+K_SPLIT] @ W[cols, k0:k0+K_SPLIT]^T in fp32 (BM, BN), or with
+    GELU_MUL gelu_tanh(x Wg^T) * (x Wu^T), the up rows pair_offset below the gate rows."""
     ks = tl.arange(0, BK)
     x_tile = x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :]
     w_tile = w_ptr + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_pair = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for _ in range(0, K_SPLIT, BK):
         x = tl.load(x_tile, mask=row_ok[:, None], other=0.0)
         acc = skinny_dot(x, tl.load(w_tile), acc, UPCAST, IEEE)
-        if PAIR:
-            acc_pair = skinny_dot(x, tl.load(w_tile + pair_offset * stride_wn), acc_pair, UPCAST, IEEE)
+        if GELU_MUL:
+            acc_up = skinny_dot(x, tl.load(w_tile + pair_offset * stride_wn), acc_up, UPCAST, IEEE)
         x_tile += BK
         w_tile += BK
-    return acc, acc_pair
-
-
-@triton.jit
-def skinny_accumulate(x_ptr, w_ptr, rows, row_ok, cols, k0, stride_xm, stride_wn, pair_offset,
-                      K_SPLIT: tl.constexpr, GELU_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """skinny_accumulate_pair's tile, or with GELU_MUL gelu_tanh(x Wg^T) * (x Wu^T), the up rows
-    pair_offset below the gate rows."""
-    acc, acc_up = skinny_accumulate_pair(x_ptr, w_ptr, rows, row_ok, cols, k0, stride_xm, stride_wn, pair_offset,
-                                         K_SPLIT, GELU_MUL, BM, BN, BK, UPCAST, IEEE)
     if GELU_MUL:  # gelu_tanh(gate) * up, the GeGLU kernel's formula
         acc = gelu_tanh(acc) * acc_up
     return acc
@@ -133,25 +122,14 @@ def load_slab(w_ptr, cols, k0, stride_wn, pair_offset, K_SPLIT: tl.constexpr, GE
 
 
 @triton.jit
-def skinny_preloaded_pair(x_ptr, w, w_pair, rows, row_ok, k0, stride_xm, K_SPLIT: tl.constexpr, PAIR: tl.constexpr,
-                          UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """skinny_accumulate_pair's result from load_slab's slab: the x slab in one load, one dot over K_SPLIT
-    (two with PAIR)."""
+def skinny_preloaded(x_ptr, w, w_up, rows, row_ok, k0, stride_xm, K_SPLIT: tl.constexpr,
+                     GELU_MUL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """skinny_accumulate's result from load_slab's slab: the x slab in one load, one dot over K_SPLIT."""
     ks = tl.arange(0, K_SPLIT)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
     acc = skinny_dot(x, w, tl.zeros((x.shape[0], w.shape[1]), dtype=tl.float32), UPCAST, IEEE)
-    acc_pair = tl.zeros((x.shape[0], w.shape[1]), dtype=tl.float32)
-    if PAIR:
-        acc_pair = skinny_dot(x, w_pair, acc_pair, UPCAST, IEEE)
-    return acc, acc_pair
-
-
-@triton.jit
-def skinny_preloaded(x_ptr, w, w_up, rows, row_ok, k0, stride_xm, K_SPLIT: tl.constexpr,
-                     GELU_MUL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """skinny_accumulate's result from load_slab's slab."""
-    acc, acc_up = skinny_preloaded_pair(x_ptr, w, w_up, rows, row_ok, k0, stride_xm, K_SPLIT, GELU_MUL, UPCAST, IEEE)
     if GELU_MUL:
+        acc_up = skinny_dot(x, w_up, tl.zeros((x.shape[0], w.shape[1]), dtype=tl.float32), UPCAST, IEEE)
         acc = gelu_tanh(acc) * acc_up
     return acc
 
@@ -245,21 +223,6 @@ def to_fp8(v, scale, q_ptr):
 
 
 @triton.jit
-def rope_tables(cos_ptr, sin_ptr, slot_ptr, token, ok, d, tokens_per_sample, cache_rows, HD: tl.constexpr,
-                HALF: tl.constexpr):
-    """For `token`s (flat b * T + t, a column) and half-head columns d (a row): their cache rows
-    (b * cache_rows + slot) and the fp32 cos / sin of both halves."""
-    slot = tl.load(slot_ptr + token, mask=ok, other=0).to(tl.int64)
-    cache_row = (token // tokens_per_sample).to(tl.int64) * cache_rows + slot
-    trig = token.to(tl.int64) * HD
-    c1 = tl.load(cos_ptr + trig + d, mask=ok, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + trig + HALF + d, mask=ok, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + trig + d, mask=ok, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + trig + HALF + d, mask=ok, other=0.0).to(tl.float32)
-    return cache_row, c1, c2, s1, s2
-
-
-@triton.jit
 def rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c1, c2, s1, s2,
                   split_stride, SPLITS: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr,
                   HALF: tl.constexpr):
@@ -271,15 +234,6 @@ def rope_one_head(qkv_ptr, q_ptr, k_ptr, v_ptr, token, ok, d, head, cache_row, c
     for split in tl.static_range(1, SPLITS):  # skinny.py's split-K partials in split order (unrolled: kernels.py)
         x1 += tl.load(src + split * split_stride + d, mask=ok, other=0.0)
         x2 += tl.load(src + split * split_stride + HALF + d, mask=ok, other=0.0)
-    rope_store(x1, x2, token, ok, d, head, cache_row, c1, c2, s1, s2, q_ptr, k_ptr, v_ptr, H, KV, HD, HALF)
-
-
-@triton.jit
-def rope_store(x1, x2, token, ok, d, head, cache_row, c1, c2, s1, s2, q_ptr, k_ptr, v_ptr, H: tl.constexpr,
-               KV: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr):
-    """One head's columns d (first half) and HALF + d (second half) of the projection, fp32 (x1, x2), for
-    `token`s (flat b * T + t): RoPE'd q to q_ptr (tokens, H, HD), RoPE'd k and plain v to their cache rows
-    (cache_row: b * cache_rows + slot)."""
     if head < H + KV:
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2

@@ -35,19 +35,8 @@ def test_chain_by_role_names_the_projections_and_the_norms_before_them():
     assert out["down"]["mean_chain_us"] == (6 + 13) / 2
     assert out["norm_before_qkv"] == {"calls": 2, "mean_chain_us": (0 + 7) / 2}
     assert out["norm_before_gate_up"]["mean_chain_us"] == (4 + 11) / 2
-    assert out["rope"] == {"calls": 2, "mean_chain_us": (2 + 9) / 2}
-    assert set(out) == {"qkv", "o", "gate_up", "down", "rope", "norm_before_qkv", "norm_before_gate_up"}
+    assert set(out) == {"qkv", "o", "gate_up", "down", "norm_before_qkv", "norm_before_gate_up"}
     assert profile_denoise.chain_by_role(["a", "b"], [1.0, 2.0]) == {}
-
-
-def test_chain_by_role_with_qkv_rope():
-    """qkv_rope_kernel is qkv+rope, and the skinny call after it an o."""
-    step = ["add_norm_kernel", "qkv_rope_kernel", "skinny_kernel", "add_norm_kernel", "skinny_kernel",
-            "skinny_kernel"]
-    out = profile_denoise.chain_by_role(step * 2, [float(i) for i in range(12)])
-    assert out["qkv+rope"]["mean_chain_us"] == (1 + 7) / 2 and out["o"]["mean_chain_us"] == (2 + 8) / 2
-    assert out["gate_up"]["calls"] == 2 and out["down"]["mean_chain_us"] == (5 + 11) / 2
-    assert out["norm_before_qkv+rope"]["mean_chain_us"] == (0 + 6) / 2
 
 
 def test_chain_by_role_with_the_fused_mlp():
