@@ -399,12 +399,14 @@ SKINNY_ROLES = ("qkv", "o", "gate_up", "down")
 def chain_by_role(names: list[str], shares: list[float]) -> dict:
     """Mean critical-path share per role of the layer-step's repeated kernels, from kernel names in
     launch order: the skinny_kernel calls are projections SKINNY_ROLES in turn, a fused_mlp_kernel is
-    `gate_up+down` (the next skinny call is a qkv again), and an add_norm_kernel is
-    `norm_before_<role>` of the next projection. Empty without skinny calls."""
+    `gate_up+down` (the next skinny call is a qkv again), a rope_scatter_kernel `rope`, and an
+    add_norm_kernel is `norm_before_<role>` of the next projection. Empty without skinny calls."""
     roles: list[str | None] = [None] * len(names)
     pending, position = [], 0
     for i, name in enumerate(names):
-        if name in ("skinny_kernel", "fused_mlp_kernel"):
+        if name == "rope_scatter_kernel":
+            roles[i] = "rope"
+        elif name in ("skinny_kernel", "fused_mlp_kernel"):
             if name == "fused_mlp_kernel":
                 roles[i], position = "gate_up+down", 0
             else:

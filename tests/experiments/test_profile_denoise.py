@@ -35,7 +35,8 @@ def test_chain_by_role_names_the_projections_and_the_norms_before_them():
     assert out["down"]["mean_chain_us"] == (6 + 13) / 2
     assert out["norm_before_qkv"] == {"calls": 2, "mean_chain_us": (0 + 7) / 2}
     assert out["norm_before_gate_up"]["mean_chain_us"] == (4 + 11) / 2
-    assert set(out) == {"qkv", "o", "gate_up", "down", "norm_before_qkv", "norm_before_gate_up"}
+    assert out["rope"] == {"calls": 2, "mean_chain_us": (2 + 9) / 2}
+    assert set(out) == {"qkv", "o", "gate_up", "down", "rope", "norm_before_qkv", "norm_before_gate_up"}
     assert profile_denoise.chain_by_role(["a", "b"], [1.0, 2.0]) == {}
 
 
