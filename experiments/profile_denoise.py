@@ -206,6 +206,13 @@ TILE_SETS = {
     # and x slabs of 1024 columns fill the 192 KB a preloaded tile may use at 64 rows)
     "pre_down_s4n32": {"down": T(32, 64, 4, preload=True)},
     "pre_down_s4n32_w8": {"down": T(32, 64, 4, warps=8, preload=True)},
+    # round 19: the 33-128-row qkv and o tiles with less of their PDL weight prefetch (the norm before qkv takes
+    # 2.6 us of PhyAI b1's critical path against 1.75 for the same kernel before gate_up, whose prefetch is off)
+    "qkv_s2np": {"qkv": T(64, 64, 2, prefetch=0)},
+    "qkv_s2half": {"qkv": T(64, 64, 2, prefetch=2)},
+    "qkv_s2quarter": {"qkv": T(64, 64, 2, prefetch=4)},
+    "o_s4np": {"o": T(64, 64, 4, prefetch=0)},
+    "o_s4half": {"o": T(64, 64, 4, prefetch=2)},
     "pre_all_w8": {"qkv": T(64, 64, 2, warps=8, preload=True), "o": T(64, 64, 4, warps=8, preload=True),
                    "down": T(64, 64, 8, warps=8, preload=True), "gate_up": T(16, 128, 1, warps=8, preload=True)},
 }
