@@ -216,13 +216,19 @@ TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
 #   50 rows 6.33 / 6.27 and at 10 / 20 rows 2.61 / 2.94 against 2.44 / 2.87;
 # - qkv with TUNED's 4 K splits: 10 rows 2.162 / 2.175 and 2.176 / 2.181, 20 rows 2.520 / 2.563 and
 #   2.530 / 2.561 (bit-identical chains); with 2 splits at 50 rows 6.38 / 6.27.
+# Round 19, qkv's PDL weight prefetch at 33-128 rows (profile_denoise_nvidia-h200_20261203-091446.json and
+# ..._091516.json, 5 rounds round-robin), denoise stage in ms, the whole slab / a quarter / half / none: 100
+# rows (PhyAI b2) 8.416 / 8.358 / 8.391 / 8.423, 80 rows (LIBERO b8) 3.282 / 3.249 / 3.269 / 3.256, the
+# quarter faster in each round at both; 50 rows (PhyAI b1) 6.163 / 6.210 / 6.237 / 6.276 and 40 rows 2.457 /
+# 2.473 / 2.477 / 2.508, where the whole slab stays (65-79 and 81-99 rows not timed).
 TUNED_BY_ROWS: dict[tuple[int, int, bool], tuple[tuple[int, int, SkinnyTile], ...]] = {
     (8192, 1024, True): ((17, 32, SkinnyTile(block_n=32, block_k=128, splits=1)),
                          (33, 64, SkinnyTile(block_n=16, block_k=128, splits=1, prefetch=0))),
     (1024, 2048, False): ((33, 80, SkinnyTile(block_n=64, block_k=64, splits=4)),
                           (81, 128, SkinnyTile(block_n=64, block_k=64, splits=4, preload=True))),
     (2560, 1024, False): ((1, 32, SkinnyTile(block_n=64, block_k=64, splits=4, preload=True)),
-                          (33, 128, SkinnyTile(block_n=64, block_k=64, splits=2))),
+                          (33, 64, SkinnyTile(block_n=64, block_k=64, splits=2)),
+                          (65, 128, SkinnyTile(block_n=64, block_k=64, splits=2, prefetch=4))),
     (1024, 4096, False): ((1, 64, SkinnyTile(block_n=64, block_k=64, splits=8, preload=True)),),
 }
 

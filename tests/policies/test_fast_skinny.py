@@ -187,6 +187,14 @@ def test_o_and_qkv_split_k_less_at_33_to_128_rows(shape, splits):
     assert skinny.choose_tile("skinny", 50, *shape, torch.device("cpu")).splits == splits
 
 
+def test_qkv_prefetches_a_quarter_of_its_slab_from_65_rows():
+    """Round 19: at 80 and 100 rows qkv's PDL prefetch of a quarter of its slab beat the whole slab; at 40 and
+    50 rows the whole slab stays."""
+    qkv = (2560, 1024, False)
+    assert [skinny.tuned_tile(rows, *qkv).prefetch for rows in (33, 50, 64, 65, 100, 128)] == [1, 1, 1, 4, 4, 4]
+    assert replace(skinny.tuned_tile(100, *qkv), prefetch=1) == skinny.tuned_tile(50, *qkv)
+
+
 def test_preload_follows_the_row_count():
     """Round 17's in-graph winners: down preloaded up to 64 rows (the MLP then split), qkv up to 32, o at
     81-128; none past the skinny kernels' 128 rows."""
