@@ -213,7 +213,8 @@ TILE_SETS = {
     "qkv_s2quarter": {"qkv": T(64, 64, 2, prefetch=4)},
     "o_s4np": {"o": T(64, 64, 4, prefetch=0)},
     "o_s4half": {"o": T(64, 64, 4, prefetch=2)},
-    # and TUNED's gate_up / down tiles (65-128 rows) with a quarter of theirs (gu32np / downnp: none)
+    # and TUNED's gate_up / down tiles (65-128 rows) with a quarter of theirs (gu32np / downnp: none); not yet
+    # timed (round 19 ran out of device time)
     "gu_pf4": {"gate_up": T(32, 64, 1, prefetch=4)},
     "down_pf4": {"down": T(64, 64, 8, prefetch=4)},
     "pre_all_w8": {"qkv": T(64, 64, 2, warps=8, preload=True), "o": T(64, 64, 4, warps=8, preload=True),
