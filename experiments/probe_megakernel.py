@@ -96,12 +96,12 @@ class Chain:
         act = lambda k: torch.zeros(k // L.CHUNK, L.ROWS, L.CHUNK, dtype=torch.bfloat16, device=dev)  # noqa: E731
         self.xa, self.att, self.xm, self.g = act(shape.width), act(shape.q_width), act(shape.width), act(shape.mlp)
         part = lambda s, n: torch.zeros(s, L.ROWS, n, dtype=torch.float32, device=dev)  # noqa: E731
-        self.pq, self.po, self.pd = part(4, shape.qkv), part(8, shape.width), part(8, shape.width)
+        self.pq, self.po, self.pd = (part(phases[name].splits, phases[name].n) for name in ("qkv", "o", "down"))
         self.h = torch.zeros(L.ROWS, shape.width, dtype=torch.float32, device=dev)
         self.counters = torch.zeros(self.layers, len(L.PHASES), dtype=torch.int32, device=dev)
         self.grid = torch.cuda.get_device_properties(0).multi_processor_count
-        if self.grid < max(p.tiles for p in phases.values()):
-            raise RuntimeError(f"the probe needs >= 128 SMs (one tile per CTA), this GPU has {self.grid}")
+        if self.grid < shape.tiles():
+            raise RuntimeError(f"the probe needs >= {shape.tiles()} SMs (one tile per CTA), this GPU has {self.grid}")
         self.clocks = torch.zeros(self.grid, self.layers, len(L.PHASES), 3, dtype=torch.int64, device=dev)
 
     def set_inputs(self, xa: torch.Tensor, h: torch.Tensor) -> None:
@@ -175,7 +175,7 @@ def phase_clocks(chain: Chain) -> dict:
     phase's inputs and working (clock64 of each SM; differences within one CTA only)."""
     chain.launch(clocks=True)
     torch.cuda.synchronize()
-    c = chain.clocks[:128, 1:].double()
+    c = chain.clocks[:L.ChainShape().tiles(), 1:].double()
     wait = (c[..., 1] - c[..., 0]).mean(dim=(0, 1))
     work = (c[..., 2] - c[..., 1]).mean(dim=(0, 1))
     layer = (c[:, 1:, 0, 0] - c[:, :-1, 0, 0]).mean()

@@ -247,6 +247,18 @@ __device__ __forceinline__ void store_partial(float (*acc)[4], float* out, int N
     }
 }
 
+// One split-K GEMM phase's tile: tile t = n_tile * S + split of x (chunk-major, K slice split) @ the
+// weight tile waiting in `wbuf` (its mbarrier at `parity`), stored as split's fp32 partial of out (S, ROWS, N)
+template <int TN, int KR, int S>
+__device__ __forceinline__ void split_k_tile(Pipe& p, int tile, const bf16_t* x, unsigned char* wbuf,
+                                             uint64_t* w_bar, uint32_t parity, float* out, int N, float (*acc)[4],
+                                             int M) {
+    const int split = tile % S, n_tile = tile / S;
+    mbar_wait(w_bar, parity);
+    gemm_tile<TN, KR>(p, x + (size_t)(split * KR / CHUNK) * ROWS * CHUNK, wbuf, acc, M);
+    store_partial<TN>(acc, out + (size_t)split * ROWS * N, N, n_tile * TN, M);
+}
+
 __device__ __forceinline__ float gelu_tanh(float x) {
     return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
@@ -371,12 +383,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (layer > 0) wait_phase(a, a.counters + (layer - 1) * PHASES + 6, gridDim.x);
         if (!a.prefetch) fetch_weights(a, a.wq + layer * q_layer, Q_BYTES, p.buf_a, &p.w_bar[0]);
         stamp(a, layer, 0, 1);
-        if (owner) {
-            const int split = tile % Q_S, nt = tile / Q_S;
-            mbar_wait(&p.w_bar[0], use & 1);
-            gemm_tile<Q_TN, Q_KR>(p, a.xa + (size_t)(split * Q_KR / CHUNK) * ROWS * CHUNK, p.buf_a, acc, a.M);
-            store_partial<Q_TN>(acc, a.pq + (size_t)split * ROWS * QKV_N, QKV_N, nt * Q_TN, a.M);
-        }
+        if (owner)
+            split_k_tile<Q_TN, Q_KR, Q_S>(p, tile, a.xa, p.buf_a, &p.w_bar[0], use & 1, a.pq, QKV_N, acc, a.M);
         signal_phase(&cnt[0]);
         if (a.prefetch) fetch_weights(a, a.wgu + layer * g_layer, G_BYTES, p.buf_a, &p.w_bar[0]);
         stamp(a, layer, 0, 2);
@@ -392,12 +400,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         wait_phase(a, &cnt[1], gridDim.x);
         if (!a.prefetch) fetch_weights(a, a.wo + layer * o_layer, O_BYTES, p.buf_b, &p.w_bar[1]);
         stamp(a, layer, 2, 1);
-        if (owner) {
-            const int split = tile % O_S, nt = tile / O_S;
-            mbar_wait(&p.w_bar[1], use & 1);
-            gemm_tile<O_TN, O_KR>(p, a.att + (size_t)(split * O_KR / CHUNK) * ROWS * CHUNK, p.buf_b, acc, a.M);
-            store_partial<O_TN>(acc, a.po + (size_t)split * ROWS * D, D, nt * O_TN, a.M);
-        }
+        if (owner)
+            split_k_tile<O_TN, O_KR, O_S>(p, tile, a.att, p.buf_b, &p.w_bar[1], use & 1, a.po, D, acc, a.M);
         signal_phase(&cnt[2]);
         if (a.prefetch) fetch_weights(a, a.wd + layer * d_layer, D_BYTES, p.buf_b, &p.w_bar[1]);
         stamp(a, layer, 2, 2);
@@ -427,12 +431,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         wait_phase(a, &cnt[4], gridDim.x);
         if (!a.prefetch) fetch_weights(a, a.wd + layer * d_layer, D_BYTES, p.buf_b, &p.w_bar[1]);
         stamp(a, layer, 5, 1);
-        if (owner) {
-            const int split = tile % DN_S, nt = tile / DN_S;
-            mbar_wait(&p.w_bar[1], (use + 1) & 1);
-            gemm_tile<DN_TN, DN_KR>(p, a.g + (size_t)(split * DN_KR / CHUNK) * ROWS * CHUNK, p.buf_b, acc, a.M);
-            store_partial<DN_TN>(acc, a.pd + (size_t)split * ROWS * D, D, nt * DN_TN, a.M);
-        }
+        if (owner)
+            split_k_tile<DN_TN, DN_KR, DN_S>(p, tile, a.g, p.buf_b, &p.w_bar[1], (use + 1) & 1, a.pd, D, acc,
+                                             a.M);
         signal_phase(&cnt[5]);
         if (a.prefetch && layer + 1 < a.layers)
             fetch_weights(a, a.wo + (layer + 1) * o_layer, O_BYTES, p.buf_b, &p.w_bar[1]);

@@ -65,6 +65,10 @@ class ChainShape:
             PhaseTiles("down", self.width, self.mlp, 64, 8),
         )
 
+    def tiles(self) -> int:
+        """CTAs that own a tile of every GEMM phase (layer_chain.cu's TILES: each phase has this many)."""
+        return max(p.tiles for p in self.phases())
+
     def smem_bytes(self) -> int:
         by_name = {p.name: p.tile_bytes for p in self.phases()}
         buf_a = max(by_name["qkv"], by_name["gate_up"])
