@@ -299,7 +299,8 @@ def attention_layout(backend) -> dict | None:
 
 
 def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise, stoch, graphs: bool = True):
-    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp]", mlp default "auto")
+    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp]", mlp default "auto";
+    attention "cluster": the expert's attention, merge and o projection fused, policy.fast.attn_o)
     that has run one call (its bucket built with the tile set's tiles, graphs captured when `graphs`), and
     that call's last chain state."""
     gemm, attention, pdl_mode, *mlp = variant.split("/")
@@ -308,9 +309,11 @@ def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise
     saved = skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS
     skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
     TritonSplitKVAttention.EXPERT_OPTIONS = expert_attention_options(attention_set)
+    attn_o = "cluster" if attention == "cluster" else "off"  # attention "cluster": cluster_attention.py's
+    attention = "auto" if attention == "cluster" else attention  # fused attention + merge + o
     try:
         fast = _sampler(policy, batch, spec["prompt_len"], graphs=graphs, gemm=gemm, attention=attention,
-                        pdl=pdl_mode, mlp=mlp[0] if mlp else "auto")
+                        pdl=pdl_mode, mlp=mlp[0] if mlp else "auto", attn_o=attn_o)
         return fast, fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
     finally:
         skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS = saved

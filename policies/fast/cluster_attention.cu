@@ -1,0 +1,311 @@
+// The expert's attention, its KV-split merge and the o projection as ONE kernel (the denoise loop at
+// small batch; policies/fast/cluster_attention.py launches it).
+//
+// Why: in the per-kernel loop these are three dependent launches per layer-step (split-KV attention,
+// merge, o), ~12.4 us of the ~34 us critical path at PhyAI batch 1, each mostly fixed latency. Here
+// one thread-block cluster per (sample, head) holds SPLITS CTAs, one per slice of the keys:
+//   1. before the PDL wait each CTA copies its slice of W_o (NCOLS output rows x the head's 256
+//      input columns) into shared memory: weights do not depend on the predecessor;
+//   2. after it: the head's query rows and the CTA's keys/values, S = Q K^T, a softmax over the
+//      slice (max m, sum l), O = P V unnormalised, all in shared memory / registers;
+//   3. cluster barrier; each CTA merges HD/SPLITS columns of O from every peer's shared memory
+//      (distributed shared memory, no global round trip) with weights exp2(m_j - M) / L and pushes
+//      the merged bf16 columns into every peer's A tile;
+//   4. cluster barrier; each CTA multiplies the merged head output (rows x 256) by its W_o slice and
+//      writes fp32 partials out[head, row, cols]: the o projection split over heads, which the
+//      residual + AdaRMS kernel after it sums (as it sums the skinny o kernel's split-K partials).
+// Shapes are compile-time (#defines prepended by the launcher): HD head dim, ROWS_PAD query rows
+// padded to 16 (one warp per 16 rows; at least 4 warps, the others help with the copies and the o
+// projection's columns), KEYS keys per CTA at most (multiple of 16), SPLITS CTAs per cluster,
+// NCOLS o columns per CTA (WIDTH / SPLITS), HEADS, WIDTH (o output), QW = HEADS * HD (o input).
+// No CUDA headers: NVRTC on a machine without the toolkit finds none.
+
+typedef unsigned short bf16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+
+#define MMA_WARPS (ROWS_PAD / 16)                            // one warp per 16 query rows
+#define WARPS (MMA_WARPS * ((4 + MMA_WARPS - 1) / MMA_WARPS))  // at least 4: the copies and o's columns share
+#define THREADS (WARPS * 32)
+#define COL_GROUPS (WARPS / MMA_WARPS)                       // warps per row tile in the o projection
+#define O_TILES ((NCOLS / 8 + COL_GROUPS - 1) / COL_GROUPS)  // o's 8-column tiles per warp (at most)
+#define HDP (HD + 8)           // bf16 row stride of the Q/K/V/W/A tiles: 4-byte fragment loads conflict-free
+#define OPS (HD + 4)           // fp32 row stride of the O partial
+#define DS (HD / SPLITS)       // O columns each CTA merges
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    // 16 bytes global -> shared; zero-filled when !valid (src-size 0), so masked rows read as zeros
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(valid ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ uint32_t peer_addr(const void* local, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(local)), "r"(rank));
+    return r;
+}
+
+__device__ __forceinline__ float ld_peer_f32(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void ld_peer_f32x4(uint32_t addr, float* v) {
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];"
+                 : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ void st_peer_u32x2(uint32_t addr, uint32_t a, uint32_t b) {
+    asm volatile("st.shared::cluster.v2.u32 [%0], {%1,%2};" ::"r"(addr), "r"(a), "r"(b) : "memory");
+}
+
+// A fragment (16 x 16, row-major tile with row stride HDP) of rows r0.., columns k..
+__device__ __forceinline__ void load_a(uint32_t* a, const bf16_t* tile, int r0, int k, int g, int t) {
+    const bf16_t* p = tile + (r0 + g) * HDP + k + 2 * t;
+    a[0] = *(const uint32_t*)p;
+    a[1] = *(const uint32_t*)(p + 8 * HDP);
+    a[2] = *(const uint32_t*)(p + 8);
+    a[3] = *(const uint32_t*)(p + 8 * HDP + 8);
+}
+
+// One warp's 16 query rows (r0..) against the CTA's key slice: S = Q K^T (KEYS / 8 n-tiles of 8 keys),
+// the slice's softmax in the exp2 domain (row max m, row sum l; keys >= nkeys masked), O = P V
+// unnormalised. The thread holds rows g (accumulator entries 0, 1) and g + 8 (2, 3).
+__device__ __forceinline__ void attend_slice(const bf16_t* sQ, const bf16_t* sK, const bf16_t* sV, int r0, int g,
+                                             int t, int nkeys, float scale_log2, float (&o)[HD / 8][4],
+                                             float (&m)[2], float (&l)[2]) {
+    float s[KEYS / 8][4];
+#pragma unroll
+    for (int n = 0; n < KEYS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll 4
+    for (int k = 0; k < HD; k += 16) {
+        uint32_t a[4];
+        load_a(a, sQ, r0, k, g, t);
+#pragma unroll
+        for (int n = 0; n < KEYS / 8; ++n) {
+            const bf16_t* p = sK + (n * 8 + g) * HDP + k + 2 * t;
+            mma_bf16(s[n], a, *(const uint32_t*)p, *(const uint32_t*)(p + 8));
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < KEYS / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            bool ok = n * 8 + 2 * t + (c & 1) < nkeys;
+            s[n][c] = ok ? s[n][c] * scale_log2 : NEG_INF;
+            m[c >> 1] = fmaxf(m[c >> 1], s[n][c]);
+        }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the row's other entries sit in the lanes with the same g
+        m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffff, m[h], 1));
+        m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffff, m[h], 2));
+    }
+#pragma unroll
+    for (int n = 0; n < KEYS / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            float mh = m[c >> 1];
+            s[n][c] = mh == NEG_INF ? 0.f : exp2f(s[n][c] - mh);  // masked keys: exp2(-inf) = 0
+            l[c >> 1] += s[n][c];
+        }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
+    }
+    // P's accumulator layout is the A fragment of the next mma, with keys as its K
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KEYS / 16; ++kk) {
+        uint32_t a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                         pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                         pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        const bf16_t* v0 = sV + (kk * 16 + 2 * t) * HDP + g;  // B fragment: keys 2t, 2t + 1 (+ 8) of column g
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d) {
+            const bf16_t* p = v0 + d * 8;
+            uint32_t b0 = (uint32_t)p[0] | ((uint32_t)p[HDP] << 16);
+            uint32_t b1 = (uint32_t)p[8 * HDP] | ((uint32_t)p[9 * HDP] << 16);
+            mma_bf16(o[d], a, b0, b1);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
+    const bf16_t* __restrict__ q,        // (B, T, HEADS, HD): the RoPE'd queries
+    const bf16_t* __restrict__ k_cache,  // (B, SLOTS, 1, HD)
+    const bf16_t* __restrict__ v_cache,  // (B, SLOTS, 1, HD)
+    const bf16_t* __restrict__ w_o,      // (WIDTH, QW)
+    const int* __restrict__ key_len,     // (B,): sample b attends to keys [0, key_len[b])
+    float* __restrict__ out,             // (HEADS, B * T, WIDTH): per-head partials of the o projection
+    int T, int SLOTS, float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16_t* sQ = (bf16_t*)smem;                                 // ROWS_PAD x HDP
+    bf16_t* sK = sQ + ROWS_PAD * HDP;                           // KEYS x HDP
+    bf16_t* sV = sK + KEYS * HDP;                               // KEYS x HDP
+    bf16_t* sW = sV + KEYS * HDP;                               // NCOLS x HDP
+    float* sM = (float*)(sW + NCOLS * HDP);                     // ROWS_PAD: this CTA's row max
+    float* sL = sM + ROWS_PAD;                                  // ROWS_PAD: this CTA's row sum
+    float* sWt = sL + ROWS_PAD;                                 // SPLITS x ROWS_PAD merge weights
+    float* sO = (float*)smem;                                   // ROWS_PAD x OPS, over sQ + sK once both are read
+    bf16_t* sA = sV;                                            // ROWS_PAD x HDP merged output, over sV
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const uint32_t split = cluster_rank();
+    const int head = blockIdx.y, b = blockIdx.z;
+    const int M = gridDim.z * T;
+
+    // 1. this CTA's W_o slice, before the PDL wait (weights never depend on the predecessor)
+    const bf16_t* w_src = w_o + (size_t)(split * NCOLS) * QW + head * HD;
+    for (int i = tid; i < NCOLS * (HD / 8); i += THREADS) {
+        int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+        cp_async16(sW + r * HDP + c, w_src + (size_t)r * QW + c, true);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+
+    // 2. queries, this CTA's keys and values
+    const int len = key_len[b];
+    const int chunk = (len + SPLITS - 1) / SPLITS;  // <= KEYS: len <= SLOTS (host check)
+    const int k0 = split * chunk;
+    const int nkeys = min(max(len - k0, 0), chunk);
+    for (int i = tid; i < ROWS_PAD * (HD / 8); i += THREADS) {
+        int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+        bool ok = r < T;
+        cp_async16(sQ + r * HDP + c, q + ((size_t)(b * T + (ok ? r : 0)) * HEADS + head) * HD + c, ok);
+    }
+    for (int i = tid; i < KEYS * (HD / 8); i += THREADS) {
+        int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+        bool ok = r < nkeys;
+        size_t row = (size_t)b * SLOTS + (ok ? k0 + r : 0);
+        cp_async16(sK + r * HDP + c, k_cache + row * HD + c, ok);
+        cp_async16(sV + r * HDP + c, v_cache + row * HD + c, ok);
+    }
+    cp_async_wait_all();
+    __syncthreads();
+
+    // S = Q K^T, softmax and O = P V for this warp's 16 rows (warps past MMA_WARPS only copied)
+    const int r0 = (warp % MMA_WARPS) * 16;
+    float o[HD / 8][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    if (warp < MMA_WARPS) attend_slice(sQ, sK, sV, r0, g, t, nkeys, scale_log2, o, m, l);
+    __syncthreads();  // every warp is done with sQ / sK: sO goes over them
+    if (warp < MMA_WARPS) {
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d) {
+            float* p = sO + (r0 + g) * OPS + d * 8 + 2 * t;
+            p[0] = o[d][0];
+            p[1] = o[d][1];
+            p[8 * OPS] = o[d][2];
+            p[8 * OPS + 1] = o[d][3];
+        }
+        if (t == 0) {
+            sM[r0 + g] = m[0];
+            sM[r0 + g + 8] = m[1];
+            sL[r0 + g] = l[0];
+            sL[r0 + g + 8] = l[1];
+        }
+    }
+    cluster_sync();  // every CTA's m, l and O are in its shared memory (and sV is free for sA)
+
+    // 3. merge: weights w_j = exp2(m_j - max_j m_j) / sum_j w_j l_j per row, then this CTA's DS columns
+    for (int i = tid; i < ROWS_PAD; i += THREADS) {
+        float mj[SPLITS], lj[SPLITS], mx = NEG_INF, total = 0.f;
+#pragma unroll
+        for (int j = 0; j < SPLITS; ++j) {
+            mj[j] = ld_peer_f32(peer_addr(sM + i, j));
+            lj[j] = ld_peer_f32(peer_addr(sL + i, j));
+            mx = fmaxf(mx, mj[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < SPLITS; ++j) {
+            mj[j] = mj[j] == NEG_INF ? 0.f : exp2f(mj[j] - mx);
+            total += mj[j] * lj[j];
+        }
+        float inv = total > 0.f ? 1.f / total : 0.f;
+#pragma unroll
+        for (int j = 0; j < SPLITS; ++j) sWt[j * ROWS_PAD + i] = mj[j] * inv;
+    }
+    __syncthreads();
+    for (int i = tid; i < ROWS_PAD * (DS / 4); i += THREADS) {
+        int r = i / (DS / 4), c = split * DS + (i % (DS / 4)) * 4;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < SPLITS; ++j) {
+            float v[4], w = sWt[j * ROWS_PAD + r];
+            ld_peer_f32x4(peer_addr(sO + r * OPS + c, j), v);
+            acc[0] += w * v[0];
+            acc[1] += w * v[1];
+            acc[2] += w * v[2];
+            acc[3] += w * v[3];
+        }
+        uint32_t lo = pack_bf16x2(acc[0], acc[1]), hi = pack_bf16x2(acc[2], acc[3]);
+#pragma unroll
+        for (int j = 0; j < SPLITS; ++j) st_peer_u32x2(peer_addr(sA + r * HDP + c, j), lo, hi);
+    }
+    cluster_sync();  // every CTA's sA holds the whole merged head output; no peer reads sO any more
+
+    // 4. o projection: 16 rows (warp % MMA_WARPS) x the 8-column tiles cg, cg + COL_GROUPS, ... of the
+    //    CTA's NCOLS columns (cg = warp / MMA_WARPS), K = the head's HD columns
+    const int cg = warp / MMA_WARPS;
+    float acc[O_TILES][4];
+#pragma unroll
+    for (int j = 0; j < O_TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll 4
+    for (int k = 0; k < HD; k += 16) {
+        uint32_t a[4];
+        load_a(a, sA, r0, k, g, t);
+#pragma unroll
+        for (int j = 0; j < O_TILES; ++j) {
+            const int n = cg + j * COL_GROUPS;
+            if (n < NCOLS / 8) {
+                const bf16_t* p = sW + (n * 8 + g) * HDP + k + 2 * t;
+                mma_bf16(acc[j], a, *(const uint32_t*)p, *(const uint32_t*)(p + 8));
+            }
+        }
+    }
+    float* dst = out + ((size_t)head * M + b * T) * WIDTH + split * NCOLS;
+    const int ra = r0 + g, rb = r0 + g + 8;
+#pragma unroll
+    for (int j = 0; j < O_TILES; ++j) {
+        const int n = cg + j * COL_GROUPS, col = n * 8 + 2 * t;
+        if (n >= NCOLS / 8) continue;
+        if (ra < T) *(float2*)(dst + (size_t)ra * WIDTH + col) = make_float2(acc[j][0], acc[j][1]);
+        if (rb < T) *(float2*)(dst + (size_t)rb * WIDTH + col) = make_float2(acc[j][2], acc[j][3]);
+    }
+}

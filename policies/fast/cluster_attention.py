@@ -1,0 +1,209 @@
+"""The expert's attention + KV-split merge + o projection as one thread-block-cluster kernel.
+
+Why: at batch 1 the denoise loop is a chain of small dependent kernels, each with a fixed cost of
+~2-3 us, and the split-KV attention, its merge and the o projection were three of them (~12.4 us of
+a ~34 us PhyAI b1 layer-step, docs/predict.md). `cluster_attention.cu` runs them as one launch: a
+cluster of SPLITS CTAs per (sample, head), each CTA one slice of the keys; the slices are merged
+through distributed shared memory (no global round trip, no merge launch) and each CTA projects the
+merged head output onto its share of the o columns. The output is the o projection split over heads,
+(heads, B*T, width) fp32 partials, which the residual + AdaRMS kernel after it sums like the skinny
+o kernel's split-K partials.
+
+CUDA only (sm_90+: clusters, distributed shared memory, PDL); compiled at run time by NVRTC
+(torch.cuda._compile_kernel) per shape and launched with cuLaunchKernelEx on torch's current stream,
+so CUDA graphs capture it. `reference` is the same computation in plain PyTorch (tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("cluster_attention.cu")
+LOG2_E = 1.4426950408889634
+SMEM_LIMIT = 227 * 1024
+# CUDA driver enums (cuda.h)
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """Compile-time shape: `rows` query rows per (sample, head) (the chunk), `slots` cache rows per
+    sample, `splits` CTAs per cluster (key slices; 16 needs the non-portable cluster size)."""
+
+    rows: int
+    slots: int
+    heads: int = 8
+    head_dim: int = 256
+    width: int = 1024
+    splits: int = 16
+
+    @property
+    def rows_pad(self) -> int:
+        return 16 * -(-self.rows // 16)
+
+    @property
+    def keys(self) -> int:
+        """Keys per CTA: the slice length for the longest key run (slots), in 16s."""
+        per_split = -(-self.slots // self.splits)
+        return 16 * -(-per_split // 16)
+
+    @property
+    def ncols(self) -> int:
+        return self.width // self.splits
+
+    @property
+    def threads(self) -> int:
+        """One warp per 16 query rows, at least 4 (the kernel's WARPS)."""
+        mma_warps = self.rows_pad // 16
+        return mma_warps * -(-4 // mma_warps) * 32
+
+    def smem_bytes(self) -> int:
+        hdp = self.head_dim + 8
+        tiles = (self.rows_pad + 2 * self.keys + self.ncols) * hdp * 2
+        return tiles + (2 + self.splits) * self.rows_pad * 4
+
+    def problem(self) -> str | None:
+        """Why the kernel cannot run this shape, or None."""
+        hdp, ops = self.head_dim + 8, self.head_dim + 4
+        checks = (
+            (self.rows_pad <= 64, f"{self.rows} query rows (at most 64: one warp per 16)"),
+            (self.head_dim % 16 == 0 and self.head_dim % (4 * self.splits) == 0,
+             f"head_dim {self.head_dim} must split into {self.splits} slices of 4-column groups"),
+            (self.width % (8 * self.splits) == 0, f"width {self.width} must split into {self.splits} x 8 columns"),
+            (1 <= self.splits <= 16, f"{self.splits} CTAs per cluster (1-16)"),
+            (self.rows_pad * ops * 4 <= (self.rows_pad + self.keys) * hdp * 2,
+             "the fp32 O partial does not fit over the Q and K tiles"),
+            (self.rows_pad <= self.keys, "the merged A tile does not fit over the V tile"),
+            (self.smem_bytes() <= SMEM_LIMIT, f"{self.smem_bytes()} bytes of shared memory (limit {SMEM_LIMIT})"),
+        )
+        return next((why for ok, why in checks if not ok), None)
+
+    def defines(self) -> str:
+        values = dict(HD=self.head_dim, ROWS_PAD=self.rows_pad, KEYS=self.keys, SPLITS=self.splits,
+                      NCOLS=self.ncols, HEADS=self.heads, WIDTH=self.width, QW=self.heads * self.head_dim)
+        return "".join(f"#define {k} {v}\n" for k, v in values.items())
+
+
+def supported(device: torch.device) -> bool:
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and hasattr(torch.cuda, "_compile_kernel"))
+
+
+def _check(err: int, what: str) -> None:
+    if err:
+        raise RuntimeError(f"{what} failed with CUDA driver error {err}")
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.cache
+def _compiled(shape: ClusterShape, device_index: int):
+    """The kernel compiled for `shape` on this device, with its shared memory and cluster size allowed."""
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    with torch.cuda.device(device_index):
+        kernel = torch.cuda._compile_kernel(shape.defines() + SOURCE.read_text(), "cluster_attention_o",
+                                            nvcc_options=["-std=c++17"])
+    lib = _get_gpu_runtime_library()
+    _check(lib.cuFuncSetAttribute(kernel.func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shape.smem_bytes()),
+           "cuFuncSetAttribute(max dynamic shared memory)")
+    if shape.splits > 8:
+        _check(lib.cuFuncSetAttribute(kernel.func, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+               "cuFuncSetAttribute(non-portable cluster size)")
+    return kernel, lib
+
+
+class ClusterAttentionO:
+    """The fused attention + merge + o projection for one bucket (`plan(key_len)` as the attention
+    backends; `__call__(q, k_cache, v_cache, w_o)` -> (heads, B*T, width) fp32 partials)."""
+
+    name = "cluster"
+
+    def __init__(self, batch: int, shape: ClusterShape, device: torch.device, pdl: bool = False):
+        problem = shape.problem()
+        if problem is not None:
+            raise ValueError(f"cluster attention cannot run {shape}: {problem}")
+        self.batch, self.shape, self.device, self.pdl = batch, shape, device, pdl
+        self.key_len = torch.full((batch,), shape.slots, dtype=torch.int32, device=device)
+        self.out = torch.empty(shape.heads, batch * shape.rows, shape.width, dtype=torch.float32, device=device)
+        self.kernel, self.lib = _compiled(shape, device.index or 0)
+
+    def plan(self, key_len: Tensor) -> None:
+        if int(key_len.max()) > self.shape.slots:
+            raise ValueError(f"key lengths {key_len.tolist()} exceed the cache's {self.shape.slots} rows")
+        self.key_len.copy_(key_len, non_blocking=True)
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, w_o: Tensor) -> Tensor:
+        s = self.shape
+        b, hd = self.batch, s.head_dim
+        expected = {"q": ((b, s.rows, s.heads, hd), q), "k_cache": ((b, s.slots, 1, hd), k_cache),
+                    "v_cache": ((b, s.slots, 1, hd), v_cache), "w_o": ((s.width, s.heads * hd), w_o)}
+        for name, (want, x) in expected.items():
+            if tuple(x.shape) != want or not x.is_contiguous() or x.dtype != torch.bfloat16:
+                raise ValueError(f"cluster attention: {name} must be a contiguous bf16 {want}, "
+                                 f"got {tuple(x.shape)} {x.dtype}")
+        self._launch(q, k_cache, v_cache, w_o)
+        return self.out
+
+    def _launch(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, w_o: Tensor) -> None:
+        s = self.shape
+        ptrs = [ctypes.c_void_p(x.data_ptr()) for x in (q, k_cache, v_cache, w_o, self.key_len, self.out)]
+        scalars = [ctypes.c_int(s.rows), ctypes.c_int(s.slots), ctypes.c_float(s.head_dim ** -0.5 * LOG2_E)]
+        args = ptrs + scalars
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+        attrs = (_LaunchAttribute * 2)()
+        attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = s.splits, 1, 1
+        attrs[1].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[1].value[0] = 1
+        config = _LaunchConfig()
+        config.grid[:] = (s.splits, s.heads, self.batch)
+        config.block[:] = (s.threads, 1, 1)
+        config.smem = s.smem_bytes()
+        config.stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        config.attrs = attrs
+        config.num_attrs = 2 if self.pdl else 1
+        _check(self.lib.cuLaunchKernelEx(ctypes.byref(config), self.kernel.func, params, None), "cuLaunchKernelEx")
+
+
+def build(mode: str, batch: int, rows: int, slots: int, expert, dtype: torch.dtype, device: torch.device,
+          pdl: bool) -> ClusterAttentionO | None:
+    """The fused kernel for a bucket (policy.fast.attn_o = mode; `expert`: the expert's GemmaConfig), or
+    None where the separate kernels run: mode "off", not CUDA sm_90+, not bf16, several KV heads, or a
+    shape the kernel does not fit (ClusterShape.problem)."""
+    if mode == "off" or dtype != torch.bfloat16 or expert.num_kv_heads != 1 or not supported(device):
+        return None
+    shape = ClusterShape(rows=rows, slots=slots, heads=expert.num_heads, head_dim=expert.head_dim,
+                         width=expert.width)
+    return None if shape.problem() is not None else ClusterAttentionO(batch, shape, device, pdl)
+
+
+def reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, w_o: Tensor, key_len: Tensor) -> Tensor:
+    """Plain PyTorch (fp32) of what the kernel computes: masked attention per (sample, head), the head
+    output rounded to bf16 as the kernel's merged tile is, then each head's share of the o projection:
+    (heads, B*T, width) partials whose sum over heads is the o projection."""
+    b, t, heads, hd = q.shape
+    keys = torch.arange(k_cache.shape[1], device=q.device)
+    mask = (keys[None, :] < key_len[:, None].to(q.device))[:, None, None, :]
+    scores = torch.einsum("bthd,bsd->bhts", q.float(), k_cache[:, :, 0].float()) / math.sqrt(hd)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    heads_out = torch.einsum("bhts,bsd->bthd", probs, v_cache[:, :, 0].float()).to(torch.bfloat16).float()
+    w = w_o.float().view(w_o.shape[0], heads, hd)
+    return torch.einsum("bthd,nhd->hbtn", heads_out, w).reshape(heads, b * t, w_o.shape[0])
