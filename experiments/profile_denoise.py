@@ -35,8 +35,8 @@ import torch.nn.functional as F  # noqa: E402
 from experiments import bench_predict_common as common
 from experiments.results import write_result
 from policies.config import PolicyConfig
+from policies.fast import cluster_attention, skinny
 from policies.fast import kernels as K
-from policies.fast import skinny
 from policies.fast.attention import graph_call_ms
 from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
@@ -300,23 +300,27 @@ def attention_layout(backend) -> dict | None:
 
 def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise, stoch, graphs: bool = True):
     """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp]", mlp default "auto";
-    attention "cluster": the expert's attention, merge and o projection fused, policy.fast.attn_o)
+    attention "cluster[@<CTAs per cluster>]": the expert's attention, merge and o projection fused,
+    policy.fast.attn_o)
     that has run one call (its bucket built with the tile set's tiles, graphs captured when `graphs`), and
     that call's last chain state."""
     gemm, attention, pdl_mode, *mlp = variant.split("/")
     gemm, _, tile_set = gemm.partition("@")
     attention, _, attention_set = attention.partition("@")
-    saved = skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS
+    saved = skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS, cluster_attention.SPLITS
     skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
-    TritonSplitKVAttention.EXPERT_OPTIONS = expert_attention_options(attention_set)
-    attn_o = "cluster" if attention == "cluster" else "off"  # attention "cluster": cluster_attention.py's
-    attention = "auto" if attention == "cluster" else attention  # fused attention + merge + o
+    attn_o = "off"
+    if attention == "cluster":  # cluster_attention.py's fused attention + merge + o, "@<CTAs per cluster>"
+        attn_o, attention = "cluster", "auto"
+        cluster_attention.SPLITS = int(attention_set or cluster_attention.SPLITS)
+    else:
+        TritonSplitKVAttention.EXPERT_OPTIONS = expert_attention_options(attention_set)
     try:
         fast = _sampler(policy, batch, spec["prompt_len"], graphs=graphs, gemm=gemm, attention=attention,
                         pdl=pdl_mode, mlp=mlp[0] if mlp else "auto", attn_o=attn_o)
         return fast, fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
     finally:
-        skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS = saved
+        skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS, cluster_attention.SPLITS = saved
 
 
 ATTENTION_OPTION_KEYS = {"w": "warps", "m": "block_m", "n": "block_n", "s": "stages"}

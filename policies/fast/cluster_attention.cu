@@ -33,6 +33,27 @@ typedef unsigned long long uint64_t;
 #define OPS (HD + 4)           // fp32 row stride of the O partial
 #define DS (HD / SPLITS)       // O columns each CTA merges
 #define NEG_INF (-__int_as_float(0x7f800000))
+#ifndef LATE_W
+#define LATE_W 0  // 1: W_o's slice copied after S = Q K^T into the K tile (when the early layout does not fit)
+#endif
+#ifndef STAMPS
+#define STAMPS 0  // 1: thread 0 of each CTA records clock64 at each phase (experiments/probe_cluster_attention.py)
+#endif
+#define N_STAMPS 10  // 8 phase clocks, then globaltimer at the start and the end
+
+__device__ __forceinline__ void stamp(long long* stamps, int phase) {
+#if STAMPS
+    if (threadIdx.x == 0) {
+        long long* row = stamps + ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * N_STAMPS;
+        row[phase] = clock64();
+        if (phase == 0 || phase == 7) {
+            long long ns;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+            row[phase == 0 ? 8 : 9] = ns;
+        }
+    }
+#endif
+}
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     uint32_t r;
@@ -102,13 +123,12 @@ __device__ __forceinline__ void load_a(uint32_t* a, const bf16_t* tile, int r0, 
     a[3] = *(const uint32_t*)(p + 8 * HDP + 8);
 }
 
-// One warp's 16 query rows (r0..) against the CTA's key slice: S = Q K^T (KEYS / 8 n-tiles of 8 keys),
-// the slice's softmax in the exp2 domain (row max m, row sum l; keys >= nkeys masked), O = P V
-// unnormalised. The thread holds rows g (accumulator entries 0, 1) and g + 8 (2, 3).
-__device__ __forceinline__ void attend_slice(const bf16_t* sQ, const bf16_t* sK, const bf16_t* sV, int r0, int g,
-                                             int t, int nkeys, float scale_log2, float (&o)[HD / 8][4],
-                                             float (&m)[2], float (&l)[2]) {
-    float s[KEYS / 8][4];
+// One warp's 16 query rows (r0..) against the CTA's key slice: S = Q K^T (KEYS / 8 n-tiles of 8 keys)
+// and the slice's softmax in the exp2 domain: s becomes P, with row max m and row sum l (keys >= nkeys
+// masked). The thread holds rows g (accumulator entries 0, 1) and g + 8 (2, 3).
+__device__ __forceinline__ void scores_softmax(const bf16_t* sQ, const bf16_t* sK, int r0, int g, int t, int nkeys,
+                                               float scale_log2, float (&s)[KEYS / 8][4], float (&m)[2],
+                                               float (&l)[2]) {
 #pragma unroll
     for (int n = 0; n < KEYS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll 4
@@ -147,7 +167,11 @@ __device__ __forceinline__ void attend_slice(const bf16_t* sQ, const bf16_t* sK,
         l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
         l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
     }
-    // P's accumulator layout is the A fragment of the next mma, with keys as its K
+}
+
+// O = P V, unnormalised: P's accumulator layout is the A fragment of the next mma, with keys as its K.
+__device__ __forceinline__ void weigh_values(const bf16_t* sV, int g, int t, const float (&s)[KEYS / 8][4],
+                                             float (&o)[HD / 8][4]) {
 #pragma unroll
     for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
 #pragma unroll
@@ -166,6 +190,15 @@ __device__ __forceinline__ void attend_slice(const bf16_t* sQ, const bf16_t* sK,
     }
 }
 
+// The CTA's W_o slice (NCOLS output rows x the head's HD input columns) into sW.
+__device__ __forceinline__ void copy_w(bf16_t* sW, const bf16_t* w_src, int tid) {
+    for (int i = tid; i < NCOLS * (HD / 8); i += THREADS) {
+        int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+        cp_async16(sW + r * HDP + c, w_src + (size_t)r * QW + c, true);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
     const bf16_t* __restrict__ q,        // (B, T, HEADS, HD): the RoPE'd queries
     const bf16_t* __restrict__ k_cache,  // (B, SLOTS, 1, HD)
@@ -173,32 +206,43 @@ extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
     const bf16_t* __restrict__ w_o,      // (WIDTH, QW)
     const int* __restrict__ key_len,     // (B,): sample b attends to keys [0, key_len[b])
     float* __restrict__ out,             // (HEADS, B * T, WIDTH): per-head partials of the o projection
-    int T, int SLOTS, float scale_log2) {
+    int T, int SLOTS, float scale_log2, long long* stamps) {
     extern __shared__ __align__(16) unsigned char smem[];
     bf16_t* sQ = (bf16_t*)smem;                                 // ROWS_PAD x HDP
     bf16_t* sK = sQ + ROWS_PAD * HDP;                           // KEYS x HDP
     bf16_t* sV = sK + KEYS * HDP;                               // KEYS x HDP
+#if LATE_W  // W_o's slice over sK once S is computed, the merged output over sQ, the O partial over sV
+    bf16_t* sW = sK;
+    float* sM = (float*)(sV + KEYS * HDP);
+    float* sO = (float*)sV;
+    bf16_t* sA = sQ;
+#else       // W_o's slice in its own tile (copied before the PDL wait), O over sQ + sK, the merged output over sV
     bf16_t* sW = sV + KEYS * HDP;                               // NCOLS x HDP
-    float* sM = (float*)(sW + NCOLS * HDP);                     // ROWS_PAD: this CTA's row max
-    float* sL = sM + ROWS_PAD;                                  // ROWS_PAD: this CTA's row sum
+    float* sM = (float*)(sW + NCOLS * HDP);
+    float* sO = (float*)smem;                                   // ROWS_PAD x OPS
+    bf16_t* sA = sV;                                            // ROWS_PAD x HDP
+#endif
+    float* sL = sM + ROWS_PAD;                                  // ROWS_PAD: this CTA's row sum (sM: row max)
     float* sWt = sL + ROWS_PAD;                                 // SPLITS x ROWS_PAD merge weights
-    float* sO = (float*)smem;                                   // ROWS_PAD x OPS, over sQ + sK once both are read
-    bf16_t* sA = sV;                                            // ROWS_PAD x HDP merged output, over sV
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const uint32_t split = cluster_rank();
     const int head = blockIdx.y, b = blockIdx.z;
     const int M = gridDim.z * T;
+    stamp(stamps, 0);
 
-    // 1. this CTA's W_o slice, before the PDL wait (weights never depend on the predecessor)
+    // 1. this CTA's W_o slice, before the PDL wait (weights never depend on the predecessor): into shared
+    //    memory, or (LATE_W, no room yet) into L2, 128-byte lines
     const bf16_t* w_src = w_o + (size_t)(split * NCOLS) * QW + head * HD;
-    for (int i = tid; i < NCOLS * (HD / 8); i += THREADS) {
-        int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
-        cp_async16(sW + r * HDP + c, w_src + (size_t)r * QW + c, true);
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
+#if LATE_W
+    for (int i = tid; i < NCOLS * (HD / 64); i += THREADS)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(w_src + (size_t)(i / (HD / 64)) * QW + (i % (HD / 64)) * 64));
+#else
+    copy_w(sW, w_src, tid);
+#endif
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    stamp(stamps, 1);
 
     // 2. queries, this CTA's keys and values
     const int len = key_len[b];
@@ -219,12 +263,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
     }
     cp_async_wait_all();
     __syncthreads();
+    stamp(stamps, 2);
 
     // S = Q K^T, softmax and O = P V for this warp's 16 rows (warps past MMA_WARPS only copied)
     const int r0 = (warp % MMA_WARPS) * 16;
-    float o[HD / 8][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-    if (warp < MMA_WARPS) attend_slice(sQ, sK, sV, r0, g, t, nkeys, scale_log2, o, m, l);
-    __syncthreads();  // every warp is done with sQ / sK: sO goes over them
+    float s[KEYS / 8][4], o[HD / 8][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    if (warp < MMA_WARPS) scores_softmax(sQ, sK, r0, g, t, nkeys, scale_log2, s, m, l);
+#if LATE_W
+    __syncthreads();  // every warp is done with sK: the W_o slice goes there
+    copy_w(sW, w_src, tid);
+#endif
+    if (warp < MMA_WARPS) weigh_values(sV, g, t, s, o);
+    __syncthreads();  // every warp is done with sQ, sK and sV: sO goes over them
+    stamp(stamps, 3);
     if (warp < MMA_WARPS) {
 #pragma unroll
         for (int d = 0; d < HD / 8; ++d) {
@@ -242,6 +293,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
         }
     }
     cluster_sync();  // every CTA's m, l and O are in its shared memory (and sV is free for sA)
+    stamp(stamps, 4);
 
     // 3. merge: weights w_j = exp2(m_j - max_j m_j) / sum_j w_j l_j per row, then this CTA's DS columns
     for (int i = tid; i < ROWS_PAD; i += THREADS) {
@@ -278,7 +330,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
 #pragma unroll
         for (int j = 0; j < SPLITS; ++j) st_peer_u32x2(peer_addr(sA + r * HDP + c, j), lo, hi);
     }
+    stamp(stamps, 5);
+#if LATE_W
+    cp_async_wait_all();  // this thread's W_o copies; the barrier makes everyone's visible
+#endif
     cluster_sync();  // every CTA's sA holds the whole merged head output; no peer reads sO any more
+    stamp(stamps, 6);
 
     // 4. o projection: 16 rows (warp % MMA_WARPS) x the 8-column tiles cg, cg + COL_GROUPS, ... of the
     //    CTA's NCOLS columns (cg = warp / MMA_WARPS), K = the head's HD columns
@@ -308,4 +365,5 @@ extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
         if (ra < T) *(float2*)(dst + (size_t)ra * WIDTH + col) = make_float2(acc[j][0], acc[j][1]);
         if (rb < T) *(float2*)(dst + (size_t)rb * WIDTH + col) = make_float2(acc[j][2], acc[j][3]);
     }
+    stamp(stamps, 7);
 }

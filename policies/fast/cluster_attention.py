@@ -33,6 +33,8 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+N_STAMPS = 10  # the kernel's N_STAMPS
+SPLITS = 16  # CTAs per cluster that `build` gives a bucket (profile_denoise's attention "cluster@<splits>" sets it)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class ClusterShape:
     head_dim: int = 256
     width: int = 1024
     splits: int = 16
+    stamps: bool = False  # per-CTA phase clocks into ClusterAttentionO.stamps (probe_cluster_attention.py)
 
     @property
     def rows_pad(self) -> int:
@@ -67,30 +70,54 @@ class ClusterShape:
         mma_warps = self.rows_pad // 16
         return mma_warps * -(-4 // mma_warps) * 32
 
-    def smem_bytes(self) -> int:
-        hdp = self.head_dim + 8
-        tiles = (self.rows_pad + 2 * self.keys + self.ncols) * hdp * 2
+    def _tile_bytes(self, rows: int) -> int:
+        return rows * (self.head_dim + 8) * 2  # bf16 rows with the kernel's 8-element pad (HDP)
+
+    def _layout_problem(self, late: bool) -> str | None:
+        """Why a shared-memory layout does not fit: early (W_o's slice in its own tile, copied before the
+        PDL wait; O over Q + K; the merged output over V) or late (W_o over K once S is computed; O
+        over V; the merged output over Q)."""
+        o_bytes = self.rows_pad * (self.head_dim + 4) * 4
+        if late:
+            fits = ((self.ncols <= self.keys, f"{self.ncols} o columns do not fit over {self.keys} keys"),
+                    (o_bytes <= self._tile_bytes(self.keys), "the fp32 O partial does not fit over the V tile"))
+        else:
+            fits = ((o_bytes <= self._tile_bytes(self.rows_pad + self.keys),
+                     "the fp32 O partial does not fit over the Q and K tiles"),
+                    (self.rows_pad <= self.keys, "the merged A tile does not fit over the V tile"))
+        fits += ((self.smem_bytes(late) <= SMEM_LIMIT,
+                  f"{self.smem_bytes(late)} bytes of shared memory (limit {SMEM_LIMIT})"),)
+        return next((why for ok, why in fits if not ok), None)
+
+    @property
+    def late_w(self) -> bool:
+        """The late layout, where only it fits (the early one prefetches W_o into shared memory)."""
+        return self._layout_problem(False) is not None and self._layout_problem(True) is None
+
+    def smem_bytes(self, late: bool | None = None) -> int:
+        late = self.late_w if late is None else late
+        tiles = self._tile_bytes(self.rows_pad + 2 * self.keys + (0 if late else self.ncols))
         return tiles + (2 + self.splits) * self.rows_pad * 4
 
     def problem(self) -> str | None:
         """Why the kernel cannot run this shape, or None."""
-        hdp, ops = self.head_dim + 8, self.head_dim + 4
         checks = (
             (self.rows_pad <= 64, f"{self.rows} query rows (at most 64: one warp per 16)"),
-            (self.head_dim % 16 == 0 and self.head_dim % (4 * self.splits) == 0,
+            (self.head_dim % 64 == 0 and self.head_dim % (4 * self.splits) == 0,
              f"head_dim {self.head_dim} must split into {self.splits} slices of 4-column groups"),
             (self.width % (8 * self.splits) == 0, f"width {self.width} must split into {self.splits} x 8 columns"),
             (1 <= self.splits <= 16, f"{self.splits} CTAs per cluster (1-16)"),
-            (self.rows_pad * ops * 4 <= (self.rows_pad + self.keys) * hdp * 2,
-             "the fp32 O partial does not fit over the Q and K tiles"),
-            (self.rows_pad <= self.keys, "the merged A tile does not fit over the V tile"),
-            (self.smem_bytes() <= SMEM_LIMIT, f"{self.smem_bytes()} bytes of shared memory (limit {SMEM_LIMIT})"),
+            (self.keys <= 128, f"{self.keys} keys a CTA (at most 128: S stays in registers)"),
         )
-        return next((why for ok, why in checks if not ok), None)
+        problem = next((why for ok, why in checks if not ok), None)
+        if problem is None and self._layout_problem(False) and self._layout_problem(True):
+            problem = f"neither shared-memory layout fits: {self._layout_problem(False)}; {self._layout_problem(True)}"
+        return problem
 
     def defines(self) -> str:
         values = dict(HD=self.head_dim, ROWS_PAD=self.rows_pad, KEYS=self.keys, SPLITS=self.splits,
-                      NCOLS=self.ncols, HEADS=self.heads, WIDTH=self.width, QW=self.heads * self.head_dim)
+                      NCOLS=self.ncols, HEADS=self.heads, WIDTH=self.width, QW=self.heads * self.head_dim,
+                      STAMPS=int(self.stamps), LATE_W=int(self.late_w))
         return "".join(f"#define {k} {v}\n" for k, v in values.items())
 
 
@@ -143,6 +170,9 @@ class ClusterAttentionO:
         self.batch, self.shape, self.device, self.pdl = batch, shape, device, pdl
         self.key_len = torch.full((batch,), shape.slots, dtype=torch.int32, device=device)
         self.out = torch.empty(shape.heads, batch * shape.rows, shape.width, dtype=torch.float32, device=device)
+        # (CTAs, 10): clock64 after each of the 8 phases, then globaltimer (ns) at the start and the end
+        self.stamps = (torch.zeros(batch * shape.heads * shape.splits, N_STAMPS, dtype=torch.int64, device=device)
+                       if shape.stamps else None)
         self.kernel, self.lib = _compiled(shape, device.index or 0)
 
     def plan(self, key_len: Tensor) -> None:
@@ -166,21 +196,37 @@ class ClusterAttentionO:
         s = self.shape
         ptrs = [ctypes.c_void_p(x.data_ptr()) for x in (q, k_cache, v_cache, w_o, self.key_len, self.out)]
         scalars = [ctypes.c_int(s.rows), ctypes.c_int(s.slots), ctypes.c_float(s.head_dim ** -0.5 * LOG2_E)]
-        args = ptrs + scalars
+        stamps = ctypes.c_void_p(self.stamps.data_ptr() if self.stamps is not None else 0)
+        args = ptrs + scalars + [stamps]
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
         attrs = (_LaunchAttribute * 2)()
         attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
         attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = s.splits, 1, 1
         attrs[1].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attrs[1].value[0] = 1
-        config = _LaunchConfig()
+        config = self.launch_config(attrs, 2 if self.pdl else 1)
+        _check(self.lib.cuLaunchKernelEx(ctypes.byref(config), self.kernel.func, params, None), "cuLaunchKernelEx")
+
+    def launch_config(self, attrs, num_attrs: int) -> _LaunchConfig:
+        s, config = self.shape, _LaunchConfig()
         config.grid[:] = (s.splits, s.heads, self.batch)
         config.block[:] = (s.threads, 1, 1)
         config.smem = s.smem_bytes()
         config.stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         config.attrs = attrs
-        config.num_attrs = 2 if self.pdl else 1
-        _check(self.lib.cuLaunchKernelEx(ctypes.byref(config), self.kernel.func, params, None), "cuLaunchKernelEx")
+        config.num_attrs = num_attrs
+        return config
+
+    def max_active_clusters(self) -> int:
+        """How many of this launch's clusters the GPU holds at once (cuOccupancyMaxActiveClusters)."""
+        attrs = (_LaunchAttribute * 1)()
+        attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = self.shape.splits, 1, 1
+        count = ctypes.c_int()
+        _check(self.lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), self.kernel.func,
+                                                     ctypes.byref(self.launch_config(attrs, 1))),
+               "cuOccupancyMaxActiveClusters")
+        return count.value
 
 
 def build(mode: str, batch: int, rows: int, slots: int, expert, dtype: torch.dtype, device: torch.device,
@@ -191,7 +237,7 @@ def build(mode: str, batch: int, rows: int, slots: int, expert, dtype: torch.dty
     if mode == "off" or dtype != torch.bfloat16 or expert.num_kv_heads != 1 or not supported(device):
         return None
     shape = ClusterShape(rows=rows, slots=slots, heads=expert.num_heads, head_dim=expert.head_dim,
-                         width=expert.width)
+                         width=expert.width, splits=SPLITS)
     return None if shape.problem() is not None else ClusterAttentionO(batch, shape, device, pdl)
 
 

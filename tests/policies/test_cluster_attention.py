@@ -17,6 +17,10 @@ def test_shape_of_the_pi05_expert_at_batch_1():
     assert phyai.smem_bytes() == (64 + 2 * 64 + 64) * 264 * 2 + (2 + 16) * 64 * 4
     assert phyai.problem() is None
     assert CA.ClusterShape(rows=40, slots=1018).threads == 6 * 32  # 3 row warps, twice
+    assert not phyai.late_w
+    eight = CA.ClusterShape(rows=50, slots=1018, splits=8)  # 128 keys and 128 o columns a CTA
+    assert eight.late_w and eight.problem() is None
+    assert eight.smem_bytes() == (64 + 2 * 128) * 264 * 2 + (2 + 8) * 64 * 4 < eight.smem_bytes(late=False)
     libero = CA.ClusterShape(rows=10, slots=570)  # 570 keys / 16 CTAs = 36 -> 48 a CTA
     assert (libero.rows_pad, libero.keys, libero.threads) == (16, 48, 128)
     assert libero.problem() is None
@@ -27,7 +31,8 @@ def test_shape_of_the_pi05_expert_at_batch_1():
     (dict(rows=50, slots=1018, width=1000), "width 1000"),
     (dict(rows=50, slots=1018, splits=32), "32 CTAs"),
     (dict(rows=64, slots=100), "O partial does not fit"),  # 7 keys a CTA -> 16 < 64 rows
-    (dict(rows=50, slots=8000), "shared memory"),
+    (dict(rows=50, slots=8000), "512 keys a CTA"),
+    (dict(rows=64, slots=1018, splits=8, head_dim=512, width=512), "neither shared-memory layout fits"),
 ])
 def test_shapes_the_kernel_cannot_run_are_named(kwargs, words):
     assert words in CA.ClusterShape(**kwargs).problem()

@@ -28,18 +28,20 @@ def _case(batch, rows, slots, width, key_len, seed):
     return q, k, v, w, key_len
 
 
-@pytest.mark.parametrize("batch, rows, slots, width, key_len", [
-    (1, 50, 1018, 1024, [1011]),           # PhyAI b1 (a 193-token prompt in the 200 bucket)
-    (2, 50, 1018, 1024, [1018, 700]),
-    (1, 10, 570, 1024, [570]),             # LIBERO b1
-    (3, 10, 570, 1024, [570, 31, 300]),    # 31 keys: most CTAs of that cluster have none
-    (2, 10, 100, 256, [100, 64]),          # the tiny test policy's expert width
+@pytest.mark.parametrize("batch, rows, slots, width, key_len, splits", [
+    (1, 50, 1018, 1024, [1011], 16),           # PhyAI b1 (a 193-token prompt in the 200 bucket)
+    (1, 50, 1018, 1024, [1011], 8),            # the late W_o layout
+    (2, 50, 1018, 1024, [1018, 700], 16),
+    (1, 10, 570, 1024, [570], 16),             # LIBERO b1
+    (3, 10, 570, 1024, [570, 31, 300], 16),    # 31 keys: most CTAs of that cluster have none
+    (3, 10, 570, 1024, [570, 31, 300], 8),
+    (2, 10, 100, 256, [100, 64], 16),          # the tiny test policy's expert width
 ])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_kernel_matches_reference(batch, rows, slots, width, key_len, pdl):
+def test_kernel_matches_reference(batch, rows, slots, width, key_len, splits, pdl):
     q, k, v, w, lengths = _case(batch, rows, slots, width, key_len, seed=batch * 100 + rows)
-    fused = CA.ClusterAttentionO(batch, CA.ClusterShape(rows=rows, slots=slots, width=width), torch.device("cuda"),
-                                 pdl=pdl)
+    shape = CA.ClusterShape(rows=rows, slots=slots, width=width, splits=splits)
+    fused = CA.ClusterAttentionO(batch, shape, torch.device("cuda"), pdl=pdl)
     fused.plan(lengths.cuda())
     got = fused(q, k, v, w).clone()
     want = CA.reference(q, k.nan_to_num(), v.nan_to_num(), w, lengths.cuda())
