@@ -101,44 +101,62 @@ __device__ __forceinline__ uint32_t peer_addr(const void* local, uint32_t rank) 
 
 __device__ __forceinline__ float ld_peer_f32(uint32_t addr) {
     float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr));
     return v;
 }
 
 __device__ __forceinline__ void ld_peer_f32x4(uint32_t addr, float* v) {
     asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];"
-                 : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "r"(addr) : "memory");
+                 : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "r"(addr));
 }
 
 __device__ __forceinline__ void st_peer_u32x2(uint32_t addr, uint32_t a, uint32_t b) {
-    asm volatile("st.shared::cluster.v2.u32 [%0], {%1,%2};" ::"r"(addr), "r"(a), "r"(b) : "memory");
+    asm volatile("st.shared::cluster.v2.u32 [%0], {%1,%2};" ::"r"(addr), "r"(a), "r"(b));
 }
 
-// A fragment (16 x 16, row-major tile with row stride HDP) of rows r0.., columns k..
-__device__ __forceinline__ void load_a(uint32_t* a, const bf16_t* tile, int r0, int k, int g, int t) {
-    const bf16_t* p = tile + (r0 + g) * HDP + k + 2 * t;
-    a[0] = *(const uint32_t*)p;
-    a[1] = *(const uint32_t*)(p + 8 * HDP);
-    a[2] = *(const uint32_t*)(p + 8);
-    a[3] = *(const uint32_t*)(p + 8 * HDP + 8);
+// Four 8 x 8 bf16 matrices from shared memory, lane L giving the address of row L % 8 of matrix L / 8
+// (the HDP row stride keeps each 8-row access on distinct banks); .trans delivers their transposes.
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const bf16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const bf16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+
+// The A fragment (16 x 16) of a row-major tile's rows r0.., columns k..: matrices (rows 0-7 | 8-15) x
+// (columns k | k + 8) in the mma's a0..a3 order
+__device__ __forceinline__ void load_a(uint32_t* a, const bf16_t* tile, int r0, int k, int lane) {
+    ldsm_x4(a, tile + (r0 + (lane & 15)) * HDP + k + (lane >> 4) * 8);
+}
+
+// B fragments of two 8-column tiles n0, n0 + 8 (16 deep, from k) of a tile stored n-major with K contiguous
+// (K rows for S = Q K^T, W_o rows for the o projection): b[0], b[1] for n0, b[2], b[3] for n0 + 8
+__device__ __forceinline__ void load_b_pair(uint32_t* b, const bf16_t* tile, int n0, int k, int lane) {
+    ldsm_x4(b, tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) * HDP + k + ((lane >> 3) & 1) * 8);
 }
 
 // One warp's 16 query rows (r0..) against the CTA's key slice: S = Q K^T (KEYS / 8 n-tiles of 8 keys)
 // and the slice's softmax in the exp2 domain: s becomes P, with row max m and row sum l (keys >= nkeys
 // masked). The thread holds rows g (accumulator entries 0, 1) and g + 8 (2, 3).
-__device__ __forceinline__ void scores_softmax(const bf16_t* sQ, const bf16_t* sK, int r0, int g, int t, int nkeys,
+__device__ __forceinline__ void scores_softmax(const bf16_t* sQ, const bf16_t* sK, int r0, int lane, int nkeys,
                                                float scale_log2, float (&s)[KEYS / 8][4], float (&m)[2],
                                                float (&l)[2]) {
+    const int t = lane & 3;
 #pragma unroll
     for (int n = 0; n < KEYS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll 4
     for (int k = 0; k < HD; k += 16) {
         uint32_t a[4];
-        load_a(a, sQ, r0, k, g, t);
+        load_a(a, sQ, r0, k, lane);
 #pragma unroll
-        for (int n = 0; n < KEYS / 8; ++n) {
-            const bf16_t* p = sK + (n * 8 + g) * HDP + k + 2 * t;
-            mma_bf16(s[n], a, *(const uint32_t*)p, *(const uint32_t*)(p + 8));
+        for (int n = 0; n < KEYS / 8; n += 2) {
+            uint32_t b[4];
+            load_b_pair(b, sK, n * 8, k, lane);
+            mma_bf16(s[n], a, b[0], b[1]);
+            mma_bf16(s[n + 1], a, b[2], b[3]);
         }
     }
 #pragma unroll
@@ -170,7 +188,7 @@ __device__ __forceinline__ void scores_softmax(const bf16_t* sQ, const bf16_t* s
 }
 
 // O = P V, unnormalised: P's accumulator layout is the A fragment of the next mma, with keys as its K.
-__device__ __forceinline__ void weigh_values(const bf16_t* sV, int g, int t, const float (&s)[KEYS / 8][4],
+__device__ __forceinline__ void weigh_values(const bf16_t* sV, int lane, const float (&s)[KEYS / 8][4],
                                              float (&o)[HD / 8][4]) {
 #pragma unroll
     for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
@@ -179,14 +197,26 @@ __device__ __forceinline__ void weigh_values(const bf16_t* sV, int g, int t, con
         uint32_t a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
                          pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                          pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-        const bf16_t* v0 = sV + (kk * 16 + 2 * t) * HDP + g;  // B fragment: keys 2t, 2t + 1 (+ 8) of column g
+        // V is key-major: the transposed matrices (keys 0-7 | 8-15) x (columns d | d + 8) are the B
+        // fragments of the column tiles d and d + 8
+        const bf16_t* v0 = sV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * HDP + (lane >> 4) * 8;
 #pragma unroll
-        for (int d = 0; d < HD / 8; ++d) {
-            const bf16_t* p = v0 + d * 8;
-            uint32_t b0 = (uint32_t)p[0] | ((uint32_t)p[HDP] << 16);
-            uint32_t b1 = (uint32_t)p[8 * HDP] | ((uint32_t)p[9 * HDP] << 16);
-            mma_bf16(o[d], a, b0, b1);
+        for (int d = 0; d < HD / 8; d += 2) {
+            uint32_t b[4];
+            ldsm_x4_trans(b, v0 + d * 8);
+            mma_bf16(o[d], a, b[0], b[1]);
+            mma_bf16(o[d + 1], a, b[2], b[3]);
         }
+    }
+}
+
+// The CTA's key slice [k0, k0 + nkeys) of sample b's cache rows into a KEYS-row tile; rows past nkeys zero.
+__device__ __forceinline__ void copy_keys(bf16_t* tile, const bf16_t* cache, int b, int slots, int k0, int nkeys,
+                                          int tid) {
+    for (int i = tid; i < KEYS * (HD / 8); i += THREADS) {
+        int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+        bool ok = r < nkeys;
+        cp_async16(tile + r * HDP + c, cache + ((size_t)b * slots + (ok ? k0 + r : 0)) * HD + c, ok);
     }
 }
 
@@ -224,6 +254,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
 #endif
     float* sL = sM + ROWS_PAD;                                  // ROWS_PAD: this CTA's row sum (sM: row max)
     float* sWt = sL + ROWS_PAD;                                 // SPLITS x ROWS_PAD merge weights
+    float* sMall = sWt + SPLITS * ROWS_PAD;                     // SPLITS x ROWS_PAD: every peer's row max
+    float* sLall = sMall + SPLITS * ROWS_PAD;                   // ... and row sum
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const uint32_t split = cluster_rank();
@@ -254,26 +286,23 @@ extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
         bool ok = r < T;
         cp_async16(sQ + r * HDP + c, q + ((size_t)(b * T + (ok ? r : 0)) * HEADS + head) * HD + c, ok);
     }
-    for (int i = tid; i < KEYS * (HD / 8); i += THREADS) {
-        int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
-        bool ok = r < nkeys;
-        size_t row = (size_t)b * SLOTS + (ok ? k0 + r : 0);
-        cp_async16(sK + r * HDP + c, k_cache + row * HD + c, ok);
-        cp_async16(sV + r * HDP + c, v_cache + row * HD + c, ok);
-    }
-    cp_async_wait_all();
+    copy_keys(sK, k_cache, b, SLOTS, k0, nkeys, tid);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    copy_keys(sV, v_cache, b, SLOTS, k0, nkeys, tid);  // V lands while S = Q K^T is computed
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 1;" ::: "memory");
     __syncthreads();
     stamp(stamps, 2);
 
     // S = Q K^T, softmax and O = P V for this warp's 16 rows (warps past MMA_WARPS only copied)
     const int r0 = (warp % MMA_WARPS) * 16;
     float s[KEYS / 8][4], o[HD / 8][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-    if (warp < MMA_WARPS) scores_softmax(sQ, sK, r0, g, t, nkeys, scale_log2, s, m, l);
+    if (warp < MMA_WARPS) scores_softmax(sQ, sK, r0, lane, nkeys, scale_log2, s, m, l);
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();  // V is in; every warp is done with sK (LATE_W: the W_o slice goes there)
 #if LATE_W
-    __syncthreads();  // every warp is done with sK: the W_o slice goes there
     copy_w(sW, w_src, tid);
 #endif
-    if (warp < MMA_WARPS) weigh_values(sV, g, t, s, o);
+    if (warp < MMA_WARPS) weigh_values(sV, lane, s, o);
     __syncthreads();  // every warp is done with sQ, sK and sV: sO goes over them
     stamp(stamps, 3);
     if (warp < MMA_WARPS) {
@@ -295,36 +324,45 @@ extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
     cluster_sync();  // every CTA's m, l and O are in its shared memory (and sV is free for sA)
     stamp(stamps, 4);
 
-    // 3. merge: weights w_j = exp2(m_j - max_j m_j) / sum_j w_j l_j per row, then this CTA's DS columns
-    for (int i = tid; i < ROWS_PAD; i += THREADS) {
-        float mj[SPLITS], lj[SPLITS], mx = NEG_INF, total = 0.f;
+    // 3. merge: every peer's row max and sum (one remote load each, all in flight), the weights
+    //    w_j = exp2(m_j - max_j m_j) / sum_j w_j l_j per row, then this CTA's DS columns
 #pragma unroll
-        for (int j = 0; j < SPLITS; ++j) {
-            mj[j] = ld_peer_f32(peer_addr(sM + i, j));
-            lj[j] = ld_peer_f32(peer_addr(sL + i, j));
-            mx = fmaxf(mx, mj[j]);
+    for (int p0 = 0; p0 < SPLITS * ROWS_PAD; p0 += THREADS) {
+        const int p = p0 + tid, j = p / ROWS_PAD, i = p % ROWS_PAD;
+        if (p < SPLITS * ROWS_PAD) {
+            sMall[p] = ld_peer_f32(peer_addr(sM + i, j));
+            sLall[p] = ld_peer_f32(peer_addr(sL + i, j));
         }
+    }
+    __syncthreads();
+    for (int i = tid; i < ROWS_PAD; i += THREADS) {
+        float mx = NEG_INF, total = 0.f;
+#pragma unroll
+        for (int j = 0; j < SPLITS; ++j) mx = fmaxf(mx, sMall[j * ROWS_PAD + i]);
 #pragma unroll
         for (int j = 0; j < SPLITS; ++j) {
-            mj[j] = mj[j] == NEG_INF ? 0.f : exp2f(mj[j] - mx);
-            total += mj[j] * lj[j];
+            float mj = sMall[j * ROWS_PAD + i];
+            float w = mj == NEG_INF ? 0.f : exp2f(mj - mx);
+            sWt[j * ROWS_PAD + i] = w;
+            total += w * sLall[j * ROWS_PAD + i];
         }
         float inv = total > 0.f ? 1.f / total : 0.f;
 #pragma unroll
-        for (int j = 0; j < SPLITS; ++j) sWt[j * ROWS_PAD + i] = mj[j] * inv;
+        for (int j = 0; j < SPLITS; ++j) sWt[j * ROWS_PAD + i] *= inv;
     }
     __syncthreads();
     for (int i = tid; i < ROWS_PAD * (DS / 4); i += THREADS) {
         int r = i / (DS / 4), c = split * DS + (i % (DS / 4)) * 4;
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        float v[SPLITS][4], acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < SPLITS; ++j) ld_peer_f32x4(peer_addr(sO + r * OPS + c, j), v[j]);
 #pragma unroll
         for (int j = 0; j < SPLITS; ++j) {
-            float v[4], w = sWt[j * ROWS_PAD + r];
-            ld_peer_f32x4(peer_addr(sO + r * OPS + c, j), v);
-            acc[0] += w * v[0];
-            acc[1] += w * v[1];
-            acc[2] += w * v[2];
-            acc[3] += w * v[3];
+            float w = sWt[j * ROWS_PAD + r];
+            acc[0] += w * v[j][0];
+            acc[1] += w * v[j][1];
+            acc[2] += w * v[j][2];
+            acc[3] += w * v[j][3];
         }
         uint32_t lo = pack_bf16x2(acc[0], acc[1]), hi = pack_bf16x2(acc[2], acc[3]);
 #pragma unroll
@@ -337,20 +375,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
     cluster_sync();  // every CTA's sA holds the whole merged head output; no peer reads sO any more
     stamp(stamps, 6);
 
-    // 4. o projection: 16 rows (warp % MMA_WARPS) x the 8-column tiles cg, cg + COL_GROUPS, ... of the
+    // 4. o projection: 16 rows (warp % MMA_WARPS) x the 8-column tiles cg * O_TILES .. + O_TILES - 1 of the
     //    CTA's NCOLS columns (cg = warp / MMA_WARPS), K = the head's HD columns
-    const int cg = warp / MMA_WARPS;
+    const int n_first = (warp / MMA_WARPS) * O_TILES;
     float acc[O_TILES][4];
 #pragma unroll
     for (int j = 0; j < O_TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 #pragma unroll 4
     for (int k = 0; k < HD; k += 16) {
         uint32_t a[4];
-        load_a(a, sA, r0, k, g, t);
+        load_a(a, sA, r0, k, lane);
 #pragma unroll
-        for (int j = 0; j < O_TILES; ++j) {
-            const int n = cg + j * COL_GROUPS;
-            if (n < NCOLS / 8) {
+        for (int j = 0; j < O_TILES; j += 2) {
+            const int n = n_first + j;
+            if (j + 1 < O_TILES && n + 1 < NCOLS / 8) {
+                uint32_t b[4];
+                load_b_pair(b, sW, n * 8, k, lane);
+                mma_bf16(acc[j], a, b[0], b[1]);
+                mma_bf16(acc[j + 1], a, b[2], b[3]);
+            } else if (n < NCOLS / 8) {
                 const bf16_t* p = sW + (n * 8 + g) * HDP + k + 2 * t;
                 mma_bf16(acc[j], a, *(const uint32_t*)p, *(const uint32_t*)(p + 8));
             }
@@ -360,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
     const int ra = r0 + g, rb = r0 + g + 8;
 #pragma unroll
     for (int j = 0; j < O_TILES; ++j) {
-        const int n = cg + j * COL_GROUPS, col = n * 8 + 2 * t;
+        const int n = n_first + j, col = n * 8 + 2 * t;
         if (n >= NCOLS / 8) continue;
         if (ra < T) *(float2*)(dst + (size_t)ra * WIDTH + col) = make_float2(acc[j][0], acc[j][1]);
         if (rb < T) *(float2*)(dst + (size_t)rb * WIDTH + col) = make_float2(acc[j][2], acc[j][3]);

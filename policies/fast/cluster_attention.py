@@ -97,7 +97,7 @@ class ClusterShape:
     def smem_bytes(self, late: bool | None = None) -> int:
         late = self.late_w if late is None else late
         tiles = self._tile_bytes(self.rows_pad + 2 * self.keys + (0 if late else self.ncols))
-        return tiles + (2 + self.splits) * self.rows_pad * 4
+        return tiles + (2 + 3 * self.splits) * self.rows_pad * 4  # m, l; merge weights, every peer's m and l
 
     def problem(self) -> str | None:
         """Why the kernel cannot run this shape, or None."""

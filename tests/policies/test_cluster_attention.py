@@ -14,13 +14,13 @@ from policies.models.gemma import GemmaConfig
 def test_shape_of_the_pi05_expert_at_batch_1():
     phyai = CA.ClusterShape(rows=50, slots=1018)
     assert (phyai.rows_pad, phyai.keys, phyai.ncols, phyai.threads) == (64, 64, 64, 128)
-    assert phyai.smem_bytes() == (64 + 2 * 64 + 64) * 264 * 2 + (2 + 16) * 64 * 4
+    assert phyai.smem_bytes() == (64 + 2 * 64 + 64) * 264 * 2 + (2 + 3 * 16) * 64 * 4
     assert phyai.problem() is None
     assert CA.ClusterShape(rows=40, slots=1018).threads == 6 * 32  # 3 row warps, twice
     assert not phyai.late_w
     eight = CA.ClusterShape(rows=50, slots=1018, splits=8)  # 128 keys and 128 o columns a CTA
     assert eight.late_w and eight.problem() is None
-    assert eight.smem_bytes() == (64 + 2 * 128) * 264 * 2 + (2 + 8) * 64 * 4 < eight.smem_bytes(late=False)
+    assert eight.smem_bytes() == (64 + 2 * 128) * 264 * 2 + (2 + 3 * 8) * 64 * 4 < eight.smem_bytes(late=False)
     libero = CA.ClusterShape(rows=10, slots=570)  # 570 keys / 16 CTAs = 36 -> 48 a CTA
     assert (libero.rows_pad, libero.keys, libero.threads) == (16, 48, 128)
     assert libero.problem() is None
