@@ -1,4 +1,4 @@
-"""Where the fused attention + merge + o kernel's time goes (policies/fast/cluster_attention.py; GPU only).
+"""Where the fused attention + merge + o kernel's time goes (experiments/cluster_attention/fused.py; GPU only).
 
     python -m experiments.probe_cluster_attention [--out-dir DIR]
 
@@ -20,8 +20,8 @@ import statistics
 
 import torch
 
+from experiments.cluster_attention import fused as CA
 from experiments.results import write_result
-from policies.fast import cluster_attention as CA
 from policies.fast import skinny
 from policies.fast.attention import graph_call_ms
 from policies.fast.triton_attention import TritonSplitKVAttention

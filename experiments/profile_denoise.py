@@ -35,8 +35,8 @@ import torch.nn.functional as F  # noqa: E402
 from experiments import bench_predict_common as common
 from experiments.results import write_result
 from policies.config import PolicyConfig
-from policies.fast import cluster_attention, skinny
 from policies.fast import kernels as K
+from policies.fast import skinny
 from policies.fast.attention import graph_call_ms
 from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
@@ -213,10 +213,12 @@ TILE_SETS = {
     "qkv_s2quarter": {"qkv": T(64, 64, 2, prefetch=4)},
     "o_s4np": {"o": T(64, 64, 4, prefetch=0)},
     "o_s4half": {"o": T(64, 64, 4, prefetch=2)},
-    # and TUNED's gate_up / down tiles (65-128 rows) with a quarter of theirs (gu32np / downnp: none); not yet
-    # timed (round 19 ran out of device time)
+    # and TUNED's gate_up / down tiles (65-128 rows) with a quarter of theirs (gu32np / downnp: none); round 20
+    # took down_pf4 at 65-128 rows (skinny.TUNED_BY_ROWS); gu_pf4 alone was within the spread at 80 rows
     "gu_pf4": {"gate_up": T(32, 64, 1, prefetch=4)},
     "down_pf4": {"down": T(64, 64, 8, prefetch=4)},
+    "mlp_pf4": {"gate_up": T(32, 64, 1, prefetch=4), "down": T(64, 64, 8, prefetch=4)},
+    "down_pf8": {"down": T(64, 64, 8, prefetch=8)},  # an eighth (prefetch=8: the first 1/8 of each slab)
     "pre_all_w8": {"qkv": T(64, 64, 2, warps=8, preload=True), "o": T(64, 64, 4, warps=8, preload=True),
                    "down": T(64, 64, 8, warps=8, preload=True), "gate_up": T(16, 128, 1, warps=8, preload=True)},
 }
@@ -299,28 +301,21 @@ def attention_layout(backend) -> dict | None:
 
 
 def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise, stoch, graphs: bool = True):
-    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp]", mlp default "auto";
-    attention "cluster[@<CTAs per cluster>]": the expert's attention, merge and o projection fused,
-    policy.fast.attn_o)
+    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp]", mlp default "auto")
     that has run one call (its bucket built with the tile set's tiles, graphs captured when `graphs`), and
     that call's last chain state."""
     gemm, attention, pdl_mode, *mlp = variant.split("/")
     gemm, _, tile_set = gemm.partition("@")
     attention, _, attention_set = attention.partition("@")
-    saved = skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS, cluster_attention.SPLITS
+    saved = skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS
     skinny.TUNED, skinny.TUNED_BY_ROWS = tuned_for(policy, tile_set or None)
-    attn_o = "off"
-    if attention == "cluster":  # cluster_attention.py's fused attention + merge + o, "@<CTAs per cluster>"
-        attn_o, attention = "cluster", "auto"
-        cluster_attention.SPLITS = int(attention_set or cluster_attention.SPLITS)
-    else:
-        TritonSplitKVAttention.EXPERT_OPTIONS = expert_attention_options(attention_set)
+    TritonSplitKVAttention.EXPERT_OPTIONS = expert_attention_options(attention_set)
     try:
         fast = _sampler(policy, batch, spec["prompt_len"], graphs=graphs, gemm=gemm, attention=attention,
-                        pdl=pdl_mode, mlp=mlp[0] if mlp else "auto", attn_o=attn_o)
+                        pdl=pdl_mode, mlp=mlp[0] if mlp else "auto")
         return fast, fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
     finally:
-        skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS, cluster_attention.SPLITS = saved
+        skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS = saved
 
 
 ATTENTION_OPTION_KEYS = {"w": "warps", "m": "block_m", "n": "block_n", "s": "stages"}

@@ -17,7 +17,6 @@ GEGLU_CHOICES = ("auto", "cublas", "fused")  # policies/fast/geglu_gemm.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
 MLP_CHOICES = ("auto", "split", "fused")  # policies/fast/fused_mlp.py
 OVERLAP_CHOICES = ("auto", "off", "on")  # policies/fast/overlap.py
-ATTN_O_CHOICES = ("off", "cluster")  # policies/fast/cluster_attention.py
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -69,11 +68,7 @@ class FastConfig:
     second stream, each expert layer waiting only for that prefix layer's K/V (policies/fast/overlap.py):
     "on", "off", or "auto" (off above overlap.AUTO_MAX_ROWS denoise rows, batch x chunk; up to it both
     ways are timed at a bucket's first call and the faster kept, overlap.pick). Needs CUDA graphs; the
-    numerics do not change.
-    attn_o: the denoise loop's expert attention, its KV-split merge and the o projection as one launch
-    of thread-block clusters ("cluster", policies/fast/cluster_attention.py: bf16 on CUDA sm_90+ with one
-    KV head and a chunk of at most 64 actions; elsewhere the separate kernels run) or as separate kernels
-    ("off")."""
+    numerics do not change."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -89,7 +84,6 @@ class FastConfig:
     geglu: str = "auto"
     mlp: str = "auto"
     overlap: str = "auto"
-    attn_o: str = "off"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
 
     def __post_init__(self) -> None:
@@ -115,8 +109,6 @@ class FastConfig:
             raise ValueError(f"{key}.mlp must be one of {MLP_CHOICES}, got {self.mlp!r}")
         if self.overlap not in OVERLAP_CHOICES:
             raise ValueError(f"{key}.overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
-        if self.attn_o not in ATTN_O_CHOICES:
-            raise ValueError(f"{key}.attn_o must be one of {ATTN_O_CHOICES}, got {self.attn_o!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
         if self.attention not in ATTENTION_CHOICES:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import action_io, call_inputs, cluster_attention, fp8, fused_mlp, geglu_gemm, overlap, pdl, skinny
+from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, overlap, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -55,7 +55,6 @@ class Bucket:
     layout_key: tuple | None = None  # the masks whose token layout index_pack and the attention plans hold
     overlap: bool | None = False  # prefix + denoise as one graph, step 0 under the prefix; None: to time (overlap.py)
     overlap_ms: dict | None = None  # overlap.pick's medians of the two ways, ms
-    attn_o: object = None  # cluster_attention.ClusterAttentionO: attention + merge + o in one launch; None: separate
 
 
 class FastSampler:
@@ -270,8 +269,6 @@ class FastSampler:
         bucket.expert_attn = self.selector.build("expert", batch, h, rows, heads, kv, hd, self.dtype, dev, full)
         if hasattr(bucket.expert_attn, "pdl"):
             bucket.expert_attn.pdl = self._pdl_for(bucket)
-        bucket.attn_o = cluster_attention.build(self.fast.attn_o, batch, h, rows, cfg.expert, self.dtype, dev,
-                                                self._pdl_for(bucket) > 0)
         self.buckets[key] = bucket
         return bucket
 
@@ -307,8 +304,6 @@ class FastSampler:
             bucket.staged.record()
         bucket.prefix_attn.plan(n_valid)
         bucket.expert_attn.plan(n_valid + self.cfg.chunk_size)
-        if bucket.attn_o is not None:
-            bucket.attn_o.plan(n_valid + self.cfg.chunk_size)
         bucket.layout_key = masks_key
 
     def _fill_images(self, bucket: Bucket, inputs) -> None:
@@ -429,11 +424,8 @@ class FastSampler:
                 torch.cuda.current_stream(self.device).wait_event(kv_ready[i])
             K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], b, hlen, -1), cos, sin, ecfg.num_heads, ecfg.num_kv_heads,
                                q, bk.k_cache[i], bk.v_cache[i], bk.tensors["suffix_slots"], pdl_code)
-            if bk.attn_o is not None:  # attention, merge and o in one launch: (heads, rows, width) partials
-                o = bk.attn_o(q, bk.k_cache[i], bk.v_cache[i], lw["o"].weight)
-            else:
-                attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1)
-                o = _project(attn, lw["o"], tiles["o"], pdl_code)
+            attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1)
+            o = _project(attn, lw["o"], tiles["o"], pdl_code)
             scale, shift, post_gate = w.modulation(step, 2 * i + 1)
             h, normed = _add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
             if bk.mlp_sync is not None and fuse_mlp:  # gate/up + GeGLU and down in one launch (fused_mlp.py)

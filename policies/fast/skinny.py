@@ -32,7 +32,7 @@ from policies.fast.config import GEMM_CHOICES, triton_interpreting
 from policies.fast.pdl import launch_kwargs
 
 C = None  # policies.fast.triton_common once a kernel factory ran (triton is imported on first use only)
-PREFETCH_SHARES = (0, 1, 2, 4)  # SkinnyTile.prefetch: none, all, the first half or quarter of the slab
+PREFETCH_SHARES = (0, 1, 2, 4, 8)  # SkinnyTile.prefetch: none, all, or the first 1/2, 1/4, 1/8 of the slab
 # SkinnyTile.preload: the weight slab and the x slab are staged whole in shared memory, at most this many
 # elements together (192 KB of bf16 of the H100/H200's 227 KB a block; 256 KB failed to launch on the H200)
 PRELOAD_MAX_ELEMENTS = 98304
@@ -221,6 +221,11 @@ TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
 # rows (PhyAI b2) 8.416 / 8.358 / 8.391 / 8.423, 80 rows (LIBERO b8) 3.282 / 3.249 / 3.269 / 3.256, the
 # quarter faster in each round at both; 50 rows (PhyAI b1) 6.163 / 6.210 / 6.237 / 6.276 and 40 rows 2.457 /
 # 2.473 / 2.477 / 2.508, where the whole slab stays (65-79 and 81-99 rows not timed).
+# Round 20, down's PDL weight prefetch at 65-128 rows (profile_denoise_nvidia-h200_20261203-173132.json and
+# ..._173153.json, 5 rounds round-robin), TUNED's whole slab against a quarter (tile set down_pf4): 100 rows
+# 8.384 (8.377-8.397) against 8.205 (8.163-8.211), 80 rows 3.252 (3.236-3.263) against 3.182 (3.173-3.195),
+# the quarter faster in each round, chains bit-identical. gate_up's quarter (gu_pf4) in the same calls: 8.338
+# and 3.243, within the rounds' spread at 80 rows, not taken.
 TUNED_BY_ROWS: dict[tuple[int, int, bool], tuple[tuple[int, int, SkinnyTile], ...]] = {
     (8192, 1024, True): ((17, 32, SkinnyTile(block_n=32, block_k=128, splits=1)),
                          (33, 64, SkinnyTile(block_n=16, block_k=128, splits=1, prefetch=0))),
@@ -229,7 +234,8 @@ TUNED_BY_ROWS: dict[tuple[int, int, bool], tuple[tuple[int, int, SkinnyTile], ..
     (2560, 1024, False): ((1, 32, SkinnyTile(block_n=64, block_k=64, splits=4, preload=True)),
                           (33, 64, SkinnyTile(block_n=64, block_k=64, splits=2)),
                           (65, 128, SkinnyTile(block_n=64, block_k=64, splits=2, prefetch=4))),
-    (1024, 4096, False): ((1, 64, SkinnyTile(block_n=64, block_k=64, splits=8, preload=True)),),
+    (1024, 4096, False): ((1, 64, SkinnyTile(block_n=64, block_k=64, splits=8, preload=True)),
+                          (65, 128, SkinnyTile(block_n=64, block_k=64, splits=8, prefetch=4))),
 }
 
 

@@ -207,6 +207,8 @@ def test_preload_follows_the_row_count():
     assert [(t.preload, t.splits) for t in (skinny.tuned_tile(r, *qkv) for r in (10, 32, 33, 129))] == [
         (True, 4), (True, 4), (False, 2), (False, 4)]
     assert skinny.choose_tile("skinny", 10, *down, torch.device("cpu")).preload
+    # down's PDL prefetch: the whole slab up to 64 rows (preloaded there), a quarter at 65-128 (round 20)
+    assert [skinny.tuned_tile(r, *down).prefetch for r in (64, 65, 100, 128, 129)] == [1, 4, 4, 4, 1]
 
 
 def test_prefetch_share_is_validated_and_kept_by_choose_tile(monkeypatch):

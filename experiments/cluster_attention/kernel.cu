@@ -1,5 +1,6 @@
-// The expert's attention, its KV-split merge and the o projection as ONE kernel (the denoise loop at
-// small batch; policies/fast/cluster_attention.py launches it).
+// A probe, not a production kernel: the expert's attention, its KV-split merge and the o projection as
+// ONE kernel for the denoise loop at small batch (experiments/cluster_attention/fused.py launches it;
+// measured slower than the three kernels it replaces, docs/predict.md round 20).
 //
 // Why: in the per-kernel loop these are three dependent launches per layer-step (split-KV attention,
 // merge, o), ~12.4 us of the ~34 us critical path at PhyAI batch 1, each mostly fixed latency. Here

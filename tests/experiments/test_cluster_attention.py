@@ -1,14 +1,12 @@
-"""cluster_attention.py's shape rules, its plain-PyTorch reference and the config key (CPU; the kernel
-itself: test_cluster_attention_gpu.py)."""
+"""The cluster-attention probe's shape rules and its plain-PyTorch reference (CPU; the kernel itself:
+test_cluster_attention_gpu.py)."""
 
 import math
 
 import pytest
 import torch
 
-from policies.fast import cluster_attention as CA
-from policies.fast.config import FastConfig
-from policies.models.gemma import GemmaConfig
+from experiments.cluster_attention import fused as CA
 
 
 def test_shape_of_the_pi05_expert_at_batch_1():
@@ -36,17 +34,6 @@ def test_shape_of_the_pi05_expert_at_batch_1():
 ])
 def test_shapes_the_kernel_cannot_run_are_named(kwargs, words):
     assert words in CA.ClusterShape(**kwargs).problem()
-
-
-def test_build_is_none_off_cuda_or_off():
-    expert = GemmaConfig(width=1024, depth=1, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256)
-    for mode in ("off", "cluster"):
-        assert CA.build(mode, 1, 50, 1018, expert, torch.bfloat16, torch.device("cpu"), pdl=False) is None
-
-
-def test_config_names_a_bad_attn_o():
-    with pytest.raises(ValueError, match="policy.fast.attn_o"):
-        FastConfig(attn_o="fused")
 
 
 def _inputs(batch, rows, slots, heads, hd, width, seed):

@@ -1,13 +1,15 @@
-"""The expert's attention + KV-split merge + o projection as one thread-block-cluster kernel.
+"""A probe, not a production path: the expert's attention + KV-split merge + o projection as one
+thread-block-cluster kernel (kernel.cu; timed by experiments/probe_cluster_attention.py).
 
 Why: at batch 1 the denoise loop is a chain of small dependent kernels, each with a fixed cost of
 ~2-3 us, and the split-KV attention, its merge and the o projection were three of them (~12.4 us of
-a ~34 us PhyAI b1 layer-step, docs/predict.md). `cluster_attention.cu` runs them as one launch: a
-cluster of SPLITS CTAs per (sample, head), each CTA one slice of the keys; the slices are merged
-through distributed shared memory (no global round trip, no merge launch) and each CTA projects the
-merged head output onto its share of the o columns. The output is the o projection split over heads,
-(heads, B*T, width) fp32 partials, which the residual + AdaRMS kernel after it sums like the skinny
-o kernel's split-K partials.
+a ~34 us PhyAI b1 layer-step, docs/predict.md). kernel.cu runs them as one launch: a cluster of
+SPLITS CTAs per (sample, head), each CTA one slice of the keys; the slices are merged through
+distributed shared memory (no global round trip, no merge launch) and each CTA projects the merged
+head output onto its share of the o columns. The output is the o projection split over heads,
+(heads, B*T, width) fp32 partials, which the fast path's residual + AdaRMS kernel would sum like the
+skinny o kernel's split-K partials. Measured slower than the three kernels it replaces (round 20 in
+docs/predict.md), so the fast sampler does not use it.
 
 CUDA only (sm_90+: clusters, distributed shared memory, PDL); compiled at run time by NVRTC
 (torch.cuda._compile_kernel) per shape and launched with cuLaunchKernelEx on torch's current stream,
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("cluster_attention.cu")
+SOURCE = Path(__file__).with_name("kernel.cu")
 LOG2_E = 1.4426950408889634
 SMEM_LIMIT = 227 * 1024
 # CUDA driver enums (cuda.h)
@@ -34,7 +36,6 @@ CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 N_STAMPS = 10  # the kernel's N_STAMPS
-SPLITS = 16  # CTAs per cluster that `build` gives a bucket (profile_denoise's attention "cluster@<splits>" sets it)
 
 
 @dataclass(frozen=True)
@@ -227,18 +228,6 @@ class ClusterAttentionO:
                                                      ctypes.byref(self.launch_config(attrs, 1))),
                "cuOccupancyMaxActiveClusters")
         return count.value
-
-
-def build(mode: str, batch: int, rows: int, slots: int, expert, dtype: torch.dtype, device: torch.device,
-          pdl: bool) -> ClusterAttentionO | None:
-    """The fused kernel for a bucket (policy.fast.attn_o = mode; `expert`: the expert's GemmaConfig), or
-    None where the separate kernels run: mode "off", not CUDA sm_90+, not bf16, several KV heads, or a
-    shape the kernel does not fit (ClusterShape.problem)."""
-    if mode == "off" or dtype != torch.bfloat16 or expert.num_kv_heads != 1 or not supported(device):
-        return None
-    shape = ClusterShape(rows=rows, slots=slots, heads=expert.num_heads, head_dim=expert.head_dim,
-                         width=expert.width, splits=SPLITS)
-    return None if shape.problem() is not None else ClusterAttentionO(batch, shape, device, pdl)
 
 
 def reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, w_o: Tensor, key_len: Tensor) -> Tensor:

@@ -1,17 +1,12 @@
-"""The fused attention + merge + o kernel (policies/fast/cluster_attention.py; marker gpu): against
+"""The fused attention + merge + o kernel (experiments/cluster_attention/fused.py; marker gpu): against
 its plain-PyTorch reference on fresh random inputs, cache rows past each key length poisoned with NaN
-(they must never be read into a result), and inside the fast sampler against the separate kernels."""
+(they must never be read into a result), eager and replayed in a CUDA graph."""
 
 import pytest
 import torch
 
-from policies.fast import cluster_attention as CA
-from policies.fast.config import FastConfig
-from policies.fast.runner import FastSampler
+from experiments.cluster_attention import fused as CA
 from policies.lerobot_bridge import relative_l2
-from policies.policy import build_policy
-
-from .test_fast_gpu import gpu_cfg, inputs_for
 
 pytestmark = pytest.mark.gpu
 
@@ -66,44 +61,3 @@ def test_kernel_in_a_cuda_graph_replays():
     q.mul_(-1)
     graph.replay()
     assert relative_l2(fused.out, CA.reference(q, k.nan_to_num(), v.nan_to_num(), w, lengths.cuda())) < 1e-2
-
-
-def _sampler(policy, attn_o, pdl="auto", buckets=(1, 4)):
-    return FastSampler(policy.model, FastConfig(attention="triton", batch_buckets=list(buckets), prompt_buckets=[48],
-                                                attn_o=attn_o, pdl=pdl))
-
-
-@pytest.mark.parametrize("batch", [1, 3])
-def test_sampler_with_the_fused_kernel_matches_the_separate_kernels(batch):
-    policy = build_policy(gpu_cfg("bfloat16"), device="cuda")
-    inputs, noise, step_noise, stoch = inputs_for(policy.cfg, batch, seed=21 + batch)
-    fused = _sampler(policy, "cluster")
-    runs = [fused.sample_chains(inputs, noise, step_noise, stoch) for _ in range(3)]
-    assert next(iter(fused.buckets.values())).attn_o is not None
-    for run in runs[1:]:  # graph replays: the same bits
-        for a, b in zip(run, runs[0], strict=True):
-            assert torch.equal(a, b)
-    want = _sampler(policy, "off").sample_chains(inputs, noise, step_noise, stoch)
-    got = runs[0]
-    assert relative_l2(got[0], want[0]) < 2e-2 and relative_l2(got[1], want[1]) < 2e-2
-    no_pdl = _sampler(policy, "cluster", pdl="off").sample_chains(inputs, noise, step_noise, stoch)
-    for a, b in zip(no_pdl, got, strict=True):  # PDL never changes a bit
-        assert torch.equal(a, b)
-
-
-def test_fused_kernel_sees_weight_updates_without_recapture():
-    policy = build_policy(gpu_cfg("bfloat16"), device="cuda")
-    inputs, noise, step_noise, stoch = inputs_for(policy.cfg, 1, seed=4)
-    fast = _sampler(policy, "cluster", buckets=(1,))
-    before = fast.sample_chains(inputs, noise, step_noise, stoch)
-    graphs = dict(next(iter(fast.buckets.values())).graphs)
-    with torch.no_grad():
-        for p in policy.model.parameters():
-            p.mul_(1.02)
-    fast.refresh_weights()
-    after = fast.sample_chains(inputs, noise, step_noise, stoch)
-    fresh = _sampler(policy, "cluster", buckets=(1,)).sample_chains(inputs, noise, step_noise, stoch)
-    assert relative_l2(after[0], before[0]) > 1e-3
-    for a, b in zip(after, fresh, strict=True):
-        assert torch.equal(a, b)
-    assert next(iter(fast.buckets.values())).graphs == graphs
