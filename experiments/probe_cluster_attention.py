@@ -2,8 +2,8 @@
 
     python -m experiments.probe_cluster_attention [--out-dir DIR]
 
-At the expert's batch-1 shapes (PhyAI: 50 queries, 1018 cache rows; LIBERO: 10, 570) and each cluster
-size that fits, one JSON with:
+At the expert's batch-1 shapes (PhyAI: 50 queries, 1018 cache rows; LIBERO: 10, 570), each cluster size
+that fits, with the loops over K unrolled by 4 or not (`roll_k`: a smaller kernel), one JSON with:
 - `us`: one call's GPU time, 20 back-to-back calls captured in a CUDA graph (attention.graph_call_ms),
   without and with the PDL launch attribute; beside it the separate kernels it replaces (the Triton
   split-KV attention, its merge and the skinny o projection at the tuned tile), timed the same way;
@@ -16,6 +16,7 @@ size that fits, one JSON with:
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import torch
@@ -73,9 +74,10 @@ def main(argv=None) -> None:
     for name, (rows, slots) in SHAPES.items():
         base = separate_us(rows, slots)
         summary[f"{name}_separate_us"] = base
-        for splits in args.splits:
-            shape = CA.ClusterShape(rows=rows, slots=slots, splits=splits)
-            row = {"shape": name, "splits": splits, "problem": shape.problem(), "separate_us": base}
+        for splits, roll_k in itertools.product(args.splits, (False, True)):
+            shape = CA.ClusterShape(rows=rows, slots=slots, splits=splits, roll_k=roll_k)
+            row = {"shape": name, "splits": splits, "roll_k": roll_k, "problem": shape.problem(),
+                   "separate_us": base}
             if row["problem"] is None:
                 q, k, v, w, key_len = inputs(rows, slots)
                 for pdl in (False, True):
@@ -84,7 +86,7 @@ def main(argv=None) -> None:
                     row[f"us_pdl{int(pdl)}"] = 1e3 * graph_call_ms(lambda f=fused: f(q, k, v, w), calls=20)
                 row["max_active_clusters"] = fused.max_active_clusters()
                 row["phases"] = phases(shape)
-                summary[f"{name}_s{splits}_us"] = row["us_pdl0"]
+                summary[f"{name}_s{splits}{'_rolled' * roll_k}_us"] = row["us_pdl0"]
             print(row, flush=True)
             rows_out.append(row)
     write_result("probe_cluster_attention", {"rows": rows_out}, summary, out_dir=args.out_dir)

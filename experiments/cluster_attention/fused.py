@@ -50,6 +50,7 @@ class ClusterShape:
     width: int = 1024
     splits: int = 16
     stamps: bool = False  # per-CTA phase clocks into ClusterAttentionO.stamps (probe_cluster_attention.py)
+    roll_k: bool = False  # the kernel's loops over K not unrolled (ROLL_K: a smaller kernel)
 
     @property
     def rows_pad(self) -> int:
@@ -118,7 +119,7 @@ class ClusterShape:
     def defines(self) -> str:
         values = dict(HD=self.head_dim, ROWS_PAD=self.rows_pad, KEYS=self.keys, SPLITS=self.splits,
                       NCOLS=self.ncols, HEADS=self.heads, WIDTH=self.width, QW=self.heads * self.head_dim,
-                      STAMPS=int(self.stamps), LATE_W=int(self.late_w))
+                      STAMPS=int(self.stamps), LATE_W=int(self.late_w), ROLL_K=int(self.roll_k))
         return "".join(f"#define {k} {v}\n" for k, v in values.items())
 
 

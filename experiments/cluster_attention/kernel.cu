@@ -34,6 +34,14 @@ typedef unsigned long long uint64_t;
 #define OPS (HD + 4)           // fp32 row stride of the O partial
 #define DS (HD / SPLITS)       // O columns each CTA merges
 #define NEG_INF (-__int_as_float(0x7f800000))
+#ifndef ROLL_K
+#define ROLL_K 0  // 1: the S = Q K^T and o projection loops over K not unrolled (a smaller kernel: the probe's
+#endif            // check of whether instruction fetch of the straight-line code costs time)
+#if ROLL_K
+#define K_UNROLL _Pragma("unroll 1")
+#else
+#define K_UNROLL _Pragma("unroll 4")
+#endif
 #ifndef LATE_W
 #define LATE_W 0  // 1: W_o's slice copied after S = Q K^T into the K tile (when the early layout does not fit)
 #endif
@@ -148,7 +156,7 @@ __device__ __forceinline__ void scores_softmax(const bf16_t* sQ, const bf16_t* s
     const int t = lane & 3;
 #pragma unroll
     for (int n = 0; n < KEYS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll 4
+K_UNROLL
     for (int k = 0; k < HD; k += 16) {
         uint32_t a[4];
         load_a(a, sQ, r0, k, lane);
@@ -382,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) cluster_attention_o(
     float acc[O_TILES][4];
 #pragma unroll
     for (int j = 0; j < O_TILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll 4
+K_UNROLL
     for (int k = 0; k < HD; k += 16) {
         uint32_t a[4];
         load_a(a, sA, r0, k, lane);
