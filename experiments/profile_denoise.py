@@ -214,7 +214,7 @@ TILE_SETS = {
     "o_s4np": {"o": T(64, 64, 4, prefetch=0)},
     "o_s4half": {"o": T(64, 64, 4, prefetch=2)},
     # and TUNED's gate_up / down tiles (65-128 rows) with a quarter of theirs (gu32np / downnp: none); round 20
-    # took down_pf4 at 65-128 rows (skinny.TUNED_BY_ROWS); gu_pf4 alone was within the spread at 80 rows
+    # took both at 65-128 rows (mlp_pf4, skinny.TUNED_BY_ROWS); gu_pf4 alone was within the spread at 80 rows
     "gu_pf4": {"gate_up": T(32, 64, 1, prefetch=4)},
     "down_pf4": {"down": T(64, 64, 8, prefetch=4)},
     "mlp_pf4": {"gate_up": T(32, 64, 1, prefetch=4), "down": T(64, 64, 8, prefetch=4)},

@@ -224,11 +224,15 @@ TUNED: dict[tuple[int, int, bool], SkinnyTile] = {
 # Round 20, down's PDL weight prefetch at 65-128 rows (profile_denoise_nvidia-h200_20261203-173132.json and
 # ..._173153.json, 5 rounds round-robin), TUNED's whole slab against a quarter (tile set down_pf4): 100 rows
 # 8.384 (8.377-8.397) against 8.205 (8.163-8.211), 80 rows 3.252 (3.236-3.263) against 3.182 (3.173-3.195),
-# the quarter faster in each round, chains bit-identical. gate_up's quarter (gu_pf4) in the same calls: 8.338
-# and 3.243, within the rounds' spread at 80 rows, not taken.
+# the quarter faster in each round, chains bit-identical. gate_up's quarter alone (gu_pf4) in the same calls:
+# 8.338 and 3.243, within the rounds' spread at 80 rows; on top of down's (tile set mlp_pf4, a later call,
+# ..._173546.json / ..._173603.json): 8.023 (8.003-8.055) against 8.189 (8.161-8.207) for down's quarter alone
+# (now the default), 3.103 (3.087-3.104) against 3.176 (3.167-3.199), faster in each round: both taken. An
+# eighth of down's slab (down_pf8): 8.243 / 3.192.
 TUNED_BY_ROWS: dict[tuple[int, int, bool], tuple[tuple[int, int, SkinnyTile], ...]] = {
     (8192, 1024, True): ((17, 32, SkinnyTile(block_n=32, block_k=128, splits=1)),
-                         (33, 64, SkinnyTile(block_n=16, block_k=128, splits=1, prefetch=0))),
+                         (33, 64, SkinnyTile(block_n=16, block_k=128, splits=1, prefetch=0)),
+                         (65, 128, SkinnyTile(block_n=32, block_k=64, splits=1, prefetch=4))),
     (1024, 2048, False): ((33, 80, SkinnyTile(block_n=64, block_k=64, splits=4)),
                           (81, 128, SkinnyTile(block_n=64, block_k=64, splits=4, preload=True))),
     (2560, 1024, False): ((1, 32, SkinnyTile(block_n=64, block_k=64, splits=4, preload=True)),

@@ -165,10 +165,11 @@ def test_auto_keeps_cublas_on_cpu_and_above_the_row_limit():
 
 
 def test_gate_up_tile_follows_the_row_count():
-    """TUNED_BY_ROWS before TUNED: the GeGLU projection's in-graph winners at 17-32 and 33-64 rows."""
+    """TUNED_BY_ROWS before TUNED: the GeGLU projection's in-graph winners at 17-32, 33-64 and 65-128 rows."""
     shape = (8192, 1024, True)
     assert skinny.tuned_tile(10, *shape) == skinny.TUNED[shape]
-    assert skinny.tuned_tile(100, *shape) == skinny.TUNED[shape]
+    assert skinny.tuned_tile(100, *shape) == replace(skinny.TUNED[shape], prefetch=4)
+    assert skinny.tuned_tile(129, *shape) == skinny.TUNED[shape]
     assert (skinny.tuned_tile(20, *shape).block_n, skinny.tuned_tile(20, *shape).block_k) == (32, 128)
     tile = skinny.choose_tile("skinny", 50, *shape, torch.device("cpu"))
     assert (tile.block_n, tile.block_k, tile.block_m) == (16, 128, 64)
@@ -207,8 +208,9 @@ def test_preload_follows_the_row_count():
     assert [(t.preload, t.splits) for t in (skinny.tuned_tile(r, *qkv) for r in (10, 32, 33, 129))] == [
         (True, 4), (True, 4), (False, 2), (False, 4)]
     assert skinny.choose_tile("skinny", 10, *down, torch.device("cpu")).preload
-    # down's PDL prefetch: the whole slab up to 64 rows (preloaded there), a quarter at 65-128 (round 20)
+    # down's and gate_up's PDL prefetch: a quarter of the slab at 65-128 rows (round 20)
     assert [skinny.tuned_tile(r, *down).prefetch for r in (64, 65, 100, 128, 129)] == [1, 4, 4, 4, 1]
+    assert [skinny.tuned_tile(r, 8192, 1024, True).prefetch for r in (64, 65, 128, 129)] == [0, 4, 4, 1]
 
 
 def test_prefetch_share_is_validated_and_kept_by_choose_tile(monkeypatch):
