@@ -103,12 +103,13 @@ class ClusterShape:
 
     def problem(self) -> str | None:
         """Why the kernel cannot run this shape, or None."""
+        if not 1 <= self.splits <= 16:
+            return f"{self.splits} CTAs per cluster (1-16)"
         checks = (
             (self.rows_pad <= 64, f"{self.rows} query rows (at most 64: one warp per 16)"),
             (self.head_dim % 64 == 0 and self.head_dim % (4 * self.splits) == 0,
              f"head_dim {self.head_dim} must split into {self.splits} slices of 4-column groups"),
             (self.width % (8 * self.splits) == 0, f"width {self.width} must split into {self.splits} x 8 columns"),
-            (1 <= self.splits <= 16, f"{self.splits} CTAs per cluster (1-16)"),
             (self.keys <= 128, f"{self.keys} keys a CTA (at most 128: S stays in registers)"),
         )
         problem = next((why for ok, why in checks if not ok), None)

@@ -28,6 +28,7 @@ def test_shape_of_the_pi05_expert_at_batch_1():
     (dict(rows=80, slots=1018), "80 query rows"),
     (dict(rows=50, slots=1018, width=1000), "width 1000"),
     (dict(rows=50, slots=1018, splits=32), "32 CTAs"),
+    (dict(rows=50, slots=1018, splits=0), "0 CTAs"),
     (dict(rows=64, slots=100), "O partial does not fit"),  # 7 keys a CTA -> 16 < 64 rows
     (dict(rows=50, slots=8000), "512 keys a CTA"),
     (dict(rows=64, slots=1018, splits=8, head_dim=512, width=512), "neither shared-memory layout fits"),
