@@ -19,6 +19,7 @@ import statistics
 
 import torch
 
+from experiments import cuda_source
 from experiments.megakernel import layout as L
 from experiments.results import write_result
 
@@ -34,7 +35,7 @@ class Kernel:
     else CuPy's RawModule; launched on torch's current stream (so CUDA graphs capture it)."""
 
     def __init__(self):
-        source, smem = L.SOURCE.read_text(), L.ChainShape().smem_bytes()
+        source, smem = cuda_source.with_common(L.SOURCE), L.ChainShape().smem_bytes()
         self.smem = smem
         compile_ = getattr(torch.cuda, "_compile_kernel", None)
         if compile_ is not None:

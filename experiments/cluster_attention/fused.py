@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from experiments import cuda_source
+
 SOURCE = Path(__file__).with_name("kernel.cu")
 LOG2_E = 1.4426950408889634
 SMEM_LIMIT = 227 * 1024
@@ -149,7 +151,7 @@ def _compiled(shape: ClusterShape, device_index: int):
     from torch.cuda._utils import _get_gpu_runtime_library
 
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(shape.defines() + SOURCE.read_text(), "cluster_attention_o",
+        kernel = torch.cuda._compile_kernel(cuda_source.with_common(SOURCE, shape.defines()), "cluster_attention_o",
                                             nvcc_options=["-std=c++17"])
     lib = _get_gpu_runtime_library()
     _check(lib.cuFuncSetAttribute(kernel.func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shape.smem_bytes()),

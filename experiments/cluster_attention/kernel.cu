@@ -19,11 +19,9 @@
 // padded to 16 (one warp per 16 rows; at least 4 warps, the others help with the copies and the o
 // projection's columns), KEYS keys per CTA at most (multiple of 16), SPLITS CTAs per cluster,
 // NCOLS o columns per CTA (WIDTH / SPLITS), HEADS, WIDTH (o output), QW = HEADS * HD (o input).
-// No CUDA headers: NVRTC on a machine without the toolkit finds none.
+// The typedefs, pack_bf16x2, smem_u32 and mma_bf16 come from experiments/cuda_common.cuh
+// (experiments/cuda_source.py puts it after the #defines and before this file).
 
-typedef unsigned short bf16_t;
-typedef unsigned int uint32_t;
-typedef unsigned long long uint64_t;
 
 #define MMA_WARPS (ROWS_PAD / 16)                            // one warp per 16 query rows
 #define WARPS (MMA_WARPS * ((4 + MMA_WARPS - 1) / MMA_WARPS))  // at least 4: the copies and o's columns share
@@ -64,16 +62,6 @@ __device__ __forceinline__ void stamp(long long* stamps, int phase) {
 #endif
 }
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
     // 16 bytes global -> shared; zero-filled when !valid (src-size 0), so masked rows read as zeros
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
@@ -82,14 +70,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 
 __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ void cluster_sync() {

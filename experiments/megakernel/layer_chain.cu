@@ -14,17 +14,8 @@
 // out of the qkv partials), so this times the layer minus attention.
 //
 // Compile-time shape (pi0.5 expert): D 1024, qkv 2560 (q 2048 + k 256 + v 256), F 4096; rows <= 64.
-
-// no CUDA headers (NVRTC finds none on a machine without the toolkit): bf16 is its 16-bit pattern
-typedef unsigned short bf16_t;
-typedef unsigned int uint32_t;
-typedef unsigned long long uint64_t;
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
+// The typedefs, pack_bf16x2, smem_u32 and mma_bf16 come from experiments/cuda_common.cuh
+// (experiments/cuda_source.py puts it in front of this file).
 
 __device__ __forceinline__ bf16_t to_bf16(float x) {
     bf16_t r;
@@ -60,10 +51,6 @@ __device__ __forceinline__ bf16_t to_bf16(float x) {
 #define BUF_A_BYTES (G_TN * G_KR * 2)   // qkv / gate_up weight tiles (131072)
 #define BUF_B_BYTES (DN_TN * DN_KR * 2) // o / down weight tiles (65536)
 #define SMEM_BYTES (BUF_A_BYTES + BUF_B_BYTES + X_STAGES * CHUNK_BYTES)
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -103,14 +90,6 @@ __device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
     uint32_t v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // 32-bit word index of element (row, k) in a swizzled row-major tile whose rows are `row_words` words
