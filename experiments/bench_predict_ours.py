@@ -22,7 +22,7 @@ import torch
 from experiments import bench_predict_common as common
 from policies import flops, sampling
 from policies.config import PolicyConfig
-from policies.fast import geglu_gemm
+from policies.fast import geglu_gemm, gemm_search
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
 from policies.fast.runner import STAGES, FastSampler
@@ -86,6 +86,7 @@ def measure_ours(policy: Policy, precision: str, batch: int, prompt_len: int, in
     row["geglu_tile"] = geglu_gemm.tile_label(bucket.geglu_tile)
     row["call_stages"] = list(fast.call_stages(bucket))  # with policy.fast.overlap: vision, prefix_denoise
     row["overlap_ms"] = bucket.overlap_ms  # overlap "auto": the two ways' replay medians at the first call
+    row["vision_gemms"] = gemm_search.summary(bucket.vision_gemms)  # gemm_search "auto": the algorithms kept
     if gap_calls:
         try:  # rollouts plus plain-path recomputes: a few times the sampler's call each
             budget.require(gap_calls * 4 * timing["ms"] / 1e3, f"log-prob gap {precision} b={batch}")

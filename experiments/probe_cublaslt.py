@@ -25,6 +25,7 @@ from experiments.results import write_result
 from policies.config import PolicyConfig
 from policies.fast import kernels as K
 from policies.fast.cublaslt import GemmShape, LtGemm
+from policies.fast.gemm_search import cycled_graph_ms
 from policies.lerobot_bridge import relative_l2
 
 DEFAULT_BATCHES = {"phyai": [1, 32], "libero_rl": [1, 64]}
@@ -74,26 +75,6 @@ def torch_call(shape: GemmShape, x, w, b, out):
     return F.linear(x, w, b)
 
 
-def graph_ms(fn, copies: int, replays: int) -> float:
-    """Median GPU ms per call of `copies` back-to-back calls (fn(i) uses weight copy i) in one graph."""
-    from policies.fast.attention import event_ms
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(copies, 3)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = sorted(event_ms(graph.replay) / copies for _ in range(replays))
-    return times[len(times) // 2]
-
-
 def probe_case(name: str, shape: GemmShape, max_algorithms: int, replays: int) -> dict:
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -112,7 +93,7 @@ def probe_case(name: str, shape: GemmShape, max_algorithms: int, replays: int) -
 
     row = {"name": name, "rows": shape.rows, "cols": shape.cols, "depth": shape.depth, "epilogue": shape.epilogue,
            "accumulate": shape.accumulate, "gflop": shape.flops / 1e9, "weight_copies": copies}
-    row["torch_ms_before"] = graph_ms(torch_fn, copies, replays)
+    row["torch_ms_before"] = cycled_graph_ms(torch_fn, copies, replays)
     plan = LtGemm(shape, dt, max_algorithms)
     algos = []
     for index in range(len(plan.results)):
@@ -120,12 +101,12 @@ def probe_case(name: str, shape: GemmShape, max_algorithms: int, replays: int) -
         try:
             out.copy_(base)
             entry["rel_l2_vs_torch"] = relative_l2(plan(x, ws[0], b, out, index).float(), reference.float())
-            entry["ms"] = graph_ms(lambda i, index=index: plan(x, ws[i], b, out, index), copies, replays)
+            entry["ms"] = cycled_graph_ms(lambda i, index=index: plan(x, ws[i], b, out, index), copies, replays)
             entry["tflops"] = shape.flops / entry["ms"] / 1e9
         except RuntimeError as exc:
             entry["error"] = str(exc)[:200]
         algos.append(entry)
-    row["torch_ms_after"] = graph_ms(torch_fn, copies, replays)
+    row["torch_ms_after"] = cycled_graph_ms(torch_fn, copies, replays)
     plan.close()
     timed = [a for a in algos if "ms" in a]
     row["algorithms"] = algos

@@ -10,7 +10,9 @@ Per (configuration, batch), samplers on the same inputs and noise (`--variants`)
 - "off_late" / "on_nopdl_late": vision's graph launched only once all of the call's inputs are in
   place, as before round 15 (FastSampler.early_vision);
 - "auto": the default since round 16, which up to overlap.AUTO_MAX_ROWS times both ways at the bucket's
-  first call and keeps the faster (overlap.pick; its choice and timings are in `overlap`).
+  first call and keeps the faster (overlap.pick; its choice and timings are in `overlap`);
+- "auto_nosearch" / "off_nosearch": "auto" / "off" with `policy.fast.gemm_search=off` (SigLIP's GEMMs
+  through torch's cuBLASLt algorithm; round 21's search picks are in `overlap` as `vision_gemms`).
 Each round times every variant, round-robin, so a drifting clock hits all alike:
 - `call_ms`: a whole `sample_chains` call, as bench_predict times ours (CUDA events around the call,
   host work included), median of --iters;
@@ -32,16 +34,17 @@ import torch
 from experiments import bench_predict_common as common
 from experiments.results import write_result
 from policies.config import PolicyConfig
-from policies.fast import overlap
+from policies.fast import gemm_search, overlap
 from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
 from policies.policy import build_policy
 
-# label: (policy.fast.overlap, FastSampler attributes): step0_pdl (overlap.py), early_vision (vision's graph
-# before the rest of the inputs, round 15)
-VARIANTS = {"off": ("off", {}), "on": ("on", {"step0_pdl": True}), "on_nopdl": ("on", {}),
-            "off_late": ("off", {"early_vision": False}), "on_nopdl_late": ("on", {"early_vision": False}),
-            "auto": ("auto", {})}
+# label: (policy.fast.overlap, FastSampler attributes: step0_pdl (overlap.py), early_vision (vision's graph
+# before the rest of the inputs, round 15); other FastConfig keys)
+VARIANTS = {"off": ("off", {}, {}), "on": ("on", {"step0_pdl": True}, {}), "on_nopdl": ("on", {}, {}),
+            "off_late": ("off", {"early_vision": False}, {}), "on_nopdl_late": ("on", {"early_vision": False}, {}),
+            "auto": ("auto", {}, {}), "auto_nosearch": ("auto", {}, {"gemm_search": "off"}),
+            "off_nosearch": ("off", {}, {"gemm_search": "off"})}
 DEFAULT_VARIANTS = ["off", "on_nopdl", "auto"]  # "auto" is the default since round 16 ("on_nopdl" in rounds 14-15)
 
 
@@ -93,9 +96,9 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
     call_args = (inputs, noise, step_noise, stoch)
     samplers, outputs, errors = {}, {}, {}
     for label in args.variants:
-        mode, settings = VARIANTS[label]
+        mode, settings, keys = VARIANTS[label]
         fast = FastSampler(policy.model, FastConfig(enabled=True, dtype=cfg.dtype, batch_buckets=[batch],
-                                                    prompt_buckets=[spec["prompt_len"]], overlap=mode))
+                                                    prompt_buckets=[spec["prompt_len"]], overlap=mode, **keys))
         for name, value in settings.items():
             setattr(fast, name, value)
         call = lambda f=fast: f.sample_chains(*call_args)  # noqa: E731
@@ -119,7 +122,8 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
     breakdown = {label: call_breakdown(fast, call_args, device, args.iters) for label, (fast, _) in samplers.items()}
     hosts = ({label: host_profile(fast, call_args, device, args.iters)
               for label, (fast, _) in samplers.items()} if args.host_profile else {})
-    chosen = {label: {"overlap": b.overlap, "overlap_ms": b.overlap_ms}
+    chosen = {label: {"overlap": b.overlap, "overlap_ms": b.overlap_ms,
+                      "vision_gemms": gemm_search.summary(b.vision_gemms)}
               for label, (fast, _) in samplers.items() for b in fast.buckets.values()}
     identical = {label: all(torch.equal(a, b) for a, b in zip(out, outputs["off"], strict=True))
                  for label, out in outputs.items() if label != "off"}

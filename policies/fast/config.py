@@ -17,6 +17,7 @@ GEGLU_CHOICES = ("auto", "cublas", "fused")  # policies/fast/geglu_gemm.py
 PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
 MLP_CHOICES = ("auto", "split", "fused")  # policies/fast/fused_mlp.py
 OVERLAP_CHOICES = ("auto", "off", "on")  # policies/fast/overlap.py
+SEARCH_CHOICES = ("auto", "off")  # policies/fast/gemm_search.py
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -68,7 +69,11 @@ class FastConfig:
     second stream, each expert layer waiting only for that prefix layer's K/V (policies/fast/overlap.py):
     "on", "off", or "auto" (off above overlap.AUTO_MAX_ROWS denoise rows, batch x chunk; up to it both
     ways are timed at a bucket's first call and the faster kept, overlap.pick). Needs CUDA graphs; the
-    numerics do not change."""
+    numerics do not change.
+    gemm_search: SigLIP's bias GEMMs (qkv, o, fc2, projector) through the cuBLASLt algorithm timed
+    fastest at a bucket's first use among those that compute torch's output bit for bit
+    (policies/fast/gemm_search.py): "auto" on CUDA up to gemm_search.AUTO_MAX_ROWS image rows, "off"
+    never. The numerics do not change."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -84,6 +89,7 @@ class FastConfig:
     geglu: str = "auto"
     mlp: str = "auto"
     overlap: str = "auto"
+    gemm_search: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
 
     def __post_init__(self) -> None:
@@ -107,6 +113,8 @@ class FastConfig:
             raise ValueError(f"{key}.geglu must be one of {GEGLU_CHOICES}, got {self.geglu!r}")
         if self.mlp not in MLP_CHOICES:
             raise ValueError(f"{key}.mlp must be one of {MLP_CHOICES}, got {self.mlp!r}")
+        if self.gemm_search not in SEARCH_CHOICES:
+            raise ValueError(f"{key}.gemm_search must be one of {SEARCH_CHOICES}, got {self.gemm_search!r}")
         if self.overlap not in OVERLAP_CHOICES:
             raise ValueError(f"{key}.overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
         if self.pdl not in PDL_CHOICES:

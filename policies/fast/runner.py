@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, overlap, pdl, skinny
+from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, gemm_search, overlap, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig
@@ -55,6 +55,7 @@ class Bucket:
     layout_key: tuple | None = None  # the masks whose token layout index_pack and the attention plans hold
     overlap: bool | None = False  # prefix + denoise as one graph, step 0 under the prefix; None: to time (overlap.py)
     overlap_ms: dict | None = None  # overlap.pick's medians of the two ways, ms
+    vision_gemms: dict = field(default_factory=dict)  # SigLIP GEMM -> gemm_search.Pick or None: torch's call
 
 
 class FastSampler:
@@ -258,6 +259,8 @@ class FastSampler:
         bucket.tiles = skinny.expert_tiles(self.fast.gemm, batch * h, self.w.expert[0], dev)
         self._plan_mlp(bucket, batch * h)
         bucket.overlap = overlap.choose(self.fast.overlap, batch * h, self.use_graphs)
+        if gemm_search.choose(self.fast.gemm_search, batch * cams * n, dev):
+            bucket.vision_gemms = gemm_search.search_vision(self.w.vision, batch * cams * n)
         gate_up = self.w.prefix[0]["gate_up"]
         if gate_up.fp8 is None and gate_up.bias is None:
             bucket.geglu_tile = geglu_gemm.choose_tile(self.fast.geglu, batch * p, *gate_up.weight.shape, dev,
@@ -331,17 +334,18 @@ class FastSampler:
         h = _patch_embed(imgs, w["patch"], w["pos"], cfg.patch_size)  # residual stream, updated in place
         n, (tok, width) = imgs.shape[0], w["pos"].shape
         layers, eps = w["layers"], cfg.layer_norm_eps
+        picks = bk.vision_gemms  # FP8 (fp8.py), bf16 through torch, or a searched cuBLASLt algorithm
         _, y = K.add_layer_norm(h, None, layers[0]["ln1"].weight, layers[0]["ln1"].bias, eps)
         for i, lw in enumerate(layers):
-            qkv = fp8.project(y, lw["qkv"]).view(n, tok, 3, cfg.num_heads, -1)  # FP8 or bf16 (fp8.py)
+            qkv = gemm_search.linear(y, lw["qkv"], picks.get("qkv")).view(n, tok, 3, cfg.num_heads, -1)
             qkv = qkv.permute(2, 0, 3, 1, 4)
             a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape(n * tok, width)
-            out = fp8.project(a, lw["out"])
+            out = gemm_search.linear(a, lw["out"], picks.get("out"))
             h, y = K.add_layer_norm(h, out, lw["ln2"].weight, lw["ln2"].bias, eps)
-            mlp = fp8.mlp(y, lw["fc1"], lw["fc2"], "gelu_tanh")
+            mlp = gemm_search.siglip_mlp(y, lw["fc1"], lw["fc2"], picks.get("fc2"))
             norm = layers[i + 1]["ln1"] if i + 1 < len(layers) else w["post_ln"]  # next pre-norm, or post_ln
             h, y = K.add_layer_norm(h, mlp, norm.weight, norm.bias, eps)
-        t["image_embeddings"].view(-1, self.cfg.prefix.width).copy_(fp8.project(y, w["proj"]))
+        t["image_embeddings"].view(-1, self.cfg.prefix.width).copy_(gemm_search.linear(y, w["proj"], picks.get("proj")))
 
     def _embed_prompt(self, bk: Bucket) -> None:
         """The prefix's input: image and prompt embeddings in the token order (valid tokens first). Not in
