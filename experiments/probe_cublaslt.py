@@ -23,14 +23,14 @@ import torch.nn.functional as F
 from experiments import bench_predict_common as common
 from experiments.results import write_result
 from policies.config import PolicyConfig
+from policies.fast import geglu_gemm
 from policies.fast import kernels as K
+from policies.fast.attention import cycled_graph_ms
 from policies.fast.cublaslt import GemmShape, LtGemm
-from policies.fast.gemm_search import cycled_graph_ms
 from policies.lerobot_bridge import relative_l2
 
 DEFAULT_BATCHES = {"phyai": [1, 32], "libero_rl": [1, 64]}
 COLD_BYTES = 160 << 20  # weight copies cycled per graph: more than the H200's 50 MB L2, three times over
-GEGLU_GEMM_MIN_ROWS = 968  # below it the prefix's gate/up runs on cuBLAS (geglu_gemm.AUTO_MIN_ROWS)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,7 +61,7 @@ def gemm_cases(cfg: PolicyConfig, cameras: int, prompt_len: int, batch: int) -> 
         "prefix_o": GemmShape(tokens, p.width, p.num_heads * p.head_dim, accumulate=True),
         "prefix_down": GemmShape(tokens, p.width, p.mlp_dim, accumulate=True),
     }
-    if tokens < GEGLU_GEMM_MIN_ROWS:
+    if tokens < geglu_gemm.AUTO_MIN_ROWS:  # below it the prefix's gate/up runs on cuBLAS
         cases["prefix_gate_up"] = GemmShape(tokens, 2 * p.mlp_dim, p.width)
     return cases
 

@@ -215,16 +215,22 @@ def graph_call_ms(fn, calls: int = 10, replays: int = 10) -> float:
     """GPU time of one call as it runs inside a CUDA graph: `calls` back-to-back calls captured in
     one graph, median over replays, divided by `calls`. (Timing eager calls would measure the
     host's launch overhead, ~50 us, which the fast path's graphs do not pay.)"""
+    return cycled_graph_ms(lambda _i: fn(), calls, replays)
+
+
+def cycled_graph_ms(fn, calls: int, replays: int = 10) -> float:
+    """graph_call_ms of `calls` calls where call i runs fn(i) (gemm_search and probe_cublaslt cycle a
+    GEMM's weight over copies or layers, so that it comes from HBM as in the model)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
+        for i in range(3):
+            fn(i % calls)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(i)
     graph.replay()
     torch.cuda.synchronize()
     times = sorted(event_ms(graph.replay) / calls for _ in range(replays))

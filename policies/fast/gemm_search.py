@@ -22,11 +22,13 @@ from torch import Tensor
 
 from policies.fast import fp8
 from policies.fast import kernels as K
+from policies.fast.attention import cycled_graph_ms
 from policies.fast.config import SEARCH_CHOICES
 from policies.fast.cublaslt import GemmShape, LtGemm
 
 AUTO_MAX_ROWS = 4096  # image rows (batch x cameras x 256): where the probe found gains (512-768 rows)
 MIN_GAIN = 0.03  # an algorithm must beat torch's call by 3% to replace it (below: timing noise)
+REPLAYS = 7  # graph replays per timing, median kept
 VISION_GEMMS = ("qkv", "out", "fc2")  # per layer; plus the projector, "proj"
 
 
@@ -45,26 +47,6 @@ def choose(mode: str, image_rows: int, device: torch.device) -> bool:
     if mode not in SEARCH_CHOICES:
         raise ValueError(f"policy.fast.gemm_search must be one of {SEARCH_CHOICES}, got {mode!r}")
     return mode == "auto" and device.type == "cuda" and image_rows <= AUTO_MAX_ROWS
-
-
-def cycled_graph_ms(fn, copies: int, replays: int = 7) -> float:
-    """Median GPU ms per call of `copies` back-to-back calls in one CUDA graph, call i running fn(i)."""
-    from policies.fast.attention import event_ms
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(copies, 3)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = sorted(event_ms(graph.replay) / copies for _ in range(replays))
-    return times[len(times) // 2]
 
 
 @torch.no_grad()
@@ -86,9 +68,9 @@ def search_linear(rows: int, layers: list, seed: int = 0) -> Pick | None:
     def torch_call(i):
         F.linear(x, layers[i].weight, layers[i].bias)
 
-    torch_ms = cycled_graph_ms(torch_call, len(layers))
-    timed = {i: cycled_graph_ms(lambda j, i=i: plan(x, layers[j].weight, layers[j].bias, out, i), len(layers))
-             for i in exact}
+    torch_ms = cycled_graph_ms(torch_call, len(layers), REPLAYS)
+    timed = {i: cycled_graph_ms(lambda j, i=i: plan(x, layers[j].weight, layers[j].bias, out, i), len(layers),
+                                REPLAYS) for i in exact}
     best = min(timed, key=timed.get)
     if timed[best] > torch_ms * (1 - MIN_GAIN):
         plan.close()

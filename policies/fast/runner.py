@@ -259,8 +259,9 @@ class FastSampler:
         bucket.tiles = skinny.expert_tiles(self.fast.gemm, batch * h, self.w.expert[0], dev)
         self._plan_mlp(bucket, batch * h)
         bucket.overlap = overlap.choose(self.fast.overlap, batch * h, self.use_graphs)
-        if gemm_search.choose(self.fast.gemm_search, batch * cams * n, dev):
-            bucket.vision_gemms = gemm_search.search_vision(self.w.vision, batch * cams * n)
+        image_rows = batch * cams * n
+        if gemm_search.choose(self.fast.gemm_search, image_rows, dev):
+            bucket.vision_gemms = gemm_search.search_vision(self.w.vision, image_rows)
         gate_up = self.w.prefix[0]["gate_up"]
         if gate_up.fp8 is None and gate_up.bias is None:
             bucket.geglu_tile = geglu_gemm.choose_tile(self.fast.geglu, batch * p, *gate_up.weight.shape, dev,
