@@ -318,20 +318,23 @@ def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise
         skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS = saved
 
 
-ATTENTION_OPTION_KEYS = {"w": "warps", "m": "block_m", "n": "block_n", "s": "stages"}
+ATTENTION_OPTION_KEYS = {"w": "warps", "m": "block_m", "n": "block_n", "s": "stages", "t": "target_blocks",
+                         "x": "tma"}
 
 
 def expert_attention_options(attention_set: str) -> dict:
     """The expert's Triton attention options of an attention setting's "@<options>" part: "_"-separated
-    "w<warps>", "m<block_m>", "n<block_n>", "s<stages>" (TritonSplitKVAttention's arguments); "" keeps
-    the class's defaults."""
+    "w<warps>", "m<block_m>", "n<block_n>", "s<stages>", "t<target blocks>" (the KV split count follows:
+    a target the row blocks fill alone means no split) and "x0" / "x1" (the TMA kernel off / on), the
+    arguments of TritonSplitKVAttention; "" keeps the class's defaults."""
     options = dict(TritonSplitKVAttention.EXPERT_OPTIONS)
     for token in filter(None, attention_set.split("_")):
-        if token[:1] in ATTENTION_OPTION_KEYS and token[1:].isdigit():
-            options[ATTENTION_OPTION_KEYS[token[:1]]] = int(token[1:])
+        key, value = token[:1], token[1:]
+        if key in ATTENTION_OPTION_KEYS and value.isdigit() and (key != "x" or value in ("0", "1")):
+            options[ATTENTION_OPTION_KEYS[key]] = bool(int(value)) if key == "x" else int(value)
         else:
             raise ValueError(f"unknown attention option {token!r} in {attention_set!r}: use w<warps>, "
-                             f"m<block_m>, n<block_n> or s<stages>, joined by '_'")
+                             f"m<block_m>, n<block_n>, s<stages>, t<target blocks> or x0/x1, joined by '_'")
     return options
 
 
@@ -557,6 +560,12 @@ def _attention_settings(stage: str, batch: int):
             for bn in (32, 64, 128):
                 for target in (132, 264, 528):
                     yield bm, bn, target, 4, 2
+        # round 22: few or no KV splits (a target the row blocks fill alone): no merge kernel, each block
+        # walks more keys; with one split the TMA kernel can run (--attention-tma)
+        for bm in (16, 32):
+            for bn in (64, 128):
+                for target in (8, 33, 66):
+                    yield bm, bn, target * batch, 4, 2
         for bm, bn, target in ((32, 64, 132), (64, 64, 264), (16, 64, 264)):
             yield bm, bn, target, 8, 2
             yield bm, bn, target, 4, 3

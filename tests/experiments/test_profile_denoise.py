@@ -130,8 +130,12 @@ def test_expert_attention_options_parse_and_are_restored_after_a_variant():
     assert profile_denoise.expert_attention_options("") == defaults
     assert profile_denoise.expert_attention_options("w8_m16_n64_s3") == {
         **defaults, "warps": 8, "block_m": 16, "block_n": 64, "stages": 3}
-    with pytest.raises(ValueError, match="'x8'"):
-        profile_denoise.expert_attention_options("w8_x8")
+    assert profile_denoise.expert_attention_options("m16_t25_x1") == {
+        **defaults, "block_m": 16, "target_blocks": 25, "tma": True}
+    assert profile_denoise.expert_attention_options("x0")["tma"] is False
+    for bad in ("x8", "q4", "tbig"):
+        with pytest.raises(ValueError, match=f"'{bad}'"):
+            profile_denoise.expert_attention_options(f"w8_{bad}")
     policy = build_policy(PolicyConfig.preset("tiny"), device="cpu")
     spec, cpu = common.CONFIGURATIONS["libero_rl"], torch.device("cpu")
     inputs, noise = common.make_inputs(policy.cfg, 1, spec["prompt_len"], cpu, seed=1)
