@@ -584,6 +584,9 @@ def _attention_settings(stage: str, batch: int):
         for bn in (32, 64, 128):
             for stages in (2, 3):
                 yield bm, bn, 132, 8, stages
+    if stage == "prefix" and batch <= 2:  # round 22: the prefix's ~1 wave of row blocks split in two
+        yield 64, 64, 264, 4, 2
+        yield 128, 64, 264, 8, 2
 
 
 def best_tiles(entries: list[dict], max_rows: int) -> dict:
