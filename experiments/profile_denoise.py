@@ -587,6 +587,7 @@ def _attention_settings(stage: str, batch: int):
     if stage == "prefix" and batch <= 2:  # round 22: the prefix's ~1 wave of row blocks split in two
         yield 64, 64, 264, 4, 2
         yield 128, 64, 264, 8, 2
+        yield 64, 64, 132, 4, 3  # the PhyAI b1 default with a third K/V stage (~224 KB of shared memory)
 
 
 def best_tiles(entries: list[dict], max_rows: int) -> dict:

@@ -143,8 +143,9 @@ def _kernels():
     return split_kv_attention, merge_splits, kv1_attention_tma
 
 
-def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) by the H200 sweeps of profile_denoise.py:
+def default_blocks(batch: int, packed_rows: int, target_blocks: int = 132) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) by the H200 sweeps of profile_denoise.py (target_blocks: the
+    programs aimed for, the SM count):
     - <= 128 packed query rows (LIBERO's chunk 10 x 8 heads) below batch 16: 16 x 64, 4 warps (6.8 us
       against 7.8 with 32 x 64 at batch 1, profile_denoise_nvidia-h200_20261201-141251.json); from
       batch 16 64 x 64, 4 warps (LIBERO b64: 26.6 us against 32.9 with 16 x 64 and 39.2 at best with
@@ -156,6 +157,11 @@ def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
       ..._164645.json: PhyAI's prefix at b4 94 against 146 us; ..._20261202-130250.json: PhyAI's prefix
       at b2, 15488 rows, 38.1 against 57.7 us with 64 x 64, 36.8 through TMA);
     - batch 1 with < 1024 rows (PhyAI's chunk 50 in the expert): 32 x 128, 4 warps (9.6 against 11.5 us);
+    - a prefix-length run (>= 4096 packed rows) whose 64-row blocks would not fill SPLIT_FREE_FILL of the
+      target, so that it is KV-split anyway: 128 x 64, 8 warps, with twice the splits (LIBERO's prefix at
+      batch 1, 4480 rows: 23.5 against 28.6 us with 64 x 64 and 2 splits,
+      profile_denoise_nvidia-h200_20261204-030044.json; 23.6 against 28.4 on another card, ..._20261202-130250;
+      measured at 4480 rows only);
     - else 64 x 64, 4 warps (the expert at batch 2: 13.2 against 15.1 us; the prefix at batch 1,
       ..._164645.json: PhyAI 39 us against 57 with 32 x 128, LIBERO 29 against 35)."""
     if packed_rows <= 128:
@@ -164,6 +170,8 @@ def default_blocks(batch: int, packed_rows: int) -> tuple[int, int, int, int]:
         return 128, 64, 8, 2
     if batch == 1 and packed_rows < 1024:
         return 32, 128, 4, 2
+    if packed_rows >= 4096 and batch * math.ceil(packed_rows / 64) < SPLIT_FREE_FILL * target_blocks:
+        return 128, 64, 8, 2
     return 64, 64, 4, 2
 
 
@@ -206,15 +214,15 @@ class TritonSplitKVAttention:
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
         packed_rows = queries * (heads // kv_heads)
-        default_m, default_n, default_warps, default_stages = default_blocks(batch, packed_rows)
+        if target_blocks is None:
+            cuda = device.type == "cuda"
+            target_blocks = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
+        default_m, default_n, default_warps, default_stages = default_blocks(batch, packed_rows, target_blocks)
         self.BLOCK_M, self.BLOCK_N = block_m or default_m, block_n or default_n
         self.WARPS, self.STAGES = warps or default_warps, stages or default_stages
         self.shape = (batch, queries, rows, heads, kv_heads, head_dim)
         self.key_len = torch.full((batch,), rows, dtype=torch.int32, device=device)
         self.row_tiles = math.ceil(packed_rows / self.BLOCK_M)
-        if target_blocks is None:
-            cuda = device.type == "cuda"
-            target_blocks = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
         base_blocks = batch * kv_heads * self.row_tiles
         max_splits = math.ceil(rows / self.BLOCK_N)
         if base_blocks >= SPLIT_FREE_FILL * target_blocks:

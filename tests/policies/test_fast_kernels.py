@@ -164,6 +164,11 @@ def test_split_kv_attention_large_batch_blocks_match_masked_sdpa():
     assert default_blocks(2, 7744) == (128, 64, 8, 2) and default_blocks(2, 4480) == (64, 64, 4, 2)
     assert default_blocks(1, 400) == (32, 128, 4, 2) and default_blocks(1, 80) == (16, 64, 4, 2)
     assert default_blocks(64, 80) == (64, 64, 4, 2)  # LIBERO's chunk 10 at batch 64
+    # LIBERO's prefix at batch 1 (4480 rows): 70 blocks of 64 rows would be KV-split anyway; 128 x 64 with 4
+    # splits (140 programs for 132 SMs) instead of 2. PhyAI's (121 blocks) and batch 2 fill the SMs unsplit.
+    assert default_blocks(1, 4480) == (128, 64, 8, 2) and default_blocks(1, 4480, target_blocks=64) == (64, 64, 4, 2)
+    libero_prefix = TritonSplitKVAttention(1, 560, 570, 8, 1, 256, torch.device("cpu"), target_blocks=132)
+    assert (libero_prefix.BLOCK_M, libero_prefix.num_splits) == (128, 4)
     q = torch.randn(b, t, heads, hd, generator=g).to(DEVICE)
     k, v = (torch.randn(b, rows, 1, hd, generator=g).to(DEVICE) for _ in range(2))
     key_len = torch.randint(1, rows + 1, (b,), generator=g, dtype=torch.int32)
