@@ -189,6 +189,11 @@ def tma_default(batch: int) -> bool:
     return batch >= 16 or batch <= 2
 
 
+# The prefix at batch 1 through the TMA kernel (Hopper's 227 KB of shared memory: 3 x 64 KB of K/V blocks
+# and the 32 KB Q block fit): a third K/V stage. PhyAI b1 (7744 packed rows, 64 x 64, 4 warps): 21.3 against
+# 26.4 us per layer (profile_denoise_nvidia-h200_20261204-030816.json); the pointer kernel 28.0 against 29.7.
+TMA_PREFIX_B1_STAGES = 3
+
 # No KV split once the unsplit blocks fill this share of the target: on the H200 (profile_stages,
 # PhyAI's expert at batch 32: 128 blocks for 132 SMs) splitting in two cost a merge kernel of 21 us
 # per call on top of 59 us of attention, for blocks that already filled 97% of the SMs.
@@ -232,6 +237,8 @@ class TritonSplitKVAttention:
         # split length: whole BLOCK_N multiples so no block straddles two splits
         self.split_rows = math.ceil(math.ceil(rows / self.num_splits) / self.BLOCK_N) * self.BLOCK_N
         self.tma = self._use_tma(tma, kv_heads, device, batch)
+        if stages is None and self.tma and batch == 1 and packed_rows >= 4096 and self.BLOCK_M == 64:
+            self.STAGES = TMA_PREFIX_B1_STAGES
         if self.num_splits > 1:
             self.part_o = torch.empty(batch * kv_heads * self.num_splits * packed_rows, head_dim,
                                       dtype=torch.float32, device=device)

@@ -169,6 +169,12 @@ def test_split_kv_attention_large_batch_blocks_match_masked_sdpa():
     assert default_blocks(1, 4480) == (128, 64, 8, 2) and default_blocks(1, 4480, target_blocks=64) == (64, 64, 4, 2)
     libero_prefix = TritonSplitKVAttention(1, 560, 570, 8, 1, 256, torch.device("cpu"), target_blocks=132)
     assert (libero_prefix.BLOCK_M, libero_prefix.num_splits) == (128, 4)
+    # PhyAI's prefix at batch 1 through the TMA kernel: a third K/V stage, unless stages are given
+    cpu = torch.device("cpu")
+    assert TritonSplitKVAttention(1, 968, 1018, 8, 1, 256, cpu, target_blocks=132, tma=True).STAGES == 3
+    assert TritonSplitKVAttention(1, 968, 1018, 8, 1, 256, cpu, target_blocks=132, tma=True, stages=2).STAGES == 2
+    assert TritonSplitKVAttention(1, 968, 1018, 8, 1, 256, cpu, target_blocks=132, tma=False).STAGES == 2
+    assert TritonSplitKVAttention(2, 968, 1018, 8, 1, 256, cpu, target_blocks=132, tma=True).STAGES == 2
     q = torch.randn(b, t, heads, hd, generator=g).to(DEVICE)
     k, v = (torch.randn(b, rows, 1, hd, generator=g).to(DEVICE) for _ in range(2))
     key_len = torch.randint(1, rows + 1, (b,), generator=g, dtype=torch.int32)
