@@ -12,7 +12,9 @@ Per (configuration, batch), samplers on the same inputs and noise (`--variants`)
 - "auto": the default since round 16, which up to overlap.AUTO_MAX_ROWS times both ways at the bucket's
   first call and keeps the faster (overlap.pick; its choice and timings are in `overlap`);
 - "auto_nosearch" / "off_nosearch": "auto" / "off" with `policy.fast.gemm_search=off` (SigLIP's GEMMs
-  through torch's cuBLASLt algorithm; round 21's search picks are in `overlap` as `vision_gemms`).
+  through torch's cuBLASLt algorithm; round 21's search picks are in `overlap` as `vision_gemms`);
+- "auto_r21attn" / "off_r21attn": "auto" / "off" with the prefix attention's batch-1 blocks and stages as
+  before round 22 (TritonSplitKVAttention.PREFIX_B1_TUNING off while the bucket is built).
 Each round times every variant, round-robin, so a drifting clock hits all alike:
 - `call_ms`: a whole `sample_chains` call, as bench_predict times ours (CUDA events around the call,
   host work included), median of --iters;
@@ -26,6 +28,7 @@ the variants run without graphs, so "on" is "off" (smoke run: the script's plumb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -37,6 +40,7 @@ from policies.config import PolicyConfig
 from policies.fast import gemm_search, overlap
 from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
+from policies.fast.triton_attention import TritonSplitKVAttention
 from policies.policy import build_policy
 
 # label: (policy.fast.overlap, FastSampler attributes: step0_pdl (overlap.py), early_vision (vision's graph
@@ -44,7 +48,10 @@ from policies.policy import build_policy
 VARIANTS = {"off": ("off", {}, {}), "on": ("on", {"step0_pdl": True}, {}), "on_nopdl": ("on", {}, {}),
             "off_late": ("off", {"early_vision": False}, {}), "on_nopdl_late": ("on", {"early_vision": False}, {}),
             "auto": ("auto", {}, {}), "auto_nosearch": ("auto", {}, {"gemm_search": "off"}),
-            "off_nosearch": ("off", {}, {"gemm_search": "off"})}
+            "off_nosearch": ("off", {}, {"gemm_search": "off"}),
+            "auto_r21attn": ("auto", {}, {}), "off_r21attn": ("off", {}, {})}
+# class attributes set while a variant's bucket is built (its first call), then restored
+CLASS_SETTINGS = {"auto_r21attn": {"PREFIX_B1_TUNING": False}, "off_r21attn": {"PREFIX_B1_TUNING": False}}
 DEFAULT_VARIANTS = ["off", "on_nopdl", "auto"]  # "auto" is the default since round 16 ("on_nopdl" in rounds 14-15)
 
 
@@ -86,6 +93,19 @@ def main(argv=None) -> None:
                  summary, out_dir=args.out_dir, commit=args.commit)
 
 
+@contextlib.contextmanager
+def _class_settings(settings: dict):
+    """TritonSplitKVAttention's class attributes set to `settings` inside, restored after."""
+    saved = {name: getattr(TritonSplitKVAttention, name) for name in settings}
+    try:
+        for name, value in settings.items():
+            setattr(TritonSplitKVAttention, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(TritonSplitKVAttention, name, value)
+
+
 def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
     cfg = policy.cfg
     inputs, noise = common.make_inputs(cfg, batch, spec["prompt_len"], device, seed=batch)
@@ -103,7 +123,8 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
             setattr(fast, name, value)
         call = lambda f=fast: f.sample_chains(*call_args)  # noqa: E731
         try:
-            outputs[label] = [t.clone() for t in call()]  # builds the bucket, captures the graphs
+            with _class_settings(CLASS_SETTINGS.get(label, {})):
+                outputs[label] = [t.clone() for t in call()]  # builds the bucket, captures the graphs
         except Exception as exc:  # recorded, and the other variants still run
             if label == "off":
                 raise

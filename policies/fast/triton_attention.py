@@ -143,9 +143,10 @@ def _kernels():
     return split_kv_attention, merge_splits, kv1_attention_tma
 
 
-def default_blocks(batch: int, packed_rows: int, target_blocks: int = 132) -> tuple[int, int, int, int]:
+def default_blocks(batch: int, packed_rows: int, target_blocks: int = 132,
+                   prefix_b1: bool = True) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) by the H200 sweeps of profile_denoise.py (target_blocks: the
-    programs aimed for, the SM count):
+    programs aimed for, the SM count; prefix_b1=False: without round 22's rule for KV-split prefix runs):
     - <= 128 packed query rows (LIBERO's chunk 10 x 8 heads) below batch 16: 16 x 64, 4 warps (6.8 us
       against 7.8 with 32 x 64 at batch 1, profile_denoise_nvidia-h200_20261201-141251.json); from
       batch 16 64 x 64, 4 warps (LIBERO b64: 26.6 us against 32.9 with 16 x 64 and 39.2 at best with
@@ -170,7 +171,7 @@ def default_blocks(batch: int, packed_rows: int, target_blocks: int = 132) -> tu
         return 128, 64, 8, 2
     if batch == 1 and packed_rows < 1024:
         return 32, 128, 4, 2
-    if packed_rows >= 4096 and batch * math.ceil(packed_rows / 64) < SPLIT_FREE_FILL * target_blocks:
+    if prefix_b1 and packed_rows >= 4096 and batch * math.ceil(packed_rows / 64) < SPLIT_FREE_FILL * target_blocks:
         return 128, 64, 8, 2
     return 64, 64, 4, 2
 
@@ -208,6 +209,9 @@ class TritonSplitKVAttention:
     # keyword arguments (block_m, block_n, warps, stages) the attention selector builds the expert's backend
     # with; profile_denoise's attention settings "triton@<options>" set them to time a layout in the graph
     EXPERT_OPTIONS: dict = {}
+    # round 22's batch-1 prefix choices (default_blocks' 128-row blocks for KV-split prefix runs,
+    # TMA_PREFIX_B1_STAGES); profile_overlap's "*_r21attn" variants build a sampler without them
+    PREFIX_B1_TUNING: bool = True
 
     def __init__(self, batch: int, queries: int, rows: int, heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, target_blocks: int | None = None, block_m: int | None = None,
@@ -222,7 +226,8 @@ class TritonSplitKVAttention:
         if target_blocks is None:
             cuda = device.type == "cuda"
             target_blocks = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
-        default_m, default_n, default_warps, default_stages = default_blocks(batch, packed_rows, target_blocks)
+        default_m, default_n, default_warps, default_stages = default_blocks(batch, packed_rows, target_blocks,
+                                                                             self.PREFIX_B1_TUNING)
         self.BLOCK_M, self.BLOCK_N = block_m or default_m, block_n or default_n
         self.WARPS, self.STAGES = warps or default_warps, stages or default_stages
         self.shape = (batch, queries, rows, heads, kv_heads, head_dim)
@@ -237,7 +242,8 @@ class TritonSplitKVAttention:
         # split length: whole BLOCK_N multiples so no block straddles two splits
         self.split_rows = math.ceil(math.ceil(rows / self.num_splits) / self.BLOCK_N) * self.BLOCK_N
         self.tma = self._use_tma(tma, kv_heads, device, batch)
-        if stages is None and self.tma and batch == 1 and packed_rows >= 4096 and self.BLOCK_M == 64:
+        if (stages is None and self.PREFIX_B1_TUNING and self.tma and batch == 1 and packed_rows >= 4096
+                and self.BLOCK_M == 64):
             self.STAGES = TMA_PREFIX_B1_STAGES
         if self.num_splits > 1:
             self.part_o = torch.empty(batch * kv_heads * self.num_splits * packed_rows, head_dim,
