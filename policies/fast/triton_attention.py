@@ -143,10 +143,11 @@ def _kernels():
     return split_kv_attention, merge_splits, kv1_attention_tma
 
 
-def default_blocks(batch: int, packed_rows: int, target_blocks: int = 132,
-                   prefix_b1: bool = True) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) by the H200 sweeps of profile_denoise.py (target_blocks: the
-    programs aimed for, the SM count; prefix_b1=False: without round 22's rule for KV-split prefix runs):
+def default_blocks(batch: int, packed_rows: int, target_blocks: int = 132, prefix_b1: bool = True,
+                   kv_heads: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) by the H200 sweeps of profile_denoise.py (packed_rows: one KV head's
+    query rows of a sample; target_blocks: the programs aimed for, the SM count; prefix_b1=False: without
+    round 22's rule for KV-split prefix runs):
     - <= 128 packed query rows (LIBERO's chunk 10 x 8 heads) below batch 16: 16 x 64, 4 warps (6.8 us
       against 7.8 with 32 x 64 at batch 1, profile_denoise_nvidia-h200_20261201-141251.json); from
       batch 16 64 x 64, 4 warps (LIBERO b64: 26.6 us against 32.9 with 16 x 64 and 39.2 at best with
@@ -171,7 +172,8 @@ def default_blocks(batch: int, packed_rows: int, target_blocks: int = 132,
         return 128, 64, 8, 2
     if batch == 1 and packed_rows < 1024:
         return 32, 128, 4, 2
-    if prefix_b1 and packed_rows >= 4096 and batch * math.ceil(packed_rows / 64) < SPLIT_FREE_FILL * target_blocks:
+    unsplit_64_row_blocks = batch * kv_heads * math.ceil(packed_rows / 64)
+    if prefix_b1 and packed_rows >= 4096 and unsplit_64_row_blocks < SPLIT_FREE_FILL * target_blocks:
         return 128, 64, 8, 2
     return 64, 64, 4, 2
 
@@ -227,7 +229,7 @@ class TritonSplitKVAttention:
             cuda = device.type == "cuda"
             target_blocks = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
         default_m, default_n, default_warps, default_stages = default_blocks(batch, packed_rows, target_blocks,
-                                                                             self.PREFIX_B1_TUNING)
+                                                                             self.PREFIX_B1_TUNING, kv_heads)
         self.BLOCK_M, self.BLOCK_N = block_m or default_m, block_n or default_n
         self.WARPS, self.STAGES = warps or default_warps, stages or default_stages
         self.shape = (batch, queries, rows, heads, kv_heads, head_dim)

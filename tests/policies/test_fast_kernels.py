@@ -167,6 +167,7 @@ def test_split_kv_attention_large_batch_blocks_match_masked_sdpa():
     # LIBERO's prefix at batch 1 (4480 rows): 70 blocks of 64 rows would be KV-split anyway; 128 x 64 with 4
     # splits (140 programs for 132 SMs) instead of 2. PhyAI's (121 blocks) and batch 2 fill the SMs unsplit.
     assert default_blocks(1, 4480) == (128, 64, 8, 2) and default_blocks(1, 4480, target_blocks=64) == (64, 64, 4, 2)
+    assert default_blocks(1, 4480, kv_heads=2) == (64, 64, 4, 2)  # 140 blocks of 64 rows: no split needed
     libero_prefix = TritonSplitKVAttention(1, 560, 570, 8, 1, 256, torch.device("cpu"), target_blocks=132)
     assert (libero_prefix.BLOCK_M, libero_prefix.num_splits) == (128, 4)
     # PhyAI's prefix at batch 1 through the TMA kernel: a third K/V stage, unless stages are given
