@@ -159,8 +159,8 @@ def default_blocks(batch: int, packed_rows: int, target_blocks: int = 132, prefi
       ..._164645.json: PhyAI's prefix at b4 94 against 146 us; ..._20261202-130250.json: PhyAI's prefix
       at b2, 15488 rows, 38.1 against 57.7 us with 64 x 64, 36.8 through TMA);
     - batch 1 with < 1024 rows (PhyAI's chunk 50 in the expert): 32 x 128, 4 warps (9.6 against 11.5 us);
-    - a prefix-length run (>= 4096 packed rows) whose 64-row blocks would not fill SPLIT_FREE_FILL of the
-      target, so that it is KV-split anyway: 128 x 64, 8 warps, with twice the splits (LIBERO's prefix at
+    - a prefix-length run (>= PREFIX_ROWS packed rows) whose 64-row blocks would be KV-split anyway
+      (needs_kv_split): 128 x 64, 8 warps, with twice the splits (LIBERO's prefix at
       batch 1, 4480 rows: 23.5 against 28.6 us with 64 x 64 and 2 splits,
       profile_denoise_nvidia-h200_20261204-030044.json; 23.6 against 28.4 on another card, ..._20261202-130250;
       measured at 4480 rows only);
@@ -172,8 +172,8 @@ def default_blocks(batch: int, packed_rows: int, target_blocks: int = 132, prefi
         return 128, 64, 8, 2
     if batch == 1 and packed_rows < 1024:
         return 32, 128, 4, 2
-    unsplit_64_row_blocks = batch * kv_heads * math.ceil(packed_rows / 64)
-    if prefix_b1 and packed_rows >= 4096 and unsplit_64_row_blocks < SPLIT_FREE_FILL * target_blocks:
+    if prefix_b1 and packed_rows >= PREFIX_ROWS and needs_kv_split(batch * kv_heads * math.ceil(packed_rows / 64),
+                                                                   target_blocks):
         return 128, 64, 8, 2
     return 64, 64, 4, 2
 
@@ -201,6 +201,14 @@ TMA_PREFIX_B1_STAGES = 3
 # PhyAI's expert at batch 32: 128 blocks for 132 SMs) splitting in two cost a merge kernel of 21 us
 # per call on top of 59 us of attention, for blocks that already filled 97% of the SMs.
 SPLIT_FREE_FILL = 0.75
+# Packed query rows from which a run is prefix-length (the prefix: 4480-7744 a sample in both configurations;
+# the expert's chunk: at most 400), for round 22's batch-1 prefix choices
+PREFIX_ROWS = 4096
+
+
+def needs_kv_split(unsplit_blocks: int, target_blocks: int) -> bool:
+    """Whether the row blocks without a KV split leave more than 1 - SPLIT_FREE_FILL of the target idle."""
+    return unsplit_blocks < SPLIT_FREE_FILL * target_blocks
 
 
 class TritonSplitKVAttention:
@@ -237,14 +245,14 @@ class TritonSplitKVAttention:
         self.row_tiles = math.ceil(packed_rows / self.BLOCK_M)
         base_blocks = batch * kv_heads * self.row_tiles
         max_splits = math.ceil(rows / self.BLOCK_N)
-        if base_blocks >= SPLIT_FREE_FILL * target_blocks:
+        if not needs_kv_split(base_blocks, target_blocks):
             self.num_splits = 1
         else:
             self.num_splits = max(1, min(max_splits, math.ceil(target_blocks / base_blocks)))
         # split length: whole BLOCK_N multiples so no block straddles two splits
         self.split_rows = math.ceil(math.ceil(rows / self.num_splits) / self.BLOCK_N) * self.BLOCK_N
         self.tma = self._use_tma(tma, kv_heads, device, batch)
-        if (stages is None and self.PREFIX_B1_TUNING and self.tma and batch == 1 and packed_rows >= 4096
+        if (stages is None and self.PREFIX_B1_TUNING and self.tma and batch == 1 and packed_rows >= PREFIX_ROWS
                 and self.BLOCK_M == 64):
             self.STAGES = TMA_PREFIX_B1_STAGES
         if self.num_splits > 1:
