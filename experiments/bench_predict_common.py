@@ -68,6 +68,18 @@ def make_inputs(cfg: PolicyConfig, batch: int, prompt_len: int, device: torch.de
     return inputs, noise
 
 
+def chain_call_args(cfg: PolicyConfig, batch: int, prompt_len: int, device: torch.device,
+                    stochastic_first: bool) -> tuple:
+    """FastSampler.sample_chains' arguments for batch `batch` (seed `batch`): inputs, noise, step noise and the
+    per-step stochastic flags, step 0 stochastic when `stochastic_first` (as in a rollout's SDE step)."""
+    inputs, noise = make_inputs(cfg, batch, prompt_len, device, seed=batch)
+    step_noise = torch.randn(batch, cfg.sampling.num_steps, cfg.chunk_size, cfg.max_action_dim,
+                             generator=torch.Generator().manual_seed(batch)).to(device)
+    stochastic = torch.zeros(batch, cfg.sampling.num_steps, dtype=torch.bool, device=device)
+    stochastic[:, 0] = stochastic_first
+    return inputs, noise, step_noise, stochastic
+
+
 # --------------------------------------------------------------------------- time budget
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import time
 
@@ -43,15 +44,26 @@ from policies.fast.runner import FastSampler
 from policies.fast.triton_attention import TritonSplitKVAttention
 from policies.policy import build_policy
 
-# label: (policy.fast.overlap, FastSampler attributes: step0_pdl (overlap.py), early_vision (vision's graph
-# before the rest of the inputs, round 15); other FastConfig keys)
-VARIANTS = {"off": ("off", {}, {}), "on": ("on", {"step0_pdl": True}, {}), "on_nopdl": ("on", {}, {}),
-            "off_late": ("off", {"early_vision": False}, {}), "on_nopdl_late": ("on", {"early_vision": False}, {}),
-            "auto": ("auto", {}, {}), "auto_nosearch": ("auto", {}, {"gemm_search": "off"}),
-            "off_nosearch": ("off", {}, {"gemm_search": "off"}),
-            "auto_r21attn": ("auto", {}, {}), "off_r21attn": ("off", {}, {})}
-# class attributes set while a variant's bucket is built (its first call), then restored
-CLASS_SETTINGS = {"auto_r21attn": {"PREFIX_B1_TUNING": False}, "off_r21attn": {"PREFIX_B1_TUNING": False}}
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One sampler set-up: `overlap` is policy.fast.overlap; `sampler` FastSampler attributes (step0_pdl,
+    overlap.py; early_vision, vision's graph before the rest of the inputs, round 15); `fast` other FastConfig
+    keys; `attention` TritonSplitKVAttention class attributes set while the bucket is built, then restored."""
+    overlap: str
+    sampler: dict = dataclasses.field(default_factory=dict)
+    fast: dict = dataclasses.field(default_factory=dict)
+    attention: dict = dataclasses.field(default_factory=dict)
+
+
+_ROUND21_ATTENTION = {"PREFIX_B1_TUNING": False}
+VARIANTS = {"off": Variant("off"), "on": Variant("on", sampler={"step0_pdl": True}), "on_nopdl": Variant("on"),
+            "off_late": Variant("off", sampler={"early_vision": False}),
+            "on_nopdl_late": Variant("on", sampler={"early_vision": False}),
+            "auto": Variant("auto"), "auto_nosearch": Variant("auto", fast={"gemm_search": "off"}),
+            "off_nosearch": Variant("off", fast={"gemm_search": "off"}),
+            "auto_r21attn": Variant("auto", attention=_ROUND21_ATTENTION),
+            "off_r21attn": Variant("off", attention=_ROUND21_ATTENTION)}
 DEFAULT_VARIANTS = ["off", "on_nopdl", "auto"]  # "auto" is the default since round 16 ("on_nopdl" in rounds 14-15)
 
 
@@ -108,22 +120,19 @@ def _class_settings(settings: dict):
 
 def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
     cfg = policy.cfg
-    inputs, noise = common.make_inputs(cfg, batch, spec["prompt_len"], device, seed=batch)
-    step_noise = torch.randn(batch, cfg.sampling.num_steps, cfg.chunk_size, cfg.max_action_dim,
-                             generator=torch.Generator().manual_seed(batch)).to(device)
-    stoch = torch.zeros(batch, cfg.sampling.num_steps, dtype=torch.bool, device=device)
-    stoch[:, 0] = True  # the overlapped step stochastic, as in a rollout's SDE step
-    call_args = (inputs, noise, step_noise, stoch)
+    # the overlapped step stochastic, as in a rollout's SDE step
+    call_args = common.chain_call_args(cfg, batch, spec["prompt_len"], device, stochastic_first=True)
     samplers, outputs, errors = {}, {}, {}
     for label in args.variants:
-        mode, settings, keys = VARIANTS[label]
+        variant = VARIANTS[label]
         fast = FastSampler(policy.model, FastConfig(enabled=True, dtype=cfg.dtype, batch_buckets=[batch],
-                                                    prompt_buckets=[spec["prompt_len"]], overlap=mode, **keys))
-        for name, value in settings.items():
+                                                    prompt_buckets=[spec["prompt_len"]], overlap=variant.overlap,
+                                                    **variant.fast))
+        for name, value in variant.sampler.items():
             setattr(fast, name, value)
         call = lambda f=fast: f.sample_chains(*call_args)  # noqa: E731
         try:
-            with _class_settings(CLASS_SETTINGS.get(label, {})):
+            with _class_settings(variant.attention):
                 outputs[label] = [t.clone() for t in call()]  # builds the bucket, captures the graphs
         except Exception as exc:  # recorded, and the other variants still run
             if label == "off":

@@ -123,15 +123,12 @@ def run_settings(args, dtype: str) -> list[tuple[str, dict]]:
 def profile(policy, spec: dict, batch: int, fast_overrides: dict, kernels: bool, args, device) -> dict:
     """Graph replay time per stage, the actions (same inputs and noise for every run), and with
     `kernels` an eager per-kernel profile of each stage."""
-    inputs, noise = common.make_inputs(policy.cfg, batch, spec["prompt_len"], device, seed=batch)
-    cfg = policy.cfg
-    step_noise = torch.randn(batch, cfg.sampling.num_steps, cfg.chunk_size, cfg.max_action_dim,
-                             generator=torch.Generator().manual_seed(batch)).to(device)
-    stoch = torch.zeros(batch, cfg.sampling.num_steps, dtype=torch.bool, device=device)
+    inputs, noise, step_noise, stoch = common.chain_call_args(policy.cfg, batch, spec["prompt_len"], device,
+                                                              stochastic_first=False)
     out = {"stage_ms": {}, "kernels": {}}
     for graphs in (True, False) if kernels else (True,):
         fast = FastSampler(policy.model, FastConfig(
-            enabled=True, dtype=cfg.dtype, batch_buckets=[batch], prompt_buckets=[spec["prompt_len"]],
+            enabled=True, dtype=policy.cfg.dtype, batch_buckets=[batch], prompt_buckets=[spec["prompt_len"]],
             cuda_graphs=graphs, **fast_overrides))
         chains, _ = fast.sample_chains(inputs, noise, step_noise, stoch)  # builds the bucket, captures graphs
         out.setdefault("actions", chains[:, -1].float().cpu())

@@ -38,7 +38,7 @@ def test_r21attn_variants_build_without_the_round22_prefix_rule_and_restore_it(t
 
     from policies.fast.triton_attention import TritonSplitKVAttention, default_blocks
 
-    assert profile_overlap.CLASS_SETTINGS["auto_r21attn"] == {"PREFIX_B1_TUNING": False}
+    assert profile_overlap.VARIANTS["auto_r21attn"].attention == {"PREFIX_B1_TUNING": False}
     assert default_blocks(1, 4480, prefix_b1=False) == (64, 64, 4, 2)
     with profile_overlap._class_settings({"PREFIX_B1_TUNING": False}):
         cpu = torch.device("cpu")

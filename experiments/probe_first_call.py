@@ -1,0 +1,114 @@
+"""How long a bucket's first call takes, and how much of it is Triton compiling (a probe).
+
+    python -m experiments.probe_first_call                 # GPU: pi05, both configurations, batch 1
+    python -m experiments.probe_first_call --policy tiny   # CPU smoke (no Triton: the plumbing only)
+
+A FastSampler's first call at a new bucket builds it: Triton kernels compile (or load from Triton's cache),
+CUDA graphs are captured, SigLIP's GEMM algorithms are searched (policy.fast.gemm_search) and
+`overlap: auto` times both orders. Each case runs in a fresh process, one after the other, all on one
+Triton cache directory that starts empty:
+- "cold": the default sampler with the cache empty (what a fresh machine pays);
+- "warm": the same again, the cache now filled by "cold";
+- "warm_nosearch": warm, with gemm_search and overlap off (no search, no timing of both orders).
+Per case and configuration: the policy's build time, the first call's wall time (`first_call_s`), the
+median of the next calls (`ms`), and the Triton cache's file count before and after. cold - warm is the
+compile cost; warm - warm_nosearch is what the search and the overlap pick add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from experiments import bench_predict_common as common
+from experiments.results import write_result
+from policies.config import PolicyConfig
+from policies.fast.config import FastConfig
+from policies.fast.runner import FastSampler
+from policies.policy import build_policy
+
+CASES = {"cold": {}, "warm": {}, "warm_nosearch": {"gemm_search": "off", "overlap": "off"}}
+CHILD_MARK = "PROBE_FIRST_CALL "
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", default="pi05", help="PolicyConfig preset")
+    p.add_argument("--configurations", nargs="+", default=["phyai", "libero_rl"], choices=list(common.CONFIGURATIONS))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--iters", type=int, default=10, help="calls timed after the first")
+    p.add_argument("--child", choices=list(CASES), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
+    return p.parse_args(argv)
+
+
+def cache_files(cache_dir: Path) -> int:
+    return sum(1 for p in cache_dir.rglob("*") if p.is_file()) if cache_dir.exists() else 0
+
+
+def run_case(case: str, args) -> dict:
+    """In this process: per configuration, build the policy and a sampler, time its first call and the next."""
+    device, dtype = common.run_device_and_dtype()
+    cache_dir = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    base = PolicyConfig.preset(args.policy)
+    rows = {}
+    for name in args.configurations:
+        spec = common.CONFIGURATIONS[name]
+        t0 = time.perf_counter()
+        policy = build_policy(common.configuration_policy_cfg(base, spec, dtype), device=device)
+        build_s = time.perf_counter() - t0
+        fast = FastSampler(policy.model, FastConfig(enabled=True, dtype=policy.cfg.dtype, batch_buckets=[args.batch],
+                                                    prompt_buckets=[spec["prompt_len"]], **CASES[case]))
+        call_args = common.chain_call_args(policy.cfg, args.batch, spec["prompt_len"], device, stochastic_first=True)
+        files_before = cache_files(cache_dir)
+        timing = common.time_calls(lambda f=fast: f.sample_chains(*call_args), device, 2, args.iters)
+        rows[name] = {"policy_build_s": build_s, "first_call_s": timing["first_call_s"], "ms": timing["ms"],
+                      "triton_cache_files_before": files_before, "triton_cache_files_after": cache_files(cache_dir)}
+        del policy, fast
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run_child(case: str, args, cache_dir: str) -> dict:
+    """`case` in a fresh process on Triton cache `cache_dir`; its rows come back as one marked stdout line."""
+    cmd = [sys.executable, "-m", "experiments.probe_first_call", "--child", case, "--policy", args.policy,
+           "--batch", str(args.batch), "--iters", str(args.iters), "--configurations", *args.configurations]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env={**os.environ, "TRITON_CACHE_DIR": cache_dir}, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"case {case!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith(CHILD_MARK)]
+    return {"process_s": time.perf_counter() - t0, "rows": json.loads(line[len(CHILD_MARK):])}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        print(CHILD_MARK + json.dumps(run_case(args.child, args)), flush=True)
+        return
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="triton_cache_") as cache_dir:
+        for case in CASES:
+            results[case] = run_child(case, args, cache_dir)
+            shown = "  ".join(f"{name} first {r['first_call_s']:.2f} s, then {r['ms']:.2f} ms, cache files "
+                              f"{r['triton_cache_files_before']} -> {r['triton_cache_files_after']}"
+                              for name, r in results[case]["rows"].items())
+            print(f"{case}: process {results[case]['process_s']:.1f} s | {shown}", flush=True)
+    summary = {f"{case}_{name}_first_call_s": r["first_call_s"]
+               for case, res in results.items() for name, r in res["rows"].items()}
+    write_result("probe_first_call", {"args": vars(args), "cases": CASES, "results": results}, summary,
+                 out_dir=args.out_dir, commit=args.commit)
+
+
+if __name__ == "__main__":
+    main()

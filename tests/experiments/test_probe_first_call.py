@@ -1,0 +1,27 @@
+"""experiments/probe_first_call.py on the CPU: each case runs in its own process on one shared Triton cache
+directory and comes back in one JSON (the plumbing only: no Triton on CPU, so the cache stays empty)."""
+
+import json
+
+import pytest
+
+from experiments import probe_first_call
+
+
+def test_smoke_run_times_every_case_in_its_own_process(tmp_path):
+    probe_first_call.main(["--policy", "tiny", "--configurations", "libero_rl", "--iters", "1",
+                           "--out-dir", str(tmp_path)])
+    (path,) = tmp_path.glob("probe_first_call_*.json")
+    record = json.loads(path.read_text())
+    assert list(record["results"]) == list(probe_first_call.CASES)
+    for case, result in record["results"].items():
+        row = result["rows"]["libero_rl"]
+        assert row["first_call_s"] > 0 and row["ms"] > 0 and row["policy_build_s"] > 0
+        assert row["triton_cache_files_before"] == row["triton_cache_files_after"] == 0
+        assert result["process_s"] >= row["first_call_s"]
+        assert record["summary"][f"{case}_libero_rl_first_call_s"] == row["first_call_s"]
+
+
+def test_a_failing_case_names_itself():
+    with pytest.raises(RuntimeError, match="case 'cold' failed"):
+        probe_first_call.main(["--policy", "no_such_preset", "--configurations", "libero_rl"])
