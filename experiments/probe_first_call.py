@@ -31,7 +31,7 @@ import torch
 from experiments import bench_predict_common as common
 from experiments.results import write_result
 from policies.config import PolicyConfig
-from policies.fast.config import FastConfig
+from policies.fast.config import FastConfig, triton_cache_dir
 from policies.fast.runner import FastSampler
 from policies.policy import build_policy
 
@@ -58,7 +58,7 @@ def cache_files(cache_dir: Path) -> int:
 def run_case(case: str, args) -> dict:
     """In this process: per configuration, build the policy and a sampler, time its first call and the next."""
     device, dtype = common.run_device_and_dtype()
-    cache_dir = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    cache_dir = triton_cache_dir()
     base = PolicyConfig.preset(args.policy)
     rows = {}
     for name in args.configurations:
@@ -72,6 +72,7 @@ def run_case(case: str, args) -> dict:
         files_before = cache_files(cache_dir)
         timing = common.time_calls(lambda f=fast: f.sample_chains(*call_args), device, 2, args.iters)
         rows[name] = {"policy_build_s": build_s, "first_call_s": timing["first_call_s"], "ms": timing["ms"],
+                      "bucket_first_call_s": fast.bucket_report()[0]["first_call_s"],
                       "triton_cache_files_before": files_before, "triton_cache_files_after": cache_files(cache_dir)}
         del policy, fast
         if device.type == "cuda":

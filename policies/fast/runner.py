@@ -17,6 +17,8 @@ inputs and plan the attention while vision runs, replay the rest. The plain mode
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,9 +29,11 @@ from policies import flow
 from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, gemm_search, overlap, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
-from policies.fast.config import FastConfig
+from policies.fast.config import FastConfig, triton_cache_dir
 from policies.fast.weights import FastWeights
 from policies.models.gemma import rope_cos_sin
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 STAGES = ("vision", "prefix", "denoise")
@@ -56,6 +60,7 @@ class Bucket:
     overlap: bool | None = False  # prefix + denoise as one graph, step 0 under the prefix; None: to time (overlap.py)
     overlap_ms: dict | None = None  # overlap.pick's medians of the two ways, ms
     vision_gemms: dict = field(default_factory=dict)  # SigLIP GEMM -> gemm_search.Pick or None: torch's call
+    first_call_s: float | None = None  # wall time of the call that built it (compile, capture, searches)
 
 
 class FastSampler:
@@ -123,6 +128,7 @@ class FastSampler:
         for s in range(0, max(total, 1), largest):  # split: graphs exist only up to the largest bucket
             part = call_inputs.split_rows(inputs, s, s + largest) if total > largest else inputs
             bucket, part, masks = self._select(part)
+            first_call = time.perf_counter() if bucket.first_call_s is None else None
             self._fill_images(bucket, part)
             mark("images")
             if self.early_vision:  # vision reads only the images: it runs while the host lays out the rest
@@ -139,6 +145,8 @@ class FastSampler:
             for stage in self.call_stages(bucket)[1:]:  # after vision
                 self.run_stage(bucket, stage)
                 mark(stage)
+            if first_call is not None:
+                self._record_first_call(bucket, first_call)
             t, rows = bucket.tensors, part.batch_size
             chains.append(t["chains"][:rows].clone())
             logps.append(t["step_logprobs"][:rows].clone())
@@ -147,6 +155,23 @@ class FastSampler:
         if len(chains) == 1:
             return chains[0], logps[0]
         return torch.cat(chains), torch.cat(logps)
+
+    def _record_first_call(self, bucket: Bucket, started: float) -> None:
+        """The building call's wall time into the bucket, and one log line saying where it went: on an empty
+        Triton cache it is mostly compiling, which a cache on storage that outlives the process pays once."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        bucket.first_call_s = time.perf_counter() - started
+        logger.info("fast path: bucket (batch %d, prompt %d, camera bits %d) built by its first call in %.1f s "
+                    "(Triton kernels compiled or loaded from %s, CUDA graphs %s, overlap %s)", bucket.batch,
+                    bucket.prompt_len, bucket.cam_bits, bucket.first_call_s, triton_cache_dir(),
+                    "captured" if self.use_graphs else "off", bucket.overlap)
+
+    def bucket_report(self) -> list[dict]:
+        """Per built bucket: its shape, the building call's seconds and the choices timed at that call."""
+        return [{"batch": b.batch, "prompt_len": b.prompt_len, "camera_bits": b.cam_bits,
+                 "first_call_s": b.first_call_s, "overlap": b.overlap, "overlap_ms": b.overlap_ms,
+                 "graphs": sorted(b.graphs)} for b in self.buckets.values()]
 
     def prepare(self, inputs, noise: Tensor, step_noise: Tensor | None, stochastic: Tensor,
                 key: tuple[int, ...] | None = None) -> Bucket:

@@ -277,3 +277,30 @@ def test_overlap_call_runs_vision_then_prefix_denoise(policy):
     assert not bucket.overlap and fast.call_stages(bucket) == ("vision", "prefix", "denoise")  # no graphs on CPU
     bucket.overlap = True
     assert fast.call_stages(bucket) == ("vision", "prefix_denoise")
+
+
+def test_first_call_is_timed_once_per_bucket_and_logged(policy, caplog, monkeypatch, tmp_path):
+    """A bucket's building call records its wall time and logs it with the Triton cache it compiled into; later
+    calls leave both alone, and another bucket gets its own."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    cfg = policy.cfg
+    fast = FastSampler(policy.model, FastConfig(dtype="float32", batch_buckets=[2, 4], prompt_buckets=[16],
+                                                cuda_graphs=False, attention="sdpa"))
+    stoch = torch.zeros(3, cfg.sampling.num_steps, dtype=torch.bool)
+    inputs, noise, step_noise = random_inputs(cfg, 3, 13, seed=5)
+    with caplog.at_level("INFO", logger="policies.fast.runner"):
+        fast.sample_chains(inputs, noise, step_noise, stoch)
+    (record,) = [r for r in caplog.records if "built by its first call" in r.getMessage()]
+    assert "bucket (batch 4, prompt 16" in record.getMessage() and str(tmp_path / "triton") in record.getMessage()
+    (bucket,) = fast.buckets.values()
+    first = bucket.first_call_s
+    assert first is not None and first > 0
+    caplog.clear()
+    with caplog.at_level("INFO", logger="policies.fast.runner"):
+        fast.sample_chains(inputs, noise, step_noise, stoch)
+    assert bucket.first_call_s == first and not caplog.records
+    small, small_noise, small_steps = random_inputs(cfg, 2, 13, seed=6)
+    fast.sample_chains(small, small_noise, small_steps, stoch[:2])
+    report = {(r["batch"], r["prompt_len"]): r for r in fast.bucket_report()}
+    assert set(report) == {(4, 16), (2, 16)} and report[(4, 16)]["first_call_s"] == first
+    assert report[(2, 16)]["first_call_s"] > 0 and report[(4, 16)]["graphs"] == []
