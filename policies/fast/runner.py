@@ -127,8 +127,8 @@ class FastSampler:
         chains, logps, keys = [], [], []
         for s in range(0, max(total, 1), largest):  # split: graphs exist only up to the largest bucket
             part = call_inputs.split_rows(inputs, s, s + largest) if total > largest else inputs
+            started = time.perf_counter()  # a new bucket's build starts in _select (attention choice, searches)
             bucket, part, masks = self._select(part)
-            first_call = time.perf_counter() if bucket.first_call_s is None else None
             self._fill_images(bucket, part)
             mark("images")
             if self.early_vision:  # vision reads only the images: it runs while the host lays out the rest
@@ -145,8 +145,8 @@ class FastSampler:
             for stage in self.call_stages(bucket)[1:]:  # after vision
                 self.run_stage(bucket, stage)
                 mark(stage)
-            if first_call is not None:
-                self._record_first_call(bucket, first_call)
+            if bucket.first_call_s is None:
+                self._record_first_call(bucket, started)
             t, rows = bucket.tensors, part.batch_size
             chains.append(t["chains"][:rows].clone())
             logps.append(t["step_logprobs"][:rows].clone())
