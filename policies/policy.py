@@ -165,6 +165,11 @@ class Policy(nn.Module):
             self._fast = FastSampler(self.model, self.cfg.fast)
         return self._fast
 
+    def fast_buckets(self) -> list[dict]:
+        """The fast path's built buckets, each with its building call's seconds (FastSampler.bucket_report);
+        [] before the fast path's first call."""
+        return [] if self._fast is None else self._fast.bucket_report()
+
     def refresh_weights(self) -> None:
         """Call after updating the model's weights in place: refreshes the fast path's bf16
         shadows and weight-derived tables (its CUDA graphs stay valid)."""

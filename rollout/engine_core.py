@@ -139,6 +139,11 @@ class EngineCore:
         names = list(self._params) if names is None else list(names)
         return {n: bit_checksum(self._params[n]) for n in names}
 
+    def fast_buckets(self) -> list[dict[str, Any]]:
+        """This rank's fast-path buckets and each one's first-call seconds (`engine.client.call("fast_buckets")`
+        on any backend): a new bucket's first call compiles Triton kernels unless their cache is warm."""
+        return self.policy.fast_buckets()
+
     def info(self) -> dict[str, Any]:
         return {"rank": self.rank, "device": str(self.device), "pid": os.getpid()}
 

@@ -96,6 +96,21 @@ def test_local_backend_identical_to_inproc(tmp_path, monkeypatch):
     assert sorted({s.rank for s in spans}) == [0, 1] and len(spans) == 12
 
 
+def test_fast_buckets_report_each_ranks_first_calls():
+    """Every rank answers `fast_buckets` through the client (local processes here): [] before the fast path's
+    first call, then one bucket per shape with its first call's seconds, kept by later calls."""
+    cfg = TINY.replace(fast={"enabled": True, "dtype": "float32", "batch_buckets": [2, 4]})
+    with PolicyEngine(EngineConfig(backend="local", num_ranks=2, devices="cpu", torch_threads=1), cfg) as e:
+        assert e.client.call("fast_buckets") == [[], []]
+        e.predict(obs(6, seed=1), "train")  # 3 rows a rank: bucket 4
+        first = e.client.call("fast_buckets")
+        e.predict(obs(6, seed=2), "train")
+        assert e.client.call("fast_buckets") == first
+    for report in first:
+        (bucket,) = report
+        assert bucket["batch"] == 4 and bucket["first_call_s"] > 0 and bucket["graphs"] == []
+
+
 def test_group_split_keeps_groups_on_one_rank():
     with engine(num_ranks=3) as e:
         out = e.predict(obs(12, seed=6), "train", group_size=4)
