@@ -51,8 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def cache_files(cache_dir: Path) -> int:
-    return sum(1 for p in cache_dir.rglob("*") if p.is_file()) if cache_dir.exists() else 0
+def cache_files(cache_dir: Path | None) -> int:
+    return sum(1 for p in cache_dir.rglob("*") if p.is_file()) if cache_dir and cache_dir.exists() else 0
 
 
 def run_case(case: str, args) -> dict:

@@ -35,11 +35,15 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def triton_cache_dir() -> Path:
-    """Where Triton keeps compiled kernels: $TRITON_CACHE_DIR, else its default ~/.triton/cache. A bucket's
-    first call on an empty cache spends most of its time compiling (probe_first_call: ~15 of 17.6 s at
-    PhyAI batch 1 on the H200)."""
-    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+def triton_cache_dir() -> Path | None:
+    """Where Triton keeps compiled kernels, as Triton itself resolves it ($TRITON_CACHE_DIR, else
+    $TRITON_HOME/.triton/cache or ~/.triton/cache); None without triton. A bucket's first call on an empty
+    cache spends most of its time compiling (probe_first_call: ~15 of 17.6 s at PhyAI batch 1 on the H200)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return Path(knobs.cache.dir)
 
 
 @dataclass

@@ -198,3 +198,16 @@ def test_policy_yaml_fast_block_lists_fast_config_defaults():
     assert listed == defaults
     for preset in conf.glob("*.yaml"):
         assert {"fast": "default"} in yaml.safe_load(preset.read_text())["defaults"], preset.name
+
+
+def test_triton_cache_dir_follows_tritons_own_resolution(monkeypatch, tmp_path):
+    """The directory the first-call log names is the one Triton compiles into: $TRITON_CACHE_DIR first, else
+    under $TRITON_HOME."""
+    pytest.importorskip("triton")
+    from policies.fast.config import triton_cache_dir
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))
+    assert triton_cache_dir() == tmp_path / "home" / ".triton" / "cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    assert triton_cache_dir() == tmp_path / "cache"
