@@ -5,14 +5,18 @@
 
 A FastSampler's first call at a new bucket builds it: Triton kernels compile (or load from Triton's cache),
 CUDA graphs are captured, SigLIP's GEMM algorithms are searched (policy.fast.gemm_search) and
-`overlap: auto` times both orders. Each case runs in a fresh process, one after the other, all on one
-Triton cache directory that starts empty:
-- "cold": the default sampler with the cache empty (what a fresh machine pays);
+`overlap: auto` times both orders. Each case runs in a fresh process, one after the other, on a Triton cache
+directory that starts empty ("serial" for the first case, "shared" for the others):
+- "cold_serial": the cache empty, every kernel compiled in-process as its launch reaches it
+  (`compile_workers: 0`, what rounds up to 23 paid);
+- "cold": the default sampler with the cache empty (what a fresh machine pays): the compile workers
+  (policies/fast/precompile.py) build the kernels in parallel first;
 - "warm": the same again, the cache now filled by "cold";
 - "warm_nosearch": warm, with gemm_search and overlap off (no search, no timing of both orders).
 Per case and configuration: the policy's build time, the first call's wall time (`first_call_s`), the
-median of the next calls (`ms`), and the Triton cache's file count before and after. cold - warm is the
-compile cost; warm - warm_nosearch is what the search and the overlap pick add.
+median of the next calls (`ms`), the kernels the workers compiled, and the Triton cache's file count
+before and after. cold - warm is the compile cost; warm - warm_nosearch is what the search and the overlap
+pick add.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from policies.fast.config import FastConfig, triton_cache_dir
 from policies.fast.runner import FastSampler
 from policies.policy import build_policy
 
-CASES = {"cold": {}, "warm": {}, "warm_nosearch": {"gemm_search": "off", "overlap": "off"}}
+# case -> (FastConfig overrides, Triton cache directory name)
+CASES = {"cold_serial": ({"compile_workers": 0}, "serial"), "cold": ({}, "shared"), "warm": ({}, "shared"),
+         "warm_nosearch": ({"gemm_search": "off", "overlap": "off"}, "shared")}
 CHILD_MARK = "PROBE_FIRST_CALL "
 
 
@@ -67,12 +73,14 @@ def run_case(case: str, args) -> dict:
         policy = build_policy(common.configuration_policy_cfg(base, spec, dtype), device=device)
         build_s = time.perf_counter() - t0
         fast = FastSampler(policy.model, FastConfig(enabled=True, dtype=policy.cfg.dtype, batch_buckets=[args.batch],
-                                                    prompt_buckets=[spec["prompt_len"]], **CASES[case]))
+                                                    prompt_buckets=[spec["prompt_len"]], **CASES[case][0]))
         call_args = common.chain_call_args(policy.cfg, args.batch, spec["prompt_len"], device, stochastic_first=True)
         files_before = cache_files(cache_dir)
         timing = common.time_calls(lambda f=fast: f.sample_chains(*call_args), device, 2, args.iters)
+        report = fast.bucket_report()[0]
         rows[name] = {"policy_build_s": build_s, "first_call_s": timing["first_call_s"], "ms": timing["ms"],
-                      "bucket_first_call_s": fast.bucket_report()[0]["first_call_s"],
+                      "bucket_first_call_s": report["first_call_s"], "compile_workers": fast.precompiler.workers,
+                      "precompiled_kernels": report["precompiled_kernels"],
                       "triton_cache_files_before": files_before, "triton_cache_files_after": cache_files(cache_dir)}
         del policy, fast
         if device.type == "cuda":
@@ -98,16 +106,18 @@ def main(argv=None) -> None:
         print(CHILD_MARK + json.dumps(run_case(args.child, args)), flush=True)
         return
     results = {}
-    with tempfile.TemporaryDirectory(prefix="triton_cache_") as cache_dir:
-        for case in CASES:
-            results[case] = run_child(case, args, cache_dir)
-            shown = "  ".join(f"{name} first {r['first_call_s']:.2f} s, then {r['ms']:.2f} ms, cache files "
+    with tempfile.TemporaryDirectory(prefix="triton_caches_") as caches:
+        for case, (_, cache) in CASES.items():
+            results[case] = run_child(case, args, os.path.join(caches, cache))
+            shown = "  ".join(f"{name} first {r['first_call_s']:.2f} s ({r['precompiled_kernels']} kernels by "
+                              f"{r['compile_workers']} workers), then {r['ms']:.2f} ms, cache files "
                               f"{r['triton_cache_files_before']} -> {r['triton_cache_files_after']}"
                               for name, r in results[case]["rows"].items())
             print(f"{case}: process {results[case]['process_s']:.1f} s | {shown}", flush=True)
     summary = {f"{case}_{name}_first_call_s": r["first_call_s"]
                for case, res in results.items() for name, r in res["rows"].items()}
-    write_result("probe_first_call", {"args": vars(args), "cases": CASES, "results": results}, summary,
+    cases = {case: {"overrides": overrides, "cache": cache} for case, (overrides, cache) in CASES.items()}
+    write_result("probe_first_call", {"args": vars(args), "cases": cases, "results": results}, summary,
                  out_dir=args.out_dir, commit=args.commit)
 
 

@@ -16,6 +16,7 @@ stops every process (close command, then terminate, then kill) and unlinks every
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Sequence
@@ -70,7 +71,8 @@ class LocalClient(EngineClient):
             for rank, device in enumerate(devices):
                 parent, child = self._ctx.Pipe(duplex=True)
                 process = self._ctx.Process(
-                    target=rank_main, args=(child, rank, device, policy_cfg, profiler_env, cfg.torch_threads),
+                    target=rank_main, args=(child, rank, device, policy_cfg, profiler_env, cfg.torch_threads,
+                                            logging.getLogger().getEffectiveLevel()),
                     name=f"vla-engine-rank-{rank}", daemon=True)
                 process.start()
                 child.close()

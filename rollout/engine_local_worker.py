@@ -20,6 +20,7 @@ Commands (parent -> rank):
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import traceback
@@ -42,10 +43,13 @@ class PredictCommand:
     stochastic: bool  # step noise present
 
 
-def rank_main(conn: Any, rank: int, device: str, policy_cfg: Any, profiler_env: dict, torch_threads: int | None):
+def rank_main(conn: Any, rank: int, device: str, policy_cfg: Any, profiler_env: dict, torch_threads: int | None,
+              log_level: int = logging.WARNING):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides how ranks shut down
     server = None
     try:
+        # a spawned process starts with logging unconfigured: the parent's level, to the stderr it inherited
+        logging.basicConfig(level=log_level, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s: %(message)s")
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         if device.startswith("cuda"):

@@ -121,6 +121,7 @@ class AttentionSelector:
     profile_path: str | None = None
     tolerance: float = 2e-2
     records: dict = field(default_factory=dict)
+    precompiler: object = None  # precompile.Precompiler: the candidates' Triton kernels compiled in parallel first
 
     def __post_init__(self):
         if self.policy not in ("auto", *BACKENDS):
@@ -153,6 +154,8 @@ class AttentionSelector:
         k = torch.randn(batch, rows, kv_heads, head_dim, device=device, dtype=dtype)
         v = torch.randn_like(k)
         lengths = torch.randint(max(1, rows // 2), rows + 1, (batch,), dtype=torch.int32)
+        if self.precompiler is not None:
+            self.precompiler.ahead(lambda: self.exercise(found, q, k, v, lengths, key_len))
         built, times, errors = self.measure(found, q, k, v, lengths, key_len, graph_call_ms)
         best = self.choose(key, times, errors)
         return self._record(key, built[best], times, errors, "measured")
@@ -179,6 +182,18 @@ class AttentionSelector:
             except Exception as exc:  # noqa: BLE001 - a failing candidate is recorded and skipped
                 errors[name] = f"{type(exc).__name__}: {exc}"[:300]
         return built, times, errors
+
+    @staticmethod
+    def exercise(found: dict, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, key_len: Tensor) -> None:
+        """Every candidate called as `measure` calls it (both plans), errors ignored: what precompile traces."""
+        for make in found.values():
+            try:
+                backend = make()
+                for plan in (lengths, key_len):
+                    backend.plan(plan)
+                    backend(q, k, v)
+            except Exception:  # noqa: BLE001, S112 - measure records the failure
+                continue
 
     def choose(self, key: str, times: dict, errors: dict) -> str:
         """The fastest accurate backend; if none passed, an error listing every backend's outcome."""

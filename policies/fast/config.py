@@ -85,7 +85,11 @@ class FastConfig:
     gemm_search: SigLIP's bias GEMMs (qkv, o, fc2, projector) through the cuBLASLt algorithm timed
     fastest at a bucket's first use among those that compute torch's output bit for bit
     (policies/fast/gemm_search.py): "auto" on CUDA up to gemm_search.AUTO_MAX_ROWS image rows, "off"
-    never. The numerics do not change."""
+    never. The numerics do not change.
+    compile_workers: processes that compile a new bucket's Triton kernels in parallel before their first
+    launch (policies/fast/precompile.py): -1 = min(precompile.AUTO_MAX_WORKERS, CPUs - 1), 0 = off (each
+    kernel compiles in-process at its first launch, one after another). Only kernels missing from Triton's
+    on-disk cache are compiled; the numerics do not change."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -103,6 +107,7 @@ class FastConfig:
     overlap: str = "auto"
     gemm_search: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
+    compile_workers: int = -1
 
     def __post_init__(self) -> None:
         self.validate("policy.fast")
@@ -131,6 +136,9 @@ class FastConfig:
             raise ValueError(f"{key}.overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
+        if not isinstance(self.compile_workers, int) or self.compile_workers < -1:
+            raise ValueError(f"{key}.compile_workers must be -1 (auto), 0 (off) or a number of processes, "
+                             f"got {self.compile_workers!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"{key}.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         for name in ("batch_buckets", "prompt_buckets"):

@@ -158,13 +158,16 @@ class _ChunkRunner:
         noise = torch.zeros(n, cfg.chunk_size, cfg.max_action_dim, device=dev)
         step_noise = noise[:, None].expand(n, sampler.num_steps, *noise.shape[1:])
         stochastic = torch.ones(n, sampler.num_steps, dtype=torch.bool, device=dev)  # every step scored
-        bucket = sampler.prepare(rows, noise, step_noise, stochastic, key=key)
-        for attn in (bucket.prefix_attn, bucket.expert_attn):
-            if attn.name not in ("sdpa", "triton"):
-                raise ValueError(f"consistent log_prob: bucket {key} uses the {attn.name!r} attention backend, whose "
-                                 "results depend on the other rows; set policy.fast.attention to 'sdpa' or 'triton'")
-        sampler.run_stage(bucket, "vision")
-        sampler.run_stage(bucket, "prefix")
+        with sampler.precompiler.session():  # a new bucket: one pool of compile workers for its build
+            bucket = sampler.prepare(rows, noise, step_noise, stochastic, key=key)
+            for attn in (bucket.prefix_attn, bucket.expert_attn):
+                if attn.name not in ("sdpa", "triton"):
+                    raise ValueError(f"consistent log_prob: bucket {key} uses the {attn.name!r} attention backend, "
+                                     "whose results depend on the other rows; set policy.fast.attention to 'sdpa' or "
+                                     "'triton'")
+            sampler.precompile_stages(bucket, dict.fromkeys(("vision", "prefix")))
+            sampler.run_stage(bucket, "vision")
+            sampler.run_stage(bucket, "prefix")
         return bucket
 
 

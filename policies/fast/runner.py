@@ -29,7 +29,8 @@ from policies import flow
 from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, gemm_search, overlap, pdl, skinny
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
-from policies.fast.config import FastConfig, triton_cache_dir
+from policies.fast.config import FastConfig, triton_cache_dir, triton_interpreting
+from policies.fast.precompile import Precompiler, resolve_workers
 from policies.fast.weights import FastWeights
 from policies.models.gemma import rope_cos_sin
 
@@ -61,6 +62,8 @@ class Bucket:
     overlap_ms: dict | None = None  # overlap.pick's medians of the two ways, ms
     vision_gemms: dict = field(default_factory=dict)  # SigLIP GEMM -> gemm_search.Pick or None: torch's call
     first_call_s: float | None = None  # wall time of the call that built it (compile, capture, searches)
+    precompiled: set = field(default_factory=set)  # stages whose Triton kernels went through precompile.py
+    precompiled_kernels: int = 0  # kernels the compile workers built for this bucket (attention choice, stages)
 
 
 class FastSampler:
@@ -71,7 +74,10 @@ class FastSampler:
         self.dtype = DTYPES[fast_cfg.dtype]
         self.num_steps = self.cfg.sampling.num_steps
         self.w = FastWeights(model, self.dtype, self.num_steps, fast_cfg.precision, tuple(fast_cfg.fp8_gemms))
-        self.selector = AttentionSelector(fast_cfg.attention, fast_cfg.attention_profile_path)
+        cuda_triton = self.device.type == "cuda" and not triton_interpreting()
+        self.precompiler = Precompiler(resolve_workers(fast_cfg.compile_workers) if cuda_triton else 0)
+        self.selector = AttentionSelector(fast_cfg.attention, fast_cfg.attention_profile_path,
+                                          precompiler=self.precompiler)
         self.buckets: dict[tuple[int, int], Bucket] = {}
         self.use_graphs = fast_cfg.cuda_graphs and self.device.type == "cuda"
         # PDL (pdl.py) only inside graphs: eager launches are host-bound anyway, and the denoise
@@ -128,7 +134,12 @@ class FastSampler:
         for s in range(0, max(total, 1), largest):  # split: graphs exist only up to the largest bucket
             part = call_inputs.split_rows(inputs, s, s + largest) if total > largest else inputs
             started = time.perf_counter()  # a new bucket's build starts in _select (attention choice, searches)
-            bucket, part, masks = self._select(part)
+            compiled = self.precompiler.compiled
+            with self.precompiler.session():  # one pool of compile workers for a new bucket's whole build
+                bucket, part, masks = self._select(part)
+                if bucket.first_call_s is None:
+                    self.precompile_stages(bucket, self._building_stages(bucket))
+                    bucket.precompiled_kernels += self.precompiler.compiled - compiled
             self._fill_images(bucket, part)
             mark("images")
             if self.early_vision:  # vision reads only the images: it runs while the host lays out the rest
@@ -163,14 +174,16 @@ class FastSampler:
             torch.cuda.synchronize(self.device)
         bucket.first_call_s = time.perf_counter() - started
         logger.info("fast path: bucket (batch %d, prompt %d, camera bits %d) built by its first call in %.1f s "
-                    "(Triton kernels compiled or loaded from %s, CUDA graphs %s, overlap %s)", bucket.batch,
-                    bucket.prompt_len, bucket.cam_bits, bucket.first_call_s, triton_cache_dir(),
+                    "(Triton kernels compiled or loaded from %s, %d compiled ahead by %d worker processes, CUDA "
+                    "graphs %s, overlap %s)", bucket.batch, bucket.prompt_len, bucket.cam_bits, bucket.first_call_s,
+                    triton_cache_dir(), bucket.precompiled_kernels, self.precompiler.workers,
                     "captured" if self.use_graphs else "off", bucket.overlap)
 
     def bucket_report(self) -> list[dict]:
         """Per built bucket: its shape, the building call's seconds and the choices timed at that call."""
         return [{"batch": b.batch, "prompt_len": b.prompt_len, "camera_bits": b.cam_bits,
-                 "first_call_s": b.first_call_s, "overlap": b.overlap, "overlap_ms": b.overlap_ms,
+                 "first_call_s": b.first_call_s, "precompiled_kernels": b.precompiled_kernels,
+                 "overlap": b.overlap, "overlap_ms": b.overlap_ms,
                  "graphs": sorted(b.graphs)} for b in self.buckets.values()]
 
     def prepare(self, inputs, noise: Tensor, step_noise: Tensor | None, stochastic: Tensor,
@@ -226,6 +239,7 @@ class FastSampler:
             graph.replay()
             return
         fn = fn or getattr(self, f"_stage_{stage}")
+        self.precompile_stages(bucket, {stage: fn})
         if not self.use_graphs:
             fn(bucket)
             return
@@ -239,6 +253,28 @@ class FastSampler:
             fn(bucket)
         bucket.graphs[stage] = graph
         graph.replay()
+
+    def precompile_stages(self, bucket: Bucket, stages: dict) -> None:
+        """Before their first run: the Triton kernels of `stages` (name -> fn(bucket), None: `_stage_<name>`)
+        not traced for this bucket yet, compiled in parallel by the compile workers (precompile.py). The trace
+        runs each stage eagerly with Triton's compiling launches skipped, on a side stream as run_stage's
+        warm-up does."""
+        todo = {name: fn or getattr(self, f"_stage_{name}") for name, fn in stages.items()
+                if name not in bucket.precompiled}
+        if not todo or not self.precompiler.workers:
+            return
+        bucket.precompiled.update(todo)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.precompiler.ahead(*[lambda fn=fn: fn(bucket) for fn in todo.values()])
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _building_stages(self, bucket: Bucket) -> dict:
+        """The stages a bucket's first call runs: its call stages, and both orders where overlap "auto" will
+        time them (overlap.pick)."""
+        names = STAGES + ("prefix_denoise",) if bucket.overlap is None else self.call_stages(bucket)
+        return dict.fromkeys(names)
 
     def _pdl_for(self, bucket: Bucket) -> int:
         """PDL's mode code in this bucket's graphs: "auto" turns it on up to pdl.AUTO_MAX_ROWS denoise rows."""

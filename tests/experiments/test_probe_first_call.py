@@ -23,5 +23,5 @@ def test_smoke_run_times_every_case_in_its_own_process(tmp_path):
 
 
 def test_a_failing_case_names_itself():
-    with pytest.raises(RuntimeError, match="case 'cold' failed"):
+    with pytest.raises(RuntimeError, match="case 'cold_serial' failed"):
         probe_first_call.main(["--policy", "no_such_preset", "--configurations", "libero_rl"])

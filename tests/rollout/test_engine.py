@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -109,6 +110,23 @@ def test_fast_buckets_report_each_ranks_first_calls():
     for report in first:
         (bucket,) = report
         assert bucket["batch"] == 4 and bucket["first_call_s"] > 0 and bucket["graphs"] == []
+
+
+def test_local_ranks_log_at_the_parents_level(capfd):
+    """A spawned rank configures logging at the parent's root level, to the stderr it inherits: the fast path's
+    first-call line (INFO) reaches the terminal from every rank."""
+    cfg = TINY.replace(fast={"enabled": True, "dtype": "float32", "batch_buckets": [2, 4]})
+    root = logging.getLogger()
+    before = root.level
+    root.setLevel(logging.INFO)
+    try:
+        with PolicyEngine(EngineConfig(backend="local", num_ranks=2, devices="cpu", torch_threads=1), cfg) as e:
+            e.predict(obs(6, seed=1), "train")
+    finally:
+        root.setLevel(before)
+    err = capfd.readouterr().err
+    for rank in (0, 1):
+        assert f"rank {rank} policies.fast.runner INFO: fast path: bucket (batch 4" in err, err[-3000:]
 
 
 def test_group_split_keeps_groups_on_one_rank():

@@ -1,0 +1,290 @@
+"""A bucket's Triton kernels compiled in parallel worker processes before their first launch.
+
+On an empty Triton cache a bucket's first call is mostly compiling (round 23, probe_first_call on the H200:
+PhyAI b1 17-22 s cold against ~1.8 s on a filled cache), one kernel after another as the launches reach them.
+Threads would not help: Triton compiles in the launching thread and holds the GIL through its MLIR passes.
+
+`Precompiler.ahead(fn)` runs `fn` once with every launch of a kernel that this process has not compiled yet
+skipped and recorded (Triton's `jit_cache_hook`: such launches neither compile nor run; torch's own ops run as
+usual, on whatever the buffers hold), compiles the recorded specializations that Triton's on-disk cache lacks
+in a pool of spawned processes, into that same cache, and returns. `fn`'s real run then loads each kernel from
+the cache. A worker's failure only logs a warning: the launch then compiles in-process as it always did, and
+raises there if the kernel is broken. Workers never touch the GPU: they compile for the target the launching
+process recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+AUTO_MAX_WORKERS = 8  # compile_workers -1: min(this, CPUs - 1); a bucket has ~40 kernels of ~0.3-1 s each
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One specialization of one kernel, as Triton serializes it for `JITFunction.preload`."""
+
+    module: str  # the kernel's module, e.g. "policies.fast.skinny"
+    qualname: str  # e.g. "_kernel.<locals>.skinny_kernel": a module function, or one a factory there returns
+    data: str  # Triton's specialization JSON (signature, constexprs, attributes, options)
+    target: tuple  # (backend, arch, warp_size) of the launching device
+
+    @property
+    def name(self) -> str:
+        return self.qualname.rsplit(".", 1)[-1]
+
+
+def resolve_workers(requested: int) -> int:
+    """policy.fast.compile_workers (FastConfig validates it): -1 = min(AUTO_MAX_WORKERS, CPUs - 1), 0 = off."""
+    if requested == -1:
+        return max(0, min(AUTO_MAX_WORKERS, (os.cpu_count() or 1) - 1))
+    return requested
+
+
+@contextlib.contextmanager
+def recording_launches(specs: list[KernelSpec]):
+    """Inside the block, a Triton launch that would compile is skipped and appended to `specs` instead."""
+    from triton import knobs
+
+    def hook(*, fn, compile, **_):
+        device = compile["device"]
+        target = fn.jit_function.device_caches[device][2]
+        specs.append(KernelSpec(fn.module, fn.name, compile["specialization_data"],
+                                (target.backend, target.arch, target.warp_size)))
+        return True  # Triton: skip the compile and the launch
+
+    before, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
+    try:
+        yield specs
+    finally:
+        knobs.runtime.jit_cache_hook = before
+
+
+def resolve_kernel(module: str, qualname: str):
+    """The JITFunction `qualname` of `module`: a module attribute, or one returned (alone or in a tuple) by
+    the zero-argument factory that defines it (the fast path builds its kernels in `_kernel()`-style factories
+    so that CPU-only runs never import triton)."""
+    mod = importlib.import_module(module)
+    outer, _, _ = qualname.partition(".<locals>.")
+    made = getattr(mod, outer)
+    if made.__class__.__name__ != "JITFunction":
+        made = made()
+    for kernel in made if isinstance(made, (tuple, list)) else (made,):
+        if getattr(getattr(kernel, "fn", None), "__qualname__", None) == qualname:
+            return kernel
+    raise LookupError(f"no Triton kernel {qualname!r} in {module} (looked in what {outer}() returns)")
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def source_and_options(kernel, spec: KernelSpec):
+    """(ASTSource, target, backend, parsed options) of `spec` for `kernel`: what `JITFunction.preload` builds, for an
+    explicit target instead of the current device's."""
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    obj = json.loads(spec.data)
+    if obj["name"] != kernel._fn_name:
+        raise ValueError(f"specialization of {obj['name']!r} given for kernel {kernel._fn_name!r}")
+    constexprs = {
+        tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else
+        tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+        for k, v in zip(obj["constant_keys"], obj["constant_vals"])
+    }
+    attrs = {tuple(k): v for k, v in zip(obj["attrs_keys"], obj["attrs_vals"])}
+    signature = {k: _tuples(v) for k, v in obj["signature"].items()}
+    target = GPUTarget(*spec.target)
+    backend = make_backend(target)
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    options = backend.parse_options(dict({k: _tuples(v) for k, v in obj["options"].items()}, **src.parse_options()))
+    return src, target, backend, options
+
+
+def on_disk(kernel, spec: KernelSpec) -> bool:
+    """Whether Triton's cache already holds `spec` (the lookup `triton.compile` starts with)."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.runtime.cache import get_cache_key, get_cache_manager
+
+    src, _, backend, options = source_and_options(kernel, spec)
+    key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
+    group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(f"{src.name[:150]}.json")
+    return bool(group) and f"{src.name[:150]}.json" in group
+
+
+def compile_spec(spec: KernelSpec) -> float:
+    """In a worker: compile `spec` into Triton's cache; returns seconds."""
+    import triton
+
+    started = time.perf_counter()
+    kernel = resolve_kernel(spec.module, spec.qualname)
+    src, target, _, options = source_and_options(kernel, spec)
+    triton.compile(src, target=target, options=options.__dict__)
+    return time.perf_counter() - started
+
+
+class WorkerPool:
+    """`size` processes running this module's `worker_main`: one spec a line in on stdin, one result line out.
+    Plain subprocesses, not multiprocessing's spawn, so that the launching program's main module is never
+    imported again (a script without a `__main__` guard would otherwise run itself in every worker)."""
+
+    def __init__(self, size: int, cache_dir: str):
+        root = str(Path(__file__).resolve().parents[2])  # where `policies` imports from
+        env = {**os.environ, "TRITON_CACHE_DIR": cache_dir,
+               "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        self.logs = [tempfile.TemporaryFile() for _ in range(size)]
+        self.procs = [subprocess.Popen([sys.executable, "-m", "policies.fast.precompile"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+                      for log in self.logs]
+        self.idle: queue.Queue = queue.Queue()
+        for i in range(size):
+            self.idle.put(i)
+        self.threads = ThreadPoolExecutor(size)
+
+    def compile(self, spec: KernelSpec) -> float:
+        """Compile `spec` on the next idle worker; returns its seconds, raises with the worker's error."""
+        i = self.idle.get()
+        proc = self.procs[i]
+        try:
+            proc.stdin.write(json.dumps(asdict(spec)) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            self.logs[i].seek(0)
+            raise RuntimeError(f"compile worker {proc.pid} exited ({proc.poll()}): "
+                               + self.logs[i].read()[-2000:].decode(errors="replace"))
+        self.idle.put(i)
+        result = json.loads(line)
+        if "error" in result:
+            raise RuntimeError(result["error"])
+        return result["seconds"]
+
+    def map(self, specs: list[KernelSpec]) -> dict:
+        return {self.threads.submit(self.compile, spec): spec for spec in specs}
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=True, cancel_futures=True)
+        for proc, log in zip(self.procs, self.logs):  # idle (their results are in the cache) or still starting
+            proc.kill()
+            proc.wait()
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+                proc.stdout.close()
+            log.close()
+
+
+def worker_main() -> None:
+    """A compile worker's loop (`python -m policies.fast.precompile`): a KernelSpec JSON a line on stdin,
+    {"seconds": s} or {"error": traceback} a line on stdout, until stdin closes."""
+    for line in sys.stdin:
+        try:
+            reply = {"seconds": compile_spec(_spec_from_json(line))}
+        except Exception:  # noqa: BLE001 - reported to the launching process, which compiles it itself
+            reply = {"error": traceback.format_exc()[-3000:]}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+def _spec_from_json(line: str) -> KernelSpec:
+    fields = json.loads(line)
+    return KernelSpec(fields["module"], fields["qualname"], fields["data"], tuple(fields["target"]))
+
+
+class Precompiler:
+    """Owns the worker pool (spawned at the first cache miss; `session()` keeps it across several `ahead`
+    calls, e.g. a bucket's attention choice and its stages) and what it compiled (`compiled`, `seconds`)."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self._pool: WorkerPool | None = None
+        self._session = 0
+        self.compiled = 0  # kernels compiled by the workers, over this object's life
+        self.seconds = 0.0  # wall time of those compiles, as the launching process waited for them
+
+    @contextlib.contextmanager
+    def session(self):
+        self._session += 1
+        try:
+            yield self
+        finally:
+            self._session -= 1
+            if not self._session:
+                self.close()
+
+    def ahead(self, *fns) -> int:
+        """Run each of `fns` with Triton's compiling launches skipped, then compile what they would have
+        compiled (and the cache lacks) in the workers; returns the number of kernels compiled. No-op with 0
+        workers; an exception in `fns` propagates after the hook is removed."""
+        if not self.workers:
+            return 0
+        specs: list[KernelSpec] = []
+        with recording_launches(specs):
+            for fn in fns:
+                fn()
+        missing = self._missing(specs)
+        if missing:
+            with self.session():
+                self._compile(missing)
+        return len(missing)
+
+    def _missing(self, specs: list[KernelSpec]) -> list[KernelSpec]:
+        unique = list(dict.fromkeys(specs))
+        missing = []
+        for spec in unique:
+            try:
+                if not on_disk(resolve_kernel(spec.module, spec.qualname), spec):
+                    missing.append(spec)
+            except Exception as exc:  # noqa: BLE001 - the launch will compile it in-process instead
+                logger.warning("precompile: cannot look up %s (%s: %s); it compiles at its launch",
+                               spec.name, type(exc).__name__, exc)
+        return missing
+
+    def _compile(self, specs: list[KernelSpec]) -> None:
+        from policies.fast.config import triton_cache_dir
+
+        started = time.perf_counter()
+        if self._pool is None:
+            self._pool = WorkerPool(self.workers, str(triton_cache_dir()))
+        futures = self._pool.map(specs)
+        done = 0
+        for future in as_completed(futures):
+            try:
+                future.result()
+                done += 1
+            except Exception as exc:  # noqa: BLE001 - the launch compiles it in-process and raises there
+                logger.warning("precompile: a worker failed on %s (%s: %s); it compiles at its launch",
+                               futures[future].name, type(exc).__name__, str(exc)[:500])
+        elapsed = time.perf_counter() - started
+        self.compiled += done
+        self.seconds += elapsed
+        logger.info("precompile: %d of %d Triton kernels compiled in %.1f s on %d worker processes",
+                    done, len(specs), elapsed, self.workers)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+if __name__ == "__main__":
+    worker_main()

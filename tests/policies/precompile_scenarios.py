@@ -1,0 +1,139 @@
+"""policies/fast/precompile.py end to end, each scenario in a fresh process (`python -m
+tests.policies.precompile_scenarios <name> <cache dir>`) on its own empty Triton cache, so that neither the
+test process's interpreter mode nor its in-memory kernel caches leak in. Prints one JSON line.
+
+- "fake_driver" (CPU): Triton's driver replaced by one that reports an sm_90 device, so launches reach the
+  compile step without a GPU (the workers and the in-process lookup compile for that target with the wheel's
+  ptxas; nothing is launched).
+- "first_call" (GPU): a tiny FastSampler's first call, every Triton compile of the process recorded by
+  Triton's compilation listener; args: compile_workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _skinny_launcher():
+    import torch
+
+    from policies.fast import skinny
+
+    kernel = skinny._kernel()
+    x = torch.zeros(50, 1024, dtype=torch.bfloat16)
+    w = torch.zeros(2048, 1024, dtype=torch.bfloat16)
+    out = torch.zeros(2, 50, 2048, dtype=torch.bfloat16)
+    consts = dict(K_SPLIT=512, GELU_MUL=False, BN=64, BK=128, UPCAST=False, IEEE=False, PDL=0, PREFETCH_LINES=0,
+                  PRELOAD=False, num_warps=4)
+
+    def launch(block_m: int, warmup: bool = False):
+        args = (x, w, out, 50, 2048, 1024, 1024, 0)
+        if warmup:
+            return kernel.warmup(*args, BM=block_m, grid=(1,), **consts)
+        return kernel[(32, 2, 4)](*args, BM=block_m, **consts)
+
+    return kernel, launch
+
+
+def fake_driver() -> dict:
+    import logging
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    from policies.fast import precompile
+
+    logging.basicConfig(level=logging.WARNING)
+
+    class Sm90Driver:  # what JITFunction.run asks of a driver before it compiles
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    driver.set_active(Sm90Driver())
+    kernel, launch = _skinny_launcher()
+    out = {}
+    specs = []
+    with precompile.recording_launches(specs):
+        returned = [launch(16), launch(16), launch(32)]
+    out["recorded"] = len(specs)
+    out["distinct"] = len(set(specs))
+    out["launch_returned"] = [r is None for r in returned]
+    out["compiled_in_process"] = len(kernel.device_caches[0][0])
+    out["hook_removed"] = triton.knobs.runtime.jit_cache_hook is None
+    unique = list(dict.fromkeys(specs))
+    out["on_disk_before"] = [precompile.on_disk(kernel, s) for s in unique]
+
+    pc = precompile.Precompiler(2)
+    out["ahead"] = pc.ahead(lambda: launch(16), lambda: launch(32))
+    out["compiled"] = pc.compiled
+    out["pool_closed"] = pc._pool is None
+    out["on_disk_after"] = [precompile.on_disk(kernel, s) for s in unique]
+    hits = []
+    triton.knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
+    launch(16, warmup=True)
+    out["in_process_cache_hits"] = hits
+    out["ahead_again"] = pc.ahead(lambda: launch(32))
+    out["pool_after_hit"] = pc._pool is None
+
+    with pc.session():
+        first = pc.ahead(lambda: launch(64))
+        pool = pc._pool
+        bad = precompile.KernelSpec("policies.fast.skinny", "_kernel.<locals>.no_such_kernel", unique[0].data,
+                                    unique[0].target)
+        pc._compile([bad])  # a worker's failure logs and is not counted
+        out["session_pool_kept"] = pool is not None and pc._pool is pool
+    out["session"] = first
+    out["compiled_after_failure"] = pc.compiled
+    out["pool_closed_after_session"] = pc._pool is None
+    out["resolved"] = precompile.resolve_kernel("policies.fast.kernels",
+                                                "_triton_kernels.<locals>.flow_step_kernel").fn.__name__
+    try:
+        precompile.resolve_kernel("policies.fast.kernels", "_triton_kernels.<locals>.no_such")
+    except LookupError as exc:
+        out["resolve_error"] = str(exc)
+    return out
+
+
+def first_call(workers: str) -> dict:
+    """A bf16 sampler at test_fast_gpu's shapes (the real head_dim and head counts): its first call's
+    in-process compiles, and its chains and log-probs saved next to the cache for the test to compare."""
+    import torch
+    import triton
+
+    from policies.fast.config import FastConfig
+    from policies.fast.runner import FastSampler
+    from policies.policy import build_policy
+    from tests.policies.test_fast_gpu import gpu_cfg, inputs_for
+
+    compiles = []
+    triton.knobs.compilation.listener = lambda *, src, cache_hit, **_: compiles.append((src.name, cache_hit))
+    cfg = gpu_cfg("bfloat16")
+    torch.manual_seed(0)
+    policy = build_policy(cfg, device="cuda")
+    fast = FastSampler(policy.model, FastConfig(enabled=True, dtype="bfloat16", compile_workers=int(workers)))
+    before = len(compiles)
+    chains, logps = fast.sample_chains(*inputs_for(cfg, 3, seed=0))
+    torch.cuda.synchronize()
+    during = compiles[before:]
+    torch.save({"chains": chains.cpu(), "logps": logps.cpu()}, os.environ["TRITON_CACHE_DIR"] + ".pt")
+    return {"precompiled_kernels": fast.bucket_report()[0]["precompiled_kernels"],
+            "workers": fast.precompiler.workers,
+            "in_process_misses": sorted({name for name, hit in during if not hit}),
+            "in_process_hits": sum(hit for _, hit in during)}
+
+
+SCENARIOS = {"fake_driver": fake_driver, "first_call": first_call}
+
+if __name__ == "__main__":
+    name, cache_dir, *rest = sys.argv[1:]
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+    print("SCENARIO " + json.dumps(SCENARIOS[name](*rest)), flush=True)

@@ -1,0 +1,61 @@
+"""policies/fast/precompile.py: launches recorded instead of compiled, compiled by worker processes into
+Triton's cache, then loaded from it in-process. CPU: through a driver that reports an sm_90 device (nothing
+launches). The GPU test is in test_fast_precompile_gpu.py."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from policies.fast import precompile
+from policies.fast.config import FastConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_scenario(name: str, cache_dir: Path, *args: str) -> dict:
+    """tests/policies/precompile_scenarios.py in a fresh process, outside the interpreter mode."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.policies.precompile_scenarios", name, str(cache_dir), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("SCENARIO ")]
+    return json.loads(line[len("SCENARIO "):])
+
+
+def test_recorded_launches_compile_in_workers_and_load_from_the_cache(tmp_path):
+    pytest.importorskip("triton")
+    out = run_scenario("fake_driver", tmp_path / "cache")
+    # three launches of two specializations: recorded, neither compiled nor launched, the hook removed after
+    assert out["recorded"] == 3 and out["distinct"] == 2
+    assert out["launch_returned"] == [True, True, True] and out["compiled_in_process"] == 0
+    assert out["hook_removed"]
+    # the workers compile both into the cache; the in-process compile is then a cache hit
+    assert out["on_disk_before"] == [False, False]
+    assert out["ahead"] == 2 and out["compiled"] == 2 and out["pool_closed"]
+    assert out["on_disk_after"] == [True, True]
+    assert out["in_process_cache_hits"] == [True]
+    # a specialization already on disk starts no pool; a session keeps one pool over several calls
+    assert out["ahead_again"] == 0 and out["pool_after_hit"]
+    assert out["session"] == 1 and out["session_pool_kept"]
+    assert out["compiled_after_failure"] == 3 and out["pool_closed_after_session"]
+    # kernels built by factories resolve by qualified name; a missing one is named
+    assert out["resolved"] == "flow_step_kernel"
+    assert "no_such" in out["resolve_error"] and "_triton_kernels()" in out["resolve_error"]
+
+
+def test_workers_resolve_and_validate():
+    assert precompile.resolve_workers(0) == 0
+    assert precompile.resolve_workers(3) == 3
+    assert 0 <= precompile.resolve_workers(-1) <= precompile.AUTO_MAX_WORKERS
+    with pytest.raises(ValueError, match="policy.fast.compile_workers"):
+        FastConfig(compile_workers=-2)
+
+
+def test_off_means_no_trace():
+    calls = []
+    assert precompile.Precompiler(0).ahead(lambda: calls.append(1)) == 0
+    assert calls == []
