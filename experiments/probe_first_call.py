@@ -61,10 +61,36 @@ def cache_files(cache_dir: Path | None) -> int:
     return sum(1 for p in cache_dir.rglob("*") if p.is_file()) if cache_dir and cache_dir.exists() else 0
 
 
+def compile_listener(log: list):
+    """Triton's compilation listener (None without triton): every in-process compile as (kernel, cache hit,
+    seconds), a cache hit's seconds being its lookup and load."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+
+    def listen(*, src, cache_hit, times, **_):
+        us = times.ir_initialization + sum(d for _, d in times.lowering_stages) + times.store_results
+        log.append((src.name, bool(cache_hit), us / 1e6))
+
+    knobs.compilation.listener = listen
+    return listen
+
+
+def compile_summary(log: list) -> dict:
+    """The first call's in-process compiles: misses (compiled here) and hits (loaded from the cache)."""
+    misses = sorted((entry for entry in log if not entry[1]), key=lambda e: -e[2])
+    hits = [entry for entry in log if entry[1]]
+    return {"misses": len(misses), "miss_s": sum(e[2] for e in misses), "hits": len(hits),
+            "hit_s": sum(e[2] for e in hits), "slowest_misses": [[e[0], round(e[2], 3)] for e in misses[:5]]}
+
+
 def run_case(case: str, args) -> dict:
     """In this process: per configuration, build the policy and a sampler, time its first call and the next."""
     device, dtype = common.run_device_and_dtype()
     cache_dir = triton_cache_dir()
+    compiles: list = []
+    compile_listener(compiles)
     base = PolicyConfig.preset(args.policy)
     rows = {}
     for name in args.configurations:
@@ -76,11 +102,13 @@ def run_case(case: str, args) -> dict:
                                                     prompt_buckets=[spec["prompt_len"]], **CASES[case][0]))
         call_args = common.chain_call_args(policy.cfg, args.batch, spec["prompt_len"], device, stochastic_first=True)
         files_before = cache_files(cache_dir)
+        compiles.clear()
         timing = common.time_calls(lambda f=fast: f.sample_chains(*call_args), device, 2, args.iters)
         report = fast.bucket_report()[0]
         rows[name] = {"policy_build_s": build_s, "first_call_s": timing["first_call_s"], "ms": timing["ms"],
                       "bucket_first_call_s": report["first_call_s"], "compile_workers": fast.precompiler.workers,
                       "precompiled_kernels": report["precompiled_kernels"],
+                      "precompile": dict(fast.precompiler.stats), "in_process_compiles": compile_summary(compiles),
                       "triton_cache_files_before": files_before, "triton_cache_files_after": cache_files(cache_dir)}
         del policy, fast
         if device.type == "cuda":

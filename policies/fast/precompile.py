@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,16 +57,40 @@ def resolve_workers(requested: int) -> int:
     return requested
 
 
+def spec_of(fn, compile: dict) -> KernelSpec:
+    """The KernelSpec of a compile request as Triton's jit_cache_hook describes it."""
+    target = fn.jit_function.device_caches[compile["device"]][2]
+    return KernelSpec(fn.module, fn.name, compile["specialization_data"], (target.backend, target.arch,
+                                                                            target.warp_size))
+
+
+class _Skipped:
+    """Stands in a kernel cache for a recorded specialization while `recording_launches` runs, so that the
+    same launch again (the denoise loop repeats each ~180 times) skips at the cache lookup instead of going
+    through Triton's compile request again. Removed when the block ends."""
+
+    function = packed_metadata = None
+
+    def launch_metadata(self, *args):
+        return None
+
+    def run(self, *args):
+        return None
+
+
 @contextlib.contextmanager
 def recording_launches(specs: list[KernelSpec]):
-    """Inside the block, a Triton launch that would compile is skipped and appended to `specs` instead."""
+    """Inside the block, a Triton launch that would compile is skipped (neither compiled nor run) and its
+    specialization appended to `specs` (once per distinct specialization)."""
     from triton import knobs
 
-    def hook(*, fn, compile, **_):
-        device = compile["device"]
-        target = fn.jit_function.device_caches[device][2]
-        specs.append(KernelSpec(fn.module, fn.name, compile["specialization_data"],
-                                (target.backend, target.arch, target.warp_size)))
+    stand_ins = []
+
+    def hook(*, key, fn, compile, **_):
+        specs.append(spec_of(fn, compile))
+        cache = fn.jit_function.device_caches[compile["device"]][0]
+        cache[key] = _Skipped()
+        stand_ins.append((cache, key))
         return True  # Triton: skip the compile and the launch
 
     before, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
@@ -74,6 +98,9 @@ def recording_launches(specs: list[KernelSpec]):
         yield specs
     finally:
         knobs.runtime.jit_cache_hook = before
+        for cache, key in stand_ins:
+            if isinstance(cache.get(key), _Skipped):
+                del cache[key]
 
 
 def resolve_kernel(module: str, qualname: str):
@@ -141,6 +168,10 @@ def compile_spec(spec: KernelSpec) -> float:
     return time.perf_counter() - started
 
 
+class PoolClosed(Exception):
+    """A compile cut off by the pool's close (the session ended before anyone needed the kernel)."""
+
+
 class WorkerPool:
     """`size` processes running this module's `worker_main`: one spec a line in on stdin, one result line out.
     Plain subprocesses, not multiprocessing's spawn, so that the launching program's main module is never
@@ -158,6 +189,7 @@ class WorkerPool:
         for i in range(size):
             self.idle.put(i)
         self.threads = ThreadPoolExecutor(size)
+        self.closing = False
 
     def compile(self, spec: KernelSpec) -> float:
         """Compile `spec` on the next idle worker; returns its seconds, raises with the worker's error."""
@@ -169,6 +201,8 @@ class WorkerPool:
             line = proc.stdout.readline()
         except (BrokenPipeError, OSError):
             line = ""
+        if not line and self.closing:
+            raise PoolClosed(spec.name)
         if not line:
             self.logs[i].seek(0)
             raise RuntimeError(f"compile worker {proc.pid} exited ({proc.poll()}): "
@@ -179,13 +213,14 @@ class WorkerPool:
             raise RuntimeError(result["error"])
         return result["seconds"]
 
-    def map(self, specs: list[KernelSpec]) -> dict:
-        return {self.threads.submit(self.compile, spec): spec for spec in specs}
-
     def close(self) -> None:
-        self.threads.shutdown(wait=True, cancel_futures=True)
-        for proc, log in zip(self.procs, self.logs):  # idle (their results are in the cache) or still starting
+        """Kill the workers (idle, starting, or compiling a kernel nobody waits for; Triton writes its cache
+        files by rename, so a killed compile leaves nothing half-written) and drop what was queued."""
+        self.closing = True
+        for proc in self.procs:
             proc.kill()
+        self.threads.shutdown(wait=True, cancel_futures=True)
+        for proc, log in zip(self.procs, self.logs):
             proc.wait()
             with contextlib.suppress(OSError):
                 proc.stdin.close()
@@ -211,46 +246,76 @@ def _spec_from_json(line: str) -> KernelSpec:
 
 
 class Precompiler:
-    """Owns the worker pool (spawned at the first cache miss; `session()` keeps it across several `ahead`
-    calls, e.g. a bucket's attention choice and its stages) and what it compiled (`compiled`, `seconds`)."""
+    """The compile workers of one process (the pool is spawned at the first cache miss and lives for the
+    outermost `session()`), what they were given and how long the launching process waited for them.
+
+    Inside a session `ahead` only submits: the launching process goes on (the attention choice, the graphs'
+    warm-up runs), and a launch whose kernel a worker is still compiling waits for that one kernel (Triton's
+    jit_cache_hook), then loads it from the cache. Kernels are submitted in launch order, so the first
+    needed are the first compiled. Outside a session `ahead` waits for all it submitted."""
 
     def __init__(self, workers: int):
         self.workers = workers
         self._pool: WorkerPool | None = None
         self._session = 0
-        self.compiled = 0  # kernels compiled by the workers, over this object's life
-        self.seconds = 0.0  # wall time of those compiles, as the launching process waited for them
+        self._hook_before = None
+        self._pending: dict[KernelSpec, object] = {}  # spec -> Future of its compile
+        self.compiled = 0  # kernels the workers compiled, over this object's life
+        self.stats = {"traces": 0, "specs": 0, "submitted": 0, "failed": 0, "trace_s": 0.0, "check_s": 0.0,
+                      "wait_s": 0.0, "worker_s": 0.0}
 
     @contextlib.contextmanager
     def session(self):
+        """One pool for everything inside (e.g. a new bucket's whole first call); its end kills the workers
+        (a kernel still compiling then was traced but never launched)."""
+        outermost = self._session == 0 and self.workers > 0
+        if outermost:
+            from triton import knobs
+
+            self._hook_before, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, self._wait_hook
         self._session += 1
         try:
             yield self
         finally:
             self._session -= 1
-            if not self._session:
+            if outermost:
+                from triton import knobs
+
+                knobs.runtime.jit_cache_hook = self._hook_before
                 self.close()
 
     def ahead(self, *fns) -> int:
-        """Run each of `fns` with Triton's compiling launches skipped, then compile what they would have
-        compiled (and the cache lacks) in the workers; returns the number of kernels compiled. No-op with 0
-        workers; an exception in `fns` propagates after the hook is removed."""
+        """Run each of `fns` with Triton's compiling launches skipped, and give the workers what they would
+        have compiled and Triton's cache lacks; returns how many kernels that was. No-op with 0 workers; an
+        exception in `fns` propagates after the hook is removed."""
         if not self.workers:
             return 0
-        specs: list[KernelSpec] = []
-        with recording_launches(specs):
-            for fn in fns:
-                fn()
-        missing = self._missing(specs)
-        if missing:
-            with self.session():
-                self._compile(missing)
+        with self.session():
+            started = time.perf_counter()
+            specs: list[KernelSpec] = []
+            with recording_launches(specs):
+                for fn in fns:
+                    fn()
+            checked = time.perf_counter()
+            missing = self._missing(specs)
+            self._count(traces=1, specs=len(specs), submitted=len(missing), trace_s=checked - started,
+                        check_s=time.perf_counter() - checked)
+            for spec in missing:
+                self._submit(spec)
+            if self._session == 1:  # no session around this call: nothing would wait for them otherwise
+                for spec in missing:
+                    self._wait(spec)
         return len(missing)
 
+    def _count(self, **amounts) -> None:
+        for name, amount in amounts.items():
+            self.stats[name] += amount
+
     def _missing(self, specs: list[KernelSpec]) -> list[KernelSpec]:
-        unique = list(dict.fromkeys(specs))
         missing = []
-        for spec in unique:
+        for spec in dict.fromkeys(specs):
+            if spec in self._pending:
+                continue
             try:
                 if not on_disk(resolve_kernel(spec.module, spec.qualname), spec):
                     missing.append(spec)
@@ -259,31 +324,57 @@ class Precompiler:
                                spec.name, type(exc).__name__, exc)
         return missing
 
-    def _compile(self, specs: list[KernelSpec]) -> None:
+    def _submit(self, spec: KernelSpec) -> None:
         from policies.fast.config import triton_cache_dir
 
-        started = time.perf_counter()
         if self._pool is None:
             self._pool = WorkerPool(self.workers, str(triton_cache_dir()))
-        futures = self._pool.map(specs)
-        done = 0
-        for future in as_completed(futures):
-            try:
-                future.result()
-                done += 1
-            except Exception as exc:  # noqa: BLE001 - the launch compiles it in-process and raises there
-                logger.warning("precompile: a worker failed on %s (%s: %s); it compiles at its launch",
-                               futures[future].name, type(exc).__name__, str(exc)[:500])
-        elapsed = time.perf_counter() - started
-        self.compiled += done
-        self.seconds += elapsed
-        logger.info("precompile: %d of %d Triton kernels compiled in %.1f s on %d worker processes",
-                    done, len(specs), elapsed, self.workers)
+        future = self._pool.threads.submit(self._pool.compile, spec)
+        self._pending[spec] = future
+        future.add_done_callback(lambda f, spec=spec: self._done(spec, f))
+
+    def _done(self, spec: KernelSpec, future) -> None:
+        if future.cancelled():
+            return
+        error = future.exception()
+        if isinstance(error, PoolClosed):
+            return
+        if error is None:
+            self.compiled += 1
+            self._count(worker_s=future.result())
+        else:  # the launch compiles it in-process and raises there if the kernel is broken
+            self._count(failed=1)
+            logger.warning("precompile: a worker failed on %s (%s: %s); it compiles at its launch", spec.name,
+                           type(error).__name__, str(error)[:500])
+
+    def _wait(self, spec: KernelSpec) -> None:
+        future = self._pending.get(spec)
+        if future is None:
+            return
+        started = time.perf_counter()
+        with contextlib.suppress(Exception):  # _done logged it
+            future.result()
+        self._count(wait_s=time.perf_counter() - started)
+
+    def _wait_hook(self, *, fn, compile, **kwargs):
+        """Triton's jit_cache_hook during a session: a kernel a worker is compiling is waited for, then
+        compiled in-process, which finds it in the cache. Other hooks installed before keep running."""
+        if self._pending:
+            self._wait(spec_of(fn, compile))
+        if self._hook_before is not None:
+            return self._hook_before(fn=fn, compile=compile, **kwargs)
+        return None
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        self._pending.clear()
+        if self.stats["submitted"]:
+            logger.info("precompile: %d Triton kernels given to %d worker processes (%d failed), %.1f s of their "
+                        "compiles, %.2f s waited for; traces %.2f s, cache checks %.2f s", self.stats["submitted"],
+                        self.workers, self.stats["failed"], self.stats["worker_s"], self.stats["wait_s"],
+                        self.stats["trace_s"], self.stats["check_s"])
 
 
 if __name__ == "__main__":

@@ -134,28 +134,8 @@ class FastSampler:
         for s in range(0, max(total, 1), largest):  # split: graphs exist only up to the largest bucket
             part = call_inputs.split_rows(inputs, s, s + largest) if total > largest else inputs
             started = time.perf_counter()  # a new bucket's build starts in _select (attention choice, searches)
-            compiled = self.precompiler.compiled
-            with self.precompiler.session():  # one pool of compile workers for a new bucket's whole build
-                bucket, part, masks = self._select(part)
-                if bucket.first_call_s is None:
-                    self.precompile_stages(bucket, self._building_stages(bucket))
-                    bucket.precompiled_kernels += self.precompiler.compiled - compiled
-            self._fill_images(bucket, part)
-            mark("images")
-            if self.early_vision:  # vision reads only the images: it runs while the host lays out the rest
-                self.run_stage(bucket, "vision")
-                mark("vision")
-            self._fill_rest(bucket, part, masks, noise[s:s + largest],
-                            None if step_noise is None else step_noise[s:s + largest], stochastic[s:s + largest])
-            mark("prepare")
-            if not self.early_vision:
-                self.run_stage(bucket, "vision")
-                mark("vision")
-            if bucket.overlap is None:  # overlap "auto" at the bucket's first call: the faster way on these inputs
-                bucket.overlap = overlap.pick(self, bucket)
-            for stage in self.call_stages(bucket)[1:]:  # after vision
-                self.run_stage(bucket, stage)
-                mark(stage)
+            with self.precompiler.session():  # a new bucket's build: one pool of compile workers (precompile.py)
+                bucket, part, masks = self._run_part(part, s, noise, step_noise, stochastic, mark)
             if bucket.first_call_s is None:
                 self._record_first_call(bucket, started)
             t, rows = bucket.tensors, part.batch_size
@@ -166,6 +146,33 @@ class FastSampler:
         if len(chains) == 1:
             return chains[0], logps[0]
         return torch.cat(chains), torch.cat(logps)
+
+    def _run_part(self, part, s: int, noise: Tensor, step_noise: Tensor | None, stochastic: Tensor, mark):
+        """One bucket's worth of rows of sample_chains: choose (or build) the bucket, lay out the inputs, run
+        the stages. The rows' noise starts at row `s` of the call's."""
+        submitted = self.precompiler.stats["submitted"]
+        bucket, part, masks = self._select(part)
+        if bucket.first_call_s is None:  # its kernels to the compile workers before the first stage runs
+            self.precompile_stages(bucket, self._building_stages(bucket))
+            bucket.precompiled_kernels += self.precompiler.stats["submitted"] - submitted
+        rows = slice(s, s + self.fast.batch_buckets[-1])
+        self._fill_images(bucket, part)
+        mark("images")
+        if self.early_vision:  # vision reads only the images: it runs while the host lays out the rest
+            self.run_stage(bucket, "vision")
+            mark("vision")
+        self._fill_rest(bucket, part, masks, noise[rows], None if step_noise is None else step_noise[rows],
+                        stochastic[rows])
+        mark("prepare")
+        if not self.early_vision:
+            self.run_stage(bucket, "vision")
+            mark("vision")
+        if bucket.overlap is None:  # overlap "auto" at the bucket's first call: the faster way on these inputs
+            bucket.overlap = overlap.pick(self, bucket)
+        for stage in self.call_stages(bucket)[1:]:  # after vision
+            self.run_stage(bucket, stage)
+            mark(stage)
+        return bucket, part, masks
 
     def _record_first_call(self, bucket: Bucket, started: float) -> None:
         """The building call's wall time into the bucket, and one log line saying where it went: on an empty

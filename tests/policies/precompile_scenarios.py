@@ -73,9 +73,10 @@ def fake_driver() -> dict:
     out["on_disk_before"] = [precompile.on_disk(kernel, s) for s in unique]
 
     pc = precompile.Precompiler(2)
-    out["ahead"] = pc.ahead(lambda: launch(16), lambda: launch(32))
+    out["ahead"] = pc.ahead(lambda: launch(16), lambda: launch(32))  # no session: waits for both
     out["compiled"] = pc.compiled
     out["pool_closed"] = pc._pool is None
+    out["stats"] = dict(pc.stats)
     out["on_disk_after"] = [precompile.on_disk(kernel, s) for s in unique]
     hits = []
     triton.knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
@@ -84,16 +85,24 @@ def fake_driver() -> dict:
     out["ahead_again"] = pc.ahead(lambda: launch(32))
     out["pool_after_hit"] = pc._pool is None
 
-    with pc.session():
+    with pc.session():  # ahead only submits; the launch waits for its kernel, then loads it from the cache
         first = pc.ahead(lambda: launch(64))
         pool = pc._pool
+        hits.clear()
+        launch(64, warmup=True)
+        out["session_launch_hit"] = hits
+        out["session_waited"] = pc.stats["wait_s"] > 0
         bad = precompile.KernelSpec("policies.fast.skinny", "_kernel.<locals>.no_such_kernel", unique[0].data,
                                     unique[0].target)
-        pc._compile([bad])  # a worker's failure logs and is not counted
+        pc._submit(bad)  # a worker's failure logs and is not counted
+        pc._wait(bad)
         out["session_pool_kept"] = pool is not None and pc._pool is pool
+        pc.ahead(lambda: launch(128))  # still compiling when the session ends: cut off quietly
     out["session"] = first
     out["compiled_after_failure"] = pc.compiled
-    out["pool_closed_after_session"] = pc._pool is None
+    out["failed"] = pc.stats["failed"]
+    out["pool_closed_after_session"] = pc._pool is None and not pc._pending
+    out["hook_restored"] = triton.knobs.runtime.jit_cache_hook is None
     out["resolved"] = precompile.resolve_kernel("policies.fast.kernels",
                                                 "_triton_kernels.<locals>.flow_step_kernel").fn.__name__
     try:
