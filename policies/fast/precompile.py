@@ -164,7 +164,12 @@ def compile_spec(spec: KernelSpec) -> float:
     started = time.perf_counter()
     kernel = resolve_kernel(spec.module, spec.qualname)
     src, target, _, options = source_and_options(kernel, spec)
-    triton.compile(src, target=target, options=options.__dict__)
+    compiled = triton.compile(src, target=target, options=options.__dict__)
+    if target.backend == "cuda":  # the kernel's C launcher too (a gcc build per signature, cached beside it)
+        with contextlib.suppress(Exception):  # then the first launch builds it, as without workers
+            from triton.backends.nvidia.driver import CudaLauncher
+
+            CudaLauncher(src, compiled.metadata)
     return time.perf_counter() - started
 
 
@@ -190,6 +195,7 @@ class WorkerPool:
             self.idle.put(i)
         self.threads = ThreadPoolExecutor(size)
         self.closing = False
+        self.started = time.perf_counter()
 
     def compile(self, spec: KernelSpec) -> float:
         """Compile `spec` on the next idle worker; returns its seconds, raises with the worker's error."""
@@ -262,7 +268,7 @@ class Precompiler:
         self._pending: dict[KernelSpec, object] = {}  # spec -> Future of its compile
         self.compiled = 0  # kernels the workers compiled, over this object's life
         self.stats = {"traces": 0, "specs": 0, "submitted": 0, "failed": 0, "trace_s": 0.0, "check_s": 0.0,
-                      "wait_s": 0.0, "worker_s": 0.0}
+                      "wait_s": 0.0, "worker_s": 0.0, "first_result_s": 0.0}
 
     @contextlib.contextmanager
     def session(self):
@@ -342,6 +348,8 @@ class Precompiler:
         if error is None:
             self.compiled += 1
             self._count(worker_s=future.result())
+            if self.compiled == 1 and self._pool is not None:  # the workers' start-up shows here
+                self.stats["first_result_s"] = time.perf_counter() - self._pool.started
         else:  # the launch compiles it in-process and raises there if the kernel is broken
             self._count(failed=1)
             logger.warning("precompile: a worker failed on %s (%s: %s); it compiles at its launch", spec.name,

@@ -337,12 +337,31 @@ class FastSampler:
         bucket.host_pack = torch.empty(pack.numel(), dtype=torch.long, pin_memory=dev.type == "cuda")
         full = torch.full((batch,), p, dtype=torch.int32)
         heads = cfg.prefix.num_heads
+        self._precompile_early(bucket, (batch, p, h, rows, heads, kv, hd), full)
         bucket.prefix_attn = self.selector.build("prefix", batch, p, rows, heads, kv, hd, self.dtype, dev, full)
         bucket.expert_attn = self.selector.build("expert", batch, h, rows, heads, kv, hd, self.dtype, dev, full)
         if hasattr(bucket.expert_attn, "pdl"):
             bucket.expert_attn.pdl = self._pdl_for(bucket)
         self.buckets[key] = bucket
         return bucket
+
+    def _precompile_early(self, bucket: Bucket, shape: tuple, full: Tensor) -> None:
+        """With compile workers: the call's stages traced with the Triton attention the selector is about to
+        time (its pick wherever Triton runs), so that all of a new bucket's kernels go to the workers at once
+        instead of the stages' waiting for the selector's timings. `shape` = (batch, prefix, chunk, rows,
+        heads, kv heads, head dim)."""
+        if not self.precompiler.workers or self.selector.policy not in ("auto", "triton"):
+            return
+        batch, p, h, rows, heads, kv, hd = shape
+        made = [self.selector.candidates(batch, queries, rows, heads, kv, hd, self.dtype, self.device, stage)
+                .get("triton") for stage, queries in (("prefix", p), ("expert", h))]
+        if None in made:
+            return
+        bucket.prefix_attn, bucket.expert_attn = (make() for make in made)
+        bucket.expert_attn.pdl = self._pdl_for(bucket)
+        for attention in (bucket.prefix_attn, bucket.expert_attn):
+            attention.plan(full)
+        self.precompile_stages(bucket, self._building_stages(bucket))
 
     def _plan_mlp(self, bucket: Bucket, rows: int) -> None:
         """The expert MLP fused into one launch where `policy.fast.mlp` and the tiles allow (fused_mlp.py):
