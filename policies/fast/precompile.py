@@ -15,6 +15,7 @@ process recorded.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import importlib
@@ -25,6 +26,7 @@ import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +35,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-AUTO_MAX_WORKERS = 8  # compile_workers -1: min(this, CPUs - 1); a bucket has ~40 kernels of ~0.3-1 s each
+AUTO_MAX_WORKERS = 8  # compile_workers -1: min(this, CPUs - 1); a bucket has ~20-30 kernels of ~0.3-2 s each
+MIN_TO_SPAWN = 8  # missing kernels that justify starting the workers (~4 s); fewer compile in-process
+KEEP_ALIVE_S = 60.0  # idle workers are killed this long after the last session: the next new bucket reuses them
+_SHARED: dict[int, Precompiler] = {}
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,14 @@ class KernelSpec:
     @property
     def name(self) -> str:
         return self.qualname.rsplit(".", 1)[-1]
+
+
+def shared(workers: int) -> Precompiler:
+    """This process's Precompiler with `workers` workers: the samplers of one process share one pool."""
+    if workers not in _SHARED:
+        _SHARED[workers] = Precompiler(workers)
+        atexit.register(_SHARED[workers].close)
+    return _SHARED[workers]
 
 
 def resolve_workers(requested: int) -> int:
@@ -196,6 +209,7 @@ class WorkerPool:
         self.threads = ThreadPoolExecutor(size)
         self.closing = False
         self.started = time.perf_counter()
+        self.results = 0  # compiles finished
 
     def compile(self, spec: KernelSpec) -> float:
         """Compile `spec` on the next idle worker; returns its seconds, raises with the worker's error."""
@@ -252,32 +266,38 @@ def _spec_from_json(line: str) -> KernelSpec:
 
 
 class Precompiler:
-    """The compile workers of one process (the pool is spawned at the first cache miss and lives for the
-    outermost `session()`), what they were given and how long the launching process waited for them.
+    """The compile workers of one process (`shared`: every sampler of the process uses the same), what they
+    were given and how long the launching processes waited for them.
 
-    Inside a session `ahead` only submits: the launching process goes on (the attention choice, the graphs'
-    warm-up runs), and a launch whose kernel a worker is still compiling waits for that one kernel (Triton's
-    jit_cache_hook), then loads it from the cache. Kernels are submitted in launch order, so the first
-    needed are the first compiled. Outside a session `ahead` waits for all it submitted."""
+    The pool is spawned when a trace finds at least MIN_TO_SPAWN kernels missing from the cache (fewer
+    compile in-process: the workers' start-up, ~4 s on the H200, would cost more) and is killed KEEP_ALIVE_S
+    after the last session ends, so that the next new bucket finds it running. Inside a session `ahead` only
+    submits: the launching process goes on (the attention choice, the graphs' warm-up runs), and a launch
+    whose kernel a worker is still compiling waits for that one kernel (Triton's jit_cache_hook), then loads
+    it from the cache. Kernels are submitted in launch order, so the first needed are the first compiled.
+    Outside a session `ahead` waits for all it submitted."""
 
     def __init__(self, workers: int):
         self.workers = workers
         self._pool: WorkerPool | None = None
+        self._lock = threading.Lock()  # the pool between the launching thread and the keep-alive timer
+        self._timer: threading.Timer | None = None
         self._session = 0
         self._hook_before = None
-        self._pending: dict[KernelSpec, object] = {}  # spec -> Future of its compile
+        self._pending: dict[KernelSpec, object] = {}  # spec -> Future of its compile, until it is done
         self.compiled = 0  # kernels the workers compiled, over this object's life
-        self.stats = {"traces": 0, "specs": 0, "submitted": 0, "failed": 0, "trace_s": 0.0, "check_s": 0.0,
-                      "wait_s": 0.0, "worker_s": 0.0, "first_result_s": 0.0}
+        self.stats = {"traces": 0, "specs": 0, "submitted": 0, "failed": 0, "spawned": 0, "trace_s": 0.0,
+                      "check_s": 0.0, "wait_s": 0.0, "worker_s": 0.0, "first_result_s": 0.0}
 
     @contextlib.contextmanager
     def session(self):
-        """One pool for everything inside (e.g. a new bucket's whole first call); its end kills the workers
-        (a kernel still compiling then was traced but never launched)."""
+        """Launches inside wait for their kernels' pending compiles (e.g. a new bucket's whole first call)."""
         outermost = self._session == 0 and self.workers > 0
         if outermost:
             from triton import knobs
 
+            if self._timer is not None:
+                self._timer.cancel()
             self._hook_before, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, self._wait_hook
         self._session += 1
         try:
@@ -288,7 +308,14 @@ class Precompiler:
                 from triton import knobs
 
                 knobs.runtime.jit_cache_hook = self._hook_before
-                self.close()
+                if self._pool is not None:
+                    self._timer = threading.Timer(KEEP_ALIVE_S, self._close_if_idle)
+                    self._timer.daemon = True
+                    self._timer.start()
+
+    def _close_if_idle(self) -> None:
+        if not self._session:
+            self.close()
 
     def ahead(self, *fns) -> int:
         """Run each of `fns` with Triton's compiling launches skipped, and give the workers what they would
@@ -306,6 +333,8 @@ class Precompiler:
             missing = self._missing(specs)
             self._count(traces=1, specs=len(specs), submitted=len(missing), trace_s=checked - started,
                         check_s=time.perf_counter() - checked)
+            if self._pool is None and len(missing) < MIN_TO_SPAWN:
+                return 0  # they compile in-process at their launches
             for spec in missing:
                 self._submit(spec)
             if self._session == 1:  # no session around this call: nothing would wait for them otherwise
@@ -333,13 +362,16 @@ class Precompiler:
     def _submit(self, spec: KernelSpec) -> None:
         from policies.fast.config import triton_cache_dir
 
-        if self._pool is None:
-            self._pool = WorkerPool(self.workers, str(triton_cache_dir()))
-        future = self._pool.threads.submit(self._pool.compile, spec)
+        with self._lock:
+            if self._pool is None:
+                self._pool = WorkerPool(self.workers, str(triton_cache_dir()))
+                self._count(spawned=1)
+            future = self._pool.threads.submit(self._pool.compile, spec)
         self._pending[spec] = future
         future.add_done_callback(lambda f, spec=spec: self._done(spec, f))
 
     def _done(self, spec: KernelSpec, future) -> None:
+        self._pending.pop(spec, None)
         if future.cancelled():
             return
         error = future.exception()
@@ -348,8 +380,11 @@ class Precompiler:
         if error is None:
             self.compiled += 1
             self._count(worker_s=future.result())
-            if self.compiled == 1 and self._pool is not None:  # the workers' start-up shows here
-                self.stats["first_result_s"] = time.perf_counter() - self._pool.started
+            pool = self._pool
+            if pool is not None and not pool.results:  # the workers' start-up shows here
+                self._count(first_result_s=time.perf_counter() - pool.started)
+            if pool is not None:
+                pool.results += 1
         else:  # the launch compiles it in-process and raises there if the kernel is broken
             self._count(failed=1)
             logger.warning("precompile: a worker failed on %s (%s: %s); it compiles at its launch", spec.name,
@@ -374,9 +409,13 @@ class Precompiler:
         return None
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        """Kill the workers now (a compile in flight was traced but never waited for)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            if self._timer is not None:
+                self._timer.cancel()
+        if pool is not None:
+            pool.close()
         self._pending.clear()
         if self.stats["submitted"]:
             logger.info("precompile: %d Triton kernels given to %d worker processes (%d failed), %.1f s of their "

@@ -30,7 +30,7 @@ from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, ge
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig, triton_cache_dir, triton_interpreting
-from policies.fast.precompile import Precompiler, resolve_workers
+from policies.fast.precompile import Precompiler, resolve_workers, shared
 from policies.fast.weights import FastWeights
 from policies.models.gemma import rope_cos_sin
 
@@ -75,7 +75,8 @@ class FastSampler:
         self.num_steps = self.cfg.sampling.num_steps
         self.w = FastWeights(model, self.dtype, self.num_steps, fast_cfg.precision, tuple(fast_cfg.fp8_gemms))
         cuda_triton = self.device.type == "cuda" and not triton_interpreting()
-        self.precompiler = Precompiler(resolve_workers(fast_cfg.compile_workers) if cuda_triton else 0)
+        workers = resolve_workers(fast_cfg.compile_workers) if cuda_triton else 0
+        self.precompiler = shared(workers) if workers else Precompiler(0)
         self.selector = AttentionSelector(fast_cfg.attention, fast_cfg.attention_profile_path,
                                           precompiler=self.precompiler)
         self.buckets: dict[tuple[int, int], Bucket] = {}

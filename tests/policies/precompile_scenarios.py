@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 
 def _skinny_launcher():
@@ -72,22 +73,26 @@ def fake_driver() -> dict:
     unique = list(dict.fromkeys(specs))
     out["on_disk_before"] = [precompile.on_disk(kernel, s) for s in unique]
 
+    few = precompile.Precompiler(2)  # fewer missing kernels than MIN_TO_SPAWN: left to their launches
+    out["few_ahead"] = few.ahead(lambda: launch(16))
+    out["few_spawned"] = few.stats["spawned"]
+
+    precompile.MIN_TO_SPAWN, precompile.KEEP_ALIVE_S = 1, 2.0
     pc = precompile.Precompiler(2)
-    out["ahead"] = pc.ahead(lambda: launch(16), lambda: launch(32))  # no session: waits for both
+    out["ahead"] = pc.ahead(lambda: launch(16), lambda: launch(32))  # no session around: waits for both
     out["compiled"] = pc.compiled
-    out["pool_closed"] = pc._pool is None
+    out["pool_kept_alive"] = pc._pool is not None
     out["stats"] = dict(pc.stats)
     out["on_disk_after"] = [precompile.on_disk(kernel, s) for s in unique]
     hits = []
     triton.knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
     launch(16, warmup=True)
     out["in_process_cache_hits"] = hits
+    pool = pc._pool
     out["ahead_again"] = pc.ahead(lambda: launch(32))
-    out["pool_after_hit"] = pc._pool is None
 
     with pc.session():  # ahead only submits; the launch waits for its kernel, then loads it from the cache
         first = pc.ahead(lambda: launch(64))
-        pool = pc._pool
         hits.clear()
         launch(64, warmup=True)
         out["session_launch_hit"] = hits
@@ -96,13 +101,17 @@ def fake_driver() -> dict:
                                     unique[0].target)
         pc._submit(bad)  # a worker's failure logs and is not counted
         pc._wait(bad)
-        out["session_pool_kept"] = pool is not None and pc._pool is pool
-        pc.ahead(lambda: launch(128))  # still compiling when the session ends: cut off quietly
+    out["pool_reused"] = pool is not None and pc._pool is pool and pc.stats["spawned"] == 1
     out["session"] = first
     out["compiled_after_failure"] = pc.compiled
     out["failed"] = pc.stats["failed"]
-    out["pool_closed_after_session"] = pc._pool is None and not pc._pending
     out["hook_restored"] = triton.knobs.runtime.jit_cache_hook is None
+    time.sleep(precompile.KEEP_ALIVE_S + 2.0)
+    out["pool_closed_when_idle"] = pc._pool is None and not pc._pending
+    with pc.session():
+        pc.ahead(lambda: launch(128))  # still compiling at close: cut off quietly
+    pc.close()
+    out["closed_now"] = pc._pool is None and pc.stats["failed"] == 1
     out["resolved"] = precompile.resolve_kernel("policies.fast.kernels",
                                                 "_triton_kernels.<locals>.flow_step_kernel").fn.__name__
     try:

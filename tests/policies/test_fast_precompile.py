@@ -34,18 +34,22 @@ def test_recorded_launches_compile_in_workers_and_load_from_the_cache(tmp_path):
     assert out["recorded"] == 2 and out["distinct"] == 2
     assert out["launch_returned"] == [True, False, True] and out["compiled_in_process"] == 0
     assert out["hook_removed"]
+    # one missing kernel is left to its launch (starting the workers would cost more)
+    assert out["few_ahead"] == 0 and out["few_spawned"] == 0
     # the workers compile both into the cache; the in-process compile is then a cache hit
     assert out["on_disk_before"] == [False, False]
-    assert out["ahead"] == 2 and out["compiled"] == 2 and out["pool_closed"]
+    assert out["ahead"] == 2 and out["compiled"] == 2 and out["pool_kept_alive"]
     assert out["on_disk_after"] == [True, True]
     assert out["in_process_cache_hits"] == [True]
-    # a specialization already on disk starts no pool; a session keeps one pool over several calls
-    assert out["ahead_again"] == 0 and out["pool_after_hit"]
-    assert out["session"] == 1 and out["session_pool_kept"]
-    assert out["session_launch_hit"] == [True] and out["session_waited"]
-    assert out["compiled_after_failure"] == 3 and out["failed"] == 1
-    assert out["pool_closed_after_session"] and out["hook_restored"]
     assert out["stats"]["traces"] == 1 and out["stats"]["specs"] == 2 and out["stats"]["submitted"] == 2
+    # a specialization already on disk is not submitted; a session reuses the running pool, its launches wait
+    # for their kernels; a worker's failure is counted, not raised
+    assert out["ahead_again"] == 0
+    assert out["session"] == 1 and out["pool_reused"]
+    assert out["session_launch_hit"] == [True] and out["session_waited"]
+    assert out["compiled_after_failure"] == 3 and out["failed"] == 1 and out["hook_restored"]
+    # idle workers are killed KEEP_ALIVE_S after the last session; close() kills them at once, quietly
+    assert out["pool_closed_when_idle"] and out["closed_now"]
     # kernels built by factories resolve by qualified name; a missing one is named
     assert out["resolved"] == "flow_step_kernel"
     assert "no_such" in out["resolve_error"] and "_triton_kernels()" in out["resolve_error"]
