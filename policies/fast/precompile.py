@@ -6,11 +6,13 @@ Threads would not help: Triton compiles in the launching thread and holds the GI
 
 `Precompiler.ahead(fn)` runs `fn` once with every launch of a kernel that this process has not compiled yet
 skipped and recorded (Triton's `jit_cache_hook`: such launches neither compile nor run; torch's own ops run as
-usual, on whatever the buffers hold), compiles the recorded specializations that Triton's on-disk cache lacks
-in a pool of spawned processes, into that same cache, and returns. `fn`'s real run then loads each kernel from
-the cache. A worker's failure only logs a warning: the launch then compiles in-process as it always did, and
-raises there if the kernel is broken. Workers never touch the GPU: they compile for the target the launching
-process recorded.
+usual, on whatever the buffers hold) and gives the recorded specializations that Triton's on-disk cache lacks
+to worker processes, which compile them (and their C launchers) into that same cache. Inside a `session()`
+the launching process goes on at once, and a launch whose kernel is still compiling waits for that kernel
+only, then loads it from the cache (round 24 in docs/predict.md: PhyAI b1's first call 17.5 -> 9.8 s). A
+worker's failure only logs a warning: the launch then compiles in-process as it always did, and raises there
+if the kernel is broken. Workers never touch the GPU: they compile for the target the launching process
+recorded.
 """
 
 from __future__ import annotations
@@ -292,18 +294,20 @@ class Precompiler:
     @contextlib.contextmanager
     def session(self):
         """Launches inside wait for their kernels' pending compiles (e.g. a new bucket's whole first call)."""
-        outermost = self._session == 0 and self.workers > 0
+        with self._lock:  # against the keep-alive timer's close
+            outermost = self._session == 0 and self.workers > 0
+            self._session += 1
+            if outermost and self._timer is not None:
+                self._timer.cancel()
         if outermost:
             from triton import knobs
 
-            if self._timer is not None:
-                self._timer.cancel()
             self._hook_before, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, self._wait_hook
-        self._session += 1
         try:
             yield self
         finally:
-            self._session -= 1
+            with self._lock:
+                self._session -= 1
             if outermost:
                 from triton import knobs
 
@@ -314,8 +318,7 @@ class Precompiler:
                     self._timer.start()
 
     def _close_if_idle(self) -> None:
-        if not self._session:
-            self.close()
+        self.close(only_if_idle=True)
 
     def ahead(self, *fns) -> int:
         """Run each of `fns` with Triton's compiling launches skipped, and give the workers what they would
@@ -331,10 +334,10 @@ class Precompiler:
                     fn()
             checked = time.perf_counter()
             missing = self._missing(specs)
-            self._count(traces=1, specs=len(specs), submitted=len(missing), trace_s=checked - started,
-                        check_s=time.perf_counter() - checked)
+            self._count(traces=1, specs=len(specs), trace_s=checked - started, check_s=time.perf_counter() - checked)
             if self._pool is None and len(missing) < MIN_TO_SPAWN:
                 return 0  # they compile in-process at their launches
+            self._count(submitted=len(missing))
             for spec in missing:
                 self._submit(spec)
             if self._session == 1:  # no session around this call: nothing would wait for them otherwise
@@ -408,9 +411,12 @@ class Precompiler:
             return self._hook_before(fn=fn, compile=compile, **kwargs)
         return None
 
-    def close(self) -> None:
-        """Kill the workers now (a compile in flight was traced but never waited for)."""
+    def close(self, only_if_idle: bool = False) -> None:
+        """Kill the workers now (a compile in flight was traced but never waited for); `only_if_idle`: unless
+        a session is open (the keep-alive timer fired as one began)."""
         with self._lock:
+            if only_if_idle and self._session:
+                return
             pool, self._pool = self._pool, None
             if self._timer is not None:
                 self._timer.cancel()

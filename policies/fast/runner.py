@@ -63,7 +63,7 @@ class Bucket:
     vision_gemms: dict = field(default_factory=dict)  # SigLIP GEMM -> gemm_search.Pick or None: torch's call
     first_call_s: float | None = None  # wall time of the call that built it (compile, capture, searches)
     precompiled: set = field(default_factory=set)  # stages whose Triton kernels went through precompile.py
-    precompiled_kernels: int = 0  # kernels the compile workers built for this bucket (attention choice, stages)
+    precompiled_kernels: int = 0  # kernels given to the compile workers for this bucket (attention choice, stages)
 
 
 class FastSampler:
