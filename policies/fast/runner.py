@@ -182,7 +182,7 @@ class FastSampler:
             torch.cuda.synchronize(self.device)
         bucket.first_call_s = time.perf_counter() - started
         logger.info("fast path: bucket (batch %d, prompt %d, camera bits %d) built by its first call in %.1f s "
-                    "(Triton kernels compiled or loaded from %s, %d compiled ahead by %d worker processes, CUDA "
+                    "(Triton kernels compiled or loaded from %s, %d of them given to %d compile workers, CUDA "
                     "graphs %s, overlap %s)", bucket.batch, bucket.prompt_len, bucket.cam_bits, bucket.first_call_s,
                     triton_cache_dir(), bucket.precompiled_kernels, self.precompiler.workers,
                     "captured" if self.use_graphs else "off", bucket.overlap)
