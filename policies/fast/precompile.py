@@ -287,9 +287,11 @@ class Precompiler:
         self._session = 0
         self._hook_before = None
         self._pending: dict[KernelSpec, object] = {}  # spec -> Future of its compile, until it is done
-        self.compiled = 0  # kernels the workers compiled, over this object's life
-        self.stats = {"traces": 0, "specs": 0, "submitted": 0, "failed": 0, "spawned": 0, "trace_s": 0.0,
-                      "check_s": 0.0, "wait_s": 0.0, "worker_s": 0.0, "first_result_s": 0.0}
+        # over this object's life: traces run, specializations they recorded, kernels submitted / compiled /
+        # failed by the workers, pools spawned, and seconds (traces, cache checks, waits, worker compiles, the
+        # workers' start-up up to their first result)
+        self.stats = {"traces": 0, "specs": 0, "submitted": 0, "compiled": 0, "failed": 0, "spawned": 0,
+                      "trace_s": 0.0, "check_s": 0.0, "wait_s": 0.0, "worker_s": 0.0, "first_result_s": 0.0}
 
     @contextlib.contextmanager
     def session(self):
@@ -381,8 +383,7 @@ class Precompiler:
         if isinstance(error, PoolClosed):
             return
         if error is None:
-            self.compiled += 1
-            self._count(worker_s=future.result())
+            self._count(compiled=1, worker_s=future.result())
             pool = self._pool
             if pool is not None and not pool.results:  # the workers' start-up shows here
                 self._count(first_result_s=time.perf_counter() - pool.started)

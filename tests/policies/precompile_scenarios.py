@@ -80,7 +80,7 @@ def fake_driver() -> dict:
     precompile.MIN_TO_SPAWN, precompile.KEEP_ALIVE_S = 1, 2.0
     pc = precompile.Precompiler(2)
     out["ahead"] = pc.ahead(lambda: launch(16), lambda: launch(32))  # no session around: waits for both
-    out["compiled"] = pc.compiled
+    out["compiled"] = pc.stats["compiled"]
     out["pool_kept_alive"] = pc._pool is not None
     out["stats"] = dict(pc.stats)
     out["on_disk_after"] = [precompile.on_disk(kernel, s) for s in unique]
@@ -103,7 +103,7 @@ def fake_driver() -> dict:
         pc._wait(bad)
     out["pool_reused"] = pool is not None and pc._pool is pool and pc.stats["spawned"] == 1
     out["session"] = first
-    out["compiled_after_failure"] = pc.compiled
+    out["compiled_after_failure"] = pc.stats["compiled"]
     out["failed"] = pc.stats["failed"]
     out["hook_restored"] = triton.knobs.runtime.jit_cache_hook is None
     time.sleep(precompile.KEEP_ALIVE_S + 2.0)
