@@ -205,17 +205,25 @@ class WorkerPool:
         self.procs = [subprocess.Popen([sys.executable, "-m", "policies.fast.precompile"], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, stderr=log, text=True, env=env)
                       for log in self.logs]
-        self.idle: queue.Queue = queue.Queue()
+        self.idle: queue.Queue = queue.Queue()  # worker indices; None once every worker is dead
         for i in range(size):
             self.idle.put(i)
+        self.live, self.last_death = size, ""
+        self._deaths = threading.Lock()
         self.threads = ThreadPoolExecutor(size)
         self.closing = False
         self.started = time.perf_counter()
         self.results = 0  # compiles finished
 
     def compile(self, spec: KernelSpec) -> float:
-        """Compile `spec` on the next idle worker; returns its seconds, raises with the worker's error."""
+        """Compile `spec` on the next idle worker; returns its seconds, raises with the worker's error. A dead
+        worker fails the compile sent to it and leaves the pool; with none left every compile fails at once."""
         i = self.idle.get()
+        if i is None:  # every worker is dead, or the pool closes: pass the mark on to the next compile waiting
+            self.idle.put(None)
+            if self.closing:
+                raise PoolClosed(spec.name)
+            raise RuntimeError(f"every compile worker exited; the last one: {self.last_death}")
         proc = self.procs[i]
         try:
             proc.stdin.write(json.dumps(asdict(spec)) + "\n")
@@ -227,8 +235,14 @@ class WorkerPool:
             raise PoolClosed(spec.name)
         if not line:
             self.logs[i].seek(0)
-            raise RuntimeError(f"compile worker {proc.pid} exited ({proc.poll()}): "
-                               + self.logs[i].read()[-2000:].decode(errors="replace"))
+            message = (f"compile worker {proc.pid} exited ({proc.wait()}): "
+                       + self.logs[i].read()[-2000:].decode(errors="replace"))
+            with self._deaths:
+                self.live -= 1
+                self.last_death = message
+                if not self.live:
+                    self.idle.put(None)
+            raise RuntimeError(message)
         self.idle.put(i)
         result = json.loads(line)
         if "error" in result:
@@ -241,6 +255,7 @@ class WorkerPool:
         self.closing = True
         for proc in self.procs:
             proc.kill()
+        self.idle.put(None)  # wakes a compile waiting for a worker that a death took out of the pool
         self.threads.shutdown(wait=True, cancel_futures=True)
         for proc, log in zip(self.procs, self.logs):
             proc.wait()

@@ -67,3 +67,24 @@ def test_off_means_no_trace():
     calls = []
     assert precompile.Precompiler(0).ahead(lambda: calls.append(1)) == 0
     assert calls == []
+
+
+def test_a_pool_whose_workers_all_died_fails_every_compile_instead_of_hanging(tmp_path):
+    """Each dead worker fails the compile sent to it, with its stderr; once none is left, the compiles still
+    queued fail too (the launches waiting on them then compile in-process) rather than waiting forever."""
+    pool = precompile.WorkerPool(2, str(tmp_path / "cache"))
+    try:
+        for proc in pool.procs:
+            proc.kill()
+            proc.wait()
+        spec = precompile.KernelSpec("policies.fast.skinny", "_kernel.<locals>.skinny_kernel", "{}", ("cuda", 90, 32))
+        futures = [pool.threads.submit(pool.compile, spec) for _ in range(5)]
+        messages = []
+        for future in futures:
+            with pytest.raises(RuntimeError) as failure:
+                future.result(timeout=60)
+            messages.append(str(failure.value))
+        assert sum(m.startswith("compile worker ") and " exited (" in m for m in messages) == 2
+        assert sum(m.startswith("every compile worker exited; the last one: compile worker ") for m in messages) == 3
+    finally:
+        pool.close()
