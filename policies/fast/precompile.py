@@ -12,7 +12,8 @@ the launching process goes on at once, and a launch whose kernel is still compil
 only, then loads it from the cache (round 24 in docs/predict.md: PhyAI b1's first call 17.5 -> 9.8 s). A
 worker's failure only logs a warning: the launch then compiles in-process as it always did, and raises there
 if the kernel is broken. Workers never touch the GPU: they compile for the target the launching process
-recorded.
+recorded, and they import the kernel modules without torch (compile_worker.py: round 25, a worker's start-up
+~3.7 -> ~? s).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class KernelSpec:
     qualname: str  # e.g. "_kernel.<locals>.skinny_kernel": a module function, or one a factory there returns
     data: str  # Triton's specialization JSON (signature, constexprs, attributes, options)
     target: tuple  # (backend, arch, warp_size) of the launching device
+    key: str  # the kernel's JITFunction cache key in the launching process (its source and the globals it reads)
 
     @property
     def name(self) -> str:
@@ -75,8 +77,8 @@ def resolve_workers(requested: int) -> int:
 def spec_of(fn, compile: dict) -> KernelSpec:
     """The KernelSpec of a compile request as Triton's jit_cache_hook describes it."""
     target = fn.jit_function.device_caches[compile["device"]][2]
-    return KernelSpec(fn.module, fn.name, compile["specialization_data"], (target.backend, target.arch,
-                                                                            target.warp_size))
+    return KernelSpec(fn.module, fn.name, compile["specialization_data"],
+                      (target.backend, target.arch, target.warp_size), fn.jit_function.cache_key)
 
 
 class _Skipped:
@@ -172,12 +174,34 @@ def on_disk(kernel, spec: KernelSpec) -> bool:
     return bool(group) and f"{src.name[:150]}.json" in group
 
 
-def compile_spec(spec: KernelSpec) -> float:
-    """In a worker: compile `spec` into Triton's cache; returns seconds."""
+def resolve_checked(spec: KernelSpec, real_imports=None):
+    """(`spec`'s kernel, whether `real_imports` ran): the kernel must have the launching process's cache key,
+    or it would compile into another cache entry than the one the launch looks up. `real_imports` is a
+    worker's way back from compile_worker.py's torch-free imports: it runs, once, when the kernel fails to
+    import or has another key there."""
+    try:
+        kernel = resolve_kernel(spec.module, spec.qualname)
+        if kernel.cache_key == spec.key:
+            return kernel, False
+        problem = "another cache key"
+    except Exception as exc:
+        if real_imports is None:
+            raise
+        problem = f"{type(exc).__name__}: {exc}"
+    if real_imports is not None:
+        logger.warning("compile worker: %s without torch gave %s; importing torch", spec.name, problem)
+        real_imports()
+        return resolve_checked(spec)[0], True
+    raise RuntimeError(f"{spec.name} has another cache key here than in the launching process: its source, or a "
+                       "global it reads, differs")
+
+
+def compile_spec(spec: KernelSpec, real_imports=None) -> dict:
+    """In a worker: compile `spec` into Triton's cache; returns {"seconds", "imported_torch"}."""
     import triton
 
     started = time.perf_counter()
-    kernel = resolve_kernel(spec.module, spec.qualname)
+    kernel, imported_torch = resolve_checked(spec, real_imports)
     src, target, _, options = source_and_options(kernel, spec)
     compiled = triton.compile(src, target=target, options=options.__dict__)
     if target.backend == "cuda":  # the kernel's C launcher too (a gcc build per signature, cached beside it)
@@ -185,7 +209,7 @@ def compile_spec(spec: KernelSpec) -> float:
             from triton.backends.nvidia.driver import CudaLauncher
 
             CudaLauncher(src, compiled.metadata)
-    return time.perf_counter() - started
+    return {"seconds": time.perf_counter() - started, "imported_torch": imported_torch}
 
 
 class PoolClosed(Exception):
@@ -193,18 +217,17 @@ class PoolClosed(Exception):
 
 
 class WorkerPool:
-    """`size` processes running this module's `worker_main`: one spec a line in on stdin, one result line out.
-    Plain subprocesses, not multiprocessing's spawn, so that the launching program's main module is never
-    imported again (a script without a `__main__` guard would otherwise run itself in every worker)."""
+    """`size` processes running compile_worker.py (this module's `worker_main` over torch-free imports): one
+    spec a line in on stdin, one result line out. Plain subprocesses, not multiprocessing's spawn, so that the
+    launching program's main module is never imported again (a script without a `__main__` guard would
+    otherwise run itself in every worker)."""
 
     def __init__(self, size: int, cache_dir: str):
-        root = str(Path(__file__).resolve().parents[2])  # where `policies` imports from
-        env = {**os.environ, "TRITON_CACHE_DIR": cache_dir,
-               "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env = {**os.environ, "TRITON_CACHE_DIR": cache_dir}
+        script = str(Path(__file__).with_name("compile_worker.py"))
         self.logs = [tempfile.TemporaryFile() for _ in range(size)]
-        self.procs = [subprocess.Popen([sys.executable, "-m", "policies.fast.precompile"], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-                      for log in self.logs]
+        self.procs = [subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=log, text=True, env=env) for log in self.logs]
         self.idle: queue.Queue = queue.Queue()  # worker indices; None once every worker is dead
         for i in range(size):
             self.idle.put(i)
@@ -215,8 +238,8 @@ class WorkerPool:
         self.started = time.perf_counter()
         self.results = 0  # compiles finished
 
-    def compile(self, spec: KernelSpec) -> float:
-        """Compile `spec` on the next idle worker; returns its seconds, raises with the worker's error. A dead
+    def compile(self, spec: KernelSpec) -> dict:
+        """Compile `spec` on the next idle worker; returns compile_spec's result, raises with the worker's error. A dead
         worker fails the compile sent to it and leaves the pool; with none left every compile fails at once."""
         i = self.idle.get()
         if i is None:  # every worker is dead, or the pool closes: pass the mark on to the next compile waiting
@@ -247,7 +270,7 @@ class WorkerPool:
         result = json.loads(line)
         if "error" in result:
             raise RuntimeError(result["error"])
-        return result["seconds"]
+        return result
 
     def close(self) -> None:
         """Kill the workers (idle, starting, or compiling a kernel nobody waits for; Triton writes its cache
@@ -265,12 +288,14 @@ class WorkerPool:
             log.close()
 
 
-def worker_main() -> None:
-    """A compile worker's loop (`python -m policies.fast.precompile`): a KernelSpec JSON a line on stdin,
-    {"seconds": s} or {"error": traceback} a line on stdout, until stdin closes."""
+def worker_main(real_imports=None) -> None:
+    """A compile worker's loop (compile_worker.py): a KernelSpec JSON a line on stdin, compile_spec's result or
+    {"error": traceback} a line on stdout, until stdin closes. `real_imports`: see resolve_checked."""
     for line in sys.stdin:
         try:
-            reply = {"seconds": compile_spec(_spec_from_json(line))}
+            reply = compile_spec(_spec_from_json(line), real_imports)
+            if reply["imported_torch"]:
+                real_imports = None
         except Exception:  # noqa: BLE001 - reported to the launching process, which compiles it itself
             reply = {"error": traceback.format_exc()[-3000:]}
         sys.stdout.write(json.dumps(reply) + "\n")
@@ -279,7 +304,7 @@ def worker_main() -> None:
 
 def _spec_from_json(line: str) -> KernelSpec:
     fields = json.loads(line)
-    return KernelSpec(fields["module"], fields["qualname"], fields["data"], tuple(fields["target"]))
+    return KernelSpec(fields["module"], fields["qualname"], fields["data"], tuple(fields["target"]), fields["key"])
 
 
 class Precompiler:
@@ -303,10 +328,11 @@ class Precompiler:
         self._hook_before = None
         self._pending: dict[KernelSpec, object] = {}  # spec -> Future of its compile, until it is done
         # over this object's life: traces run, specializations they recorded, kernels submitted / compiled /
-        # failed by the workers, pools spawned, and seconds (traces, cache checks, waits, worker compiles, the
-        # workers' start-up up to their first result)
+        # failed by the workers, pools spawned, workers that had to import torch after all (compile_worker.py),
+        # and seconds (traces, cache checks, waits, worker compiles, the workers' start-up up to their first result)
         self.stats = {"traces": 0, "specs": 0, "submitted": 0, "compiled": 0, "failed": 0, "spawned": 0,
-                      "trace_s": 0.0, "check_s": 0.0, "wait_s": 0.0, "worker_s": 0.0, "first_result_s": 0.0}
+                      "torch_imports": 0, "trace_s": 0.0, "check_s": 0.0, "wait_s": 0.0, "worker_s": 0.0,
+                      "first_result_s": 0.0}
 
     @contextlib.contextmanager
     def session(self):
@@ -398,7 +424,8 @@ class Precompiler:
         if isinstance(error, PoolClosed):
             return
         if error is None:
-            self._count(compiled=1, worker_s=future.result())
+            result = future.result()
+            self._count(compiled=1, worker_s=result["seconds"], torch_imports=int(result["imported_torch"]))
             pool = self._pool
             if pool is not None and not pool.results:  # the workers' start-up shows here
                 self._count(first_result_s=time.perf_counter() - pool.started)
@@ -445,6 +472,3 @@ class Precompiler:
                         self.workers, self.stats["failed"], self.stats["worker_s"], self.stats["wait_s"],
                         self.stats["trace_s"], self.stats["check_s"])
 
-
-if __name__ == "__main__":
-    worker_main()

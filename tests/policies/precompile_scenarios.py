@@ -7,6 +7,9 @@ test process's interpreter mode nor its in-memory kernel caches leak in. Prints 
   ptxas; nothing is launched).
 - "first_call" (GPU): a tiny FastSampler's first call, every Triton compile of the process recorded by
   Triton's compilation listener; args: compile_workers.
+- "kernel_keys" (CPU): every Triton kernel of the fast path (the `@functools.cache` factories of
+  policies/fast that define `@triton.jit` kernels) with its JITFunction cache key; args: "real" imports, or
+  "without_torch" as a compile worker imports them (compile_worker.py).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def fake_driver() -> dict:
         out["session_launch_hit"] = hits
         out["session_waited"] = pc.stats["wait_s"] > 0
         bad = precompile.KernelSpec("policies.fast.skinny", "_kernel.<locals>.no_such_kernel", unique[0].data,
-                                    unique[0].target)
+                                    unique[0].target, unique[0].key)
         pc._submit(bad)  # a worker's failure logs and is not counted
         pc._wait(bad)
     out["pool_reused"] = pool is not None and pc._pool is pool and pc.stats["spawned"] == 1
@@ -112,6 +115,7 @@ def fake_driver() -> dict:
         pc.ahead(lambda: launch(128))  # still compiling at close: cut off quietly
     pc.close()
     out["closed_now"] = pc._pool is None and pc.stats["failed"] == 1
+    out["torch_imports"] = pc.stats["torch_imports"]  # the workers compiled without importing torch
     out["resolved"] = precompile.resolve_kernel("policies.fast.kernels",
                                                 "_triton_kernels.<locals>.flow_step_kernel").fn.__name__
     try:
@@ -149,7 +153,39 @@ def first_call(workers: str) -> dict:
             "in_process_hits": sum(hit for _, hit in during)}
 
 
-SCENARIOS = {"fake_driver": fake_driver, "first_call": first_call}
+def kernel_keys(imports: str) -> dict:
+    """{"module:qualname": cache key} of every kernel, and whether torch was a stand-in while they resolved."""
+    import importlib
+    import importlib.util
+    import inspect
+    import pkgutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("compile_worker", root / "policies/fast/compile_worker.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)  # by path: importing it as policies.fast.compile_worker would import torch
+    if imports == "without_torch":
+        worker.without_torch()
+    keys = {}
+    for info in pkgutil.iter_modules([str(root / "policies/fast")]):
+        name = f"policies.fast.{info.name}"
+        if "@triton.jit" not in (root / "policies/fast" / f"{info.name}.py").read_text():
+            continue  # not a kernel module (and it may need torch for real)
+        module = importlib.import_module(name)
+        for value in vars(module).values():
+            factory = getattr(value, "__wrapped__", None)
+            if factory is None or not hasattr(value, "cache_info") or inspect.signature(factory).parameters:
+                continue
+            if "@triton.jit" not in inspect.getsource(factory):
+                continue
+            made = value()
+            for kernel in made if isinstance(made, (tuple, list)) else (made,):
+                keys[f"{name}:{kernel.fn.__qualname__}"] = kernel.cache_key
+    return {"keys": keys, "torch_stood_in": worker.torch_is_stood_in()}
+
+
+SCENARIOS = {"fake_driver": fake_driver, "first_call": first_call, "kernel_keys": kernel_keys}
 
 if __name__ == "__main__":
     name, cache_dir, *rest = sys.argv[1:]

@@ -50,6 +50,8 @@ def test_recorded_launches_compile_in_workers_and_load_from_the_cache(tmp_path):
     assert out["compiled_after_failure"] == 3 and out["failed"] == 1 and out["hook_restored"]
     # idle workers are killed KEEP_ALIVE_S after the last session; close() kills them at once, quietly
     assert out["pool_closed_when_idle"] and out["closed_now"]
+    # the workers imported the kernel modules without torch and never needed it (compile_worker.py)
+    assert out["torch_imports"] == 0
     # kernels built by factories resolve by qualified name; a missing one is named
     assert out["resolved"] == "flow_step_kernel"
     assert "no_such" in out["resolve_error"] and "_triton_kernels()" in out["resolve_error"]
@@ -77,7 +79,8 @@ def test_a_pool_whose_workers_all_died_fails_every_compile_instead_of_hanging(tm
         for proc in pool.procs:
             proc.kill()
             proc.wait()
-        spec = precompile.KernelSpec("policies.fast.skinny", "_kernel.<locals>.skinny_kernel", "{}", ("cuda", 90, 32))
+        spec = precompile.KernelSpec("policies.fast.skinny", "_kernel.<locals>.skinny_kernel", "{}", ("cuda", 90, 32),
+                                     "")
         futures = [pool.threads.submit(pool.compile, spec) for _ in range(5)]
         messages = []
         for future in futures:
@@ -86,5 +89,35 @@ def test_a_pool_whose_workers_all_died_fails_every_compile_instead_of_hanging(tm
             messages.append(str(failure.value))
         assert sum(m.startswith("compile worker ") and " exited (" in m for m in messages) == 2
         assert sum(m.startswith("every compile worker exited; the last one: compile worker ") for m in messages) == 3
+    finally:
+        pool.close()
+
+
+def test_kernels_imported_without_torch_have_the_keys_of_real_imports(tmp_path):
+    """What a compile worker resolves without torch is the same kernel as the launching process's: every
+    fast-path kernel's JITFunction cache key (its source and the globals it reads, part of Triton's on-disk
+    key) equal under both imports."""
+    pytest.importorskip("triton")
+    real = run_scenario("kernel_keys", tmp_path / "cache", "real")
+    stood_in = run_scenario("kernel_keys", tmp_path / "cache", "without_torch")
+    assert not real["torch_stood_in"] and stood_in["torch_stood_in"]
+    assert len(real["keys"]) >= 14  # every kernel module's factories (8 modules in round 25)
+    assert stood_in["keys"] == real["keys"]
+
+
+def test_a_worker_falls_back_to_real_imports_and_rejects_another_cache_key(tmp_path, monkeypatch):
+    """A spec whose key the kernel does not have without torch makes the worker import torch for real; with
+    the key still different, the compile fails (it would fill a cache entry the launch never looks up)."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # workers start only where Triton compiles
+    pool = precompile.WorkerPool(1, str(tmp_path / "cache"))
+    try:
+        spec = precompile.KernelSpec("policies.fast.skinny", "_kernel.<locals>.skinny_kernel", "{}", ("cuda", 90, 32),
+                                     "not-the-key")
+        with pytest.raises(RuntimeError, match="another cache key here than in the launching process"):
+            pool.threads.submit(pool.compile, spec).result(timeout=120)
+        pool.logs[0].seek(0)
+        assert "without torch gave another cache key; importing torch" in pool.logs[0].read().decode()
+        assert pool.procs[0].poll() is None  # the worker lives on
     finally:
         pool.close()
