@@ -9,8 +9,9 @@ CUDA graphs are captured, SigLIP's GEMM algorithms are searched (policy.fast.gem
 directory that starts empty ("serial" for the first case, "shared" for the others):
 - "cold_serial": the cache empty, every kernel compiled in-process as its launch reaches it
   (`compile_workers: 0`, what rounds up to 23 paid);
+- "cold_torch": the cache empty, compile workers that import torch (round 24's; its own empty cache);
 - "cold": the default sampler with the cache empty (what a fresh machine pays): the compile workers
-  (policies/fast/precompile.py) build the kernels in parallel first;
+  (policies/fast/precompile.py, imports without torch since round 25) build the kernels in parallel first;
 - "warm": the same again, the cache now filled by "cold";
 - "warm_nosearch": warm, with gemm_search and overlap off (no search, no timing of both orders).
 Per case and configuration: the policy's build time, the first call's wall time (`first_call_s`), the
@@ -35,13 +36,15 @@ import torch
 from experiments import bench_predict_common as common
 from experiments.results import write_result
 from policies.config import PolicyConfig
+from policies.fast import precompile
 from policies.fast.config import FastConfig, triton_cache_dir
 from policies.fast.runner import FastSampler
 from policies.policy import build_policy
 
-# case -> (FastConfig overrides, Triton cache directory name)
-CASES = {"cold_serial": ({"compile_workers": 0}, "serial"), "cold": ({}, "shared"), "warm": ({}, "shared"),
-         "warm_nosearch": ({"gemm_search": "off", "overlap": "off"}, "shared")}
+# case -> (FastConfig overrides, Triton cache directory name, precompile.WORKERS_IMPORT_TORCH)
+CASES = {"cold_serial": ({"compile_workers": 0}, "serial", False), "cold_torch": ({}, "torch", True),
+         "cold": ({}, "shared", False), "warm": ({}, "shared", False),
+         "warm_nosearch": ({"gemm_search": "off", "overlap": "off"}, "shared", False)}
 CHILD_MARK = "PROBE_FIRST_CALL "
 
 
@@ -88,6 +91,7 @@ def compile_summary(log: list) -> dict:
 def run_case(case: str, args) -> dict:
     """In this process: per configuration, build the policy and a sampler, time its first call and the next."""
     device, dtype = common.run_device_and_dtype()
+    precompile.WORKERS_IMPORT_TORCH = CASES[case][2]
     cache_dir = triton_cache_dir()
     compiles: list = []
     compile_listener(compiles)
@@ -137,7 +141,7 @@ def main(argv=None) -> None:
         return
     results = {}
     with tempfile.TemporaryDirectory(prefix="triton_caches_") as caches:
-        for case, (_, cache) in CASES.items():
+        for case, (_, cache, _) in CASES.items():
             results[case] = run_child(case, args, os.path.join(caches, cache))
             shown = "  ".join(f"{name} first {r['first_call_s']:.2f} s ({r['precompiled_kernels']} kernels by "
                               f"{r['compile_workers']} workers), then {r['ms']:.2f} ms, cache files "
@@ -146,7 +150,8 @@ def main(argv=None) -> None:
             print(f"{case}: process {results[case]['process_s']:.1f} s | {shown}", flush=True)
     summary = {f"{case}_{name}_first_call_s": r["first_call_s"]
                for case, res in results.items() for name, r in res["rows"].items()}
-    cases = {case: {"overrides": overrides, "cache": cache} for case, (overrides, cache) in CASES.items()}
+    cases = {case: {"overrides": overrides, "cache": cache, "workers_import_torch": torch_imports}
+             for case, (overrides, cache, torch_imports) in CASES.items()}
     write_result("probe_first_call", {"args": vars(args), "cases": cases, "results": results}, summary,
                  out_dir=args.out_dir, commit=args.commit)
 

@@ -99,7 +99,8 @@ def torch_is_stood_in() -> bool:
 
 if __name__ == "__main__":
     sys.path[0] = str(ROOT)  # the repository root instead of this file's folder, whose modules could shadow others
-    without_torch()
+    if "--with-torch" not in sys.argv[1:]:  # precompile.WORKERS_IMPORT_TORCH
+        without_torch()
     from policies.fast import precompile
 
     precompile.worker_main(with_torch)

@@ -12,8 +12,8 @@ the launching process goes on at once, and a launch whose kernel is still compil
 only, then loads it from the cache (round 24 in docs/predict.md: PhyAI b1's first call 17.5 -> 9.8 s). A
 worker's failure only logs a warning: the launch then compiles in-process as it always did, and raises there
 if the kernel is broken. Workers never touch the GPU: they compile for the target the launching process
-recorded, and they import the kernel modules without torch (compile_worker.py: round 25, a worker's start-up
-~3.7 -> ~? s).
+recorded, and they import the kernel modules without torch (compile_worker.py; round 25: a worker's first
+result 3.7 -> 1.1 s after its spawn, PhyAI b1's first call on an empty cache 5.2 s).
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 AUTO_MAX_WORKERS = 8  # compile_workers -1: min(this, CPUs - 1); a bucket has ~20-30 kernels of ~0.3-2 s each
-MIN_TO_SPAWN = 8  # missing kernels that justify starting the workers (~4 s); fewer compile in-process
+# missing kernels that justify starting the workers; fewer compile in-process. On the H200 (round 25) a worker
+# answers its first kernel ~1.1 s after spawning (start-up ~0.6 s), and in-process compiles average ~0.4 s
+MIN_TO_SPAWN = 4
 KEEP_ALIVE_S = 60.0  # idle workers are killed this long after the last session: the next new bucket reuses them
+WORKERS_IMPORT_TORCH = False  # True: workers import the kernel modules with torch, as round 24's did (probe_first_call)
 _SHARED: dict[int, Precompiler] = {}
 
 
@@ -226,8 +229,9 @@ class WorkerPool:
         env = {**os.environ, "TRITON_CACHE_DIR": cache_dir}
         script = str(Path(__file__).with_name("compile_worker.py"))
         self.logs = [tempfile.TemporaryFile() for _ in range(size)]
-        self.procs = [subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=log, text=True, env=env) for log in self.logs]
+        cmd = [sys.executable, script, *(["--with-torch"] if WORKERS_IMPORT_TORCH else [])]
+        self.procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                       env=env) for log in self.logs]
         self.idle: queue.Queue = queue.Queue()  # worker indices; None once every worker is dead
         for i in range(size):
             self.idle.put(i)
@@ -312,7 +316,7 @@ class Precompiler:
     were given and how long the launching processes waited for them.
 
     The pool is spawned when a trace finds at least MIN_TO_SPAWN kernels missing from the cache (fewer
-    compile in-process: the workers' start-up, ~4 s on the H200, would cost more) and is killed KEEP_ALIVE_S
+    compile in-process: the workers' start-up, ~0.6 s on the H200, would cost more) and is killed KEEP_ALIVE_S
     after the last session ends, so that the next new bucket finds it running. Inside a session `ahead` only
     submits: the launching process goes on (the attention choice, the graphs' warm-up runs), and a launch
     whose kernel a worker is still compiling waits for that one kernel (Triton's jit_cache_hook), then loads
