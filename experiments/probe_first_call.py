@@ -10,7 +10,6 @@ directory that starts empty ("serial" for the first case, "shared" for the other
 - "cold_serial": the cache empty, every kernel compiled in-process as its launch reaches it
   (`compile_workers: 0`, what rounds up to 23 paid);
 - "cold_torch": the cache empty, compile workers that import torch (round 24's; its own empty cache);
-- "cold_late": the cache empty, the workers started after the first trace (round 24's order; its own cache);
 - "cold": the default sampler with the cache empty (what a fresh machine pays): the compile workers
   (policies/fast/precompile.py, imports without torch since round 25) build the kernels in parallel first;
 - "warm": the same again, the cache now filled by "cold";
@@ -42,12 +41,10 @@ from policies.fast.config import FastConfig, triton_cache_dir
 from policies.fast.runner import FastSampler
 from policies.policy import build_policy
 
-# case -> (FastConfig overrides, Triton cache directory name, policies.fast.precompile settings)
-CASES = {"cold_serial": ({"compile_workers": 0}, "serial", {}),
-         "cold_torch": ({}, "torch", {"WORKERS_IMPORT_TORCH": True}),
-         "cold_late": ({}, "late", {"SPAWN_EARLY": False}),
-         "cold": ({}, "shared", {}), "warm": ({}, "shared", {}),
-         "warm_nosearch": ({"gemm_search": "off", "overlap": "off"}, "shared", {})}
+# case -> (FastConfig overrides, Triton cache directory name, precompile.WORKERS_IMPORT_TORCH)
+CASES = {"cold_serial": ({"compile_workers": 0}, "serial", False), "cold_torch": ({}, "torch", True),
+         "cold": ({}, "shared", False), "warm": ({}, "shared", False),
+         "warm_nosearch": ({"gemm_search": "off", "overlap": "off"}, "shared", False)}
 CHILD_MARK = "PROBE_FIRST_CALL "
 
 
@@ -94,8 +91,7 @@ def compile_summary(log: list) -> dict:
 def run_case(case: str, args) -> dict:
     """In this process: per configuration, build the policy and a sampler, time its first call and the next."""
     device, dtype = common.run_device_and_dtype()
-    for name, value in CASES[case][2].items():
-        setattr(precompile, name, value)
+    precompile.WORKERS_IMPORT_TORCH = CASES[case][2]
     cache_dir = triton_cache_dir()
     compiles: list = []
     compile_listener(compiles)
@@ -154,8 +150,8 @@ def main(argv=None) -> None:
             print(f"{case}: process {results[case]['process_s']:.1f} s | {shown}", flush=True)
     summary = {f"{case}_{name}_first_call_s": r["first_call_s"]
                for case, res in results.items() for name, r in res["rows"].items()}
-    cases = {case: {"overrides": overrides, "cache": cache, "precompile": settings}
-             for case, (overrides, cache, settings) in CASES.items()}
+    cases = {case: {"overrides": overrides, "cache": cache, "workers_import_torch": torch_imports}
+             for case, (overrides, cache, torch_imports) in CASES.items()}
     write_result("probe_first_call", {"args": vars(args), "cases": cases, "results": results}, summary,
                  out_dir=args.out_dir, commit=args.commit)
 

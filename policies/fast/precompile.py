@@ -44,7 +44,6 @@ AUTO_MAX_WORKERS = 8  # compile_workers -1: min(this, CPUs - 1); a bucket has ~2
 MIN_TO_SPAWN = 4
 KEEP_ALIVE_S = 60.0  # idle workers are killed this long after the last session: the next new bucket reuses them
 WORKERS_IMPORT_TORCH = False  # True: workers import the kernel modules with torch, as round 24's did (probe_first_call)
-SPAWN_EARLY = True  # on an empty cache the workers start before the first trace (False: round 24's order; probe)
 _SHARED: dict[int, Precompiler] = {}
 
 
@@ -216,18 +215,6 @@ def compile_spec(spec: KernelSpec, real_imports=None) -> dict:
     return {"seconds": time.perf_counter() - started, "imported_torch": imported_torch}
 
 
-def cache_is_empty() -> bool:
-    """Whether Triton's cache directory is missing or empty, as on a fresh machine: then every kernel of a first
-    call is missing, and the workers can start before the trace says so."""
-    from policies.fast.config import triton_cache_dir
-
-    path = triton_cache_dir()
-    if path is None or not path.is_dir():
-        return path is not None
-    with os.scandir(path) as entries:
-        return next(entries, None) is None
-
-
 class PoolClosed(Exception):
     """A compile cut off by the pool's close (the session ended before anyone needed the kernel)."""
 
@@ -329,8 +316,7 @@ class Precompiler:
     were given and how long the launching processes waited for them.
 
     The pool is spawned when a trace finds at least MIN_TO_SPAWN kernels missing from the cache (fewer
-    compile in-process: the workers' start-up, ~0.6 s on the H200, would cost more), or before the trace when
-    Triton's cache directory is empty (a fresh machine, where every kernel is missing), and is killed KEEP_ALIVE_S
+    compile in-process: the workers' start-up, ~0.6 s on the H200, would cost more) and is killed KEEP_ALIVE_S
     after the last session ends, so that the next new bucket finds it running. Inside a session `ahead` only
     submits: the launching process goes on (the attention choice, the graphs' warm-up runs), and a launch
     whose kernel a worker is still compiling waits for that one kernel (Triton's jit_cache_hook), then loads
@@ -346,12 +332,11 @@ class Precompiler:
         self._hook_before = None
         self._pending: dict[KernelSpec, object] = {}  # spec -> Future of its compile, until it is done
         # over this object's life: traces run, specializations they recorded, kernels submitted / compiled /
-        # failed by the workers, pools spawned (of them before a trace, on an empty cache), workers that had to
-        # import torch after all (compile_worker.py),
+        # failed by the workers, pools spawned, workers that had to import torch after all (compile_worker.py),
         # and seconds (traces, cache checks, waits, worker compiles, the workers' start-up up to their first result)
         self.stats = {"traces": 0, "specs": 0, "submitted": 0, "compiled": 0, "failed": 0, "spawned": 0,
-                      "spawned_early": 0, "torch_imports": 0, "trace_s": 0.0, "check_s": 0.0, "wait_s": 0.0,
-                      "worker_s": 0.0, "first_result_s": 0.0}
+                      "torch_imports": 0, "trace_s": 0.0, "check_s": 0.0, "wait_s": 0.0, "worker_s": 0.0,
+                      "first_result_s": 0.0}
 
     @contextlib.contextmanager
     def session(self):
@@ -389,10 +374,6 @@ class Precompiler:
         if not self.workers:
             return 0
         with self.session():
-            if SPAWN_EARLY and self._pool is None and cache_is_empty():  # a fresh machine: start-up under the trace
-                with self._lock:
-                    self._running_pool()
-                self._count(spawned_early=1)
             started = time.perf_counter()
             specs: list[KernelSpec] = []
             with recording_launches(specs):
@@ -428,19 +409,14 @@ class Precompiler:
                                spec.name, type(exc).__name__, exc)
         return missing
 
-    def _running_pool(self) -> WorkerPool:
-        """The pool, spawned if there is none; the caller holds `_lock` (against the keep-alive timer's close)."""
+    def _submit(self, spec: KernelSpec) -> None:
         from policies.fast.config import triton_cache_dir
 
-        if self._pool is None:
-            self._pool = WorkerPool(self.workers, str(triton_cache_dir()))
-            self._count(spawned=1)
-        return self._pool
-
-    def _submit(self, spec: KernelSpec) -> None:
         with self._lock:
-            pool = self._running_pool()
-            future = pool.threads.submit(pool.compile, spec)
+            if self._pool is None:
+                self._pool = WorkerPool(self.workers, str(triton_cache_dir()))
+                self._count(spawned=1)
+            future = self._pool.threads.submit(self._pool.compile, spec)
         self._pending[spec] = future
         future.add_done_callback(lambda f, spec=spec: self._done(spec, f))
 

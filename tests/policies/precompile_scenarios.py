@@ -65,12 +65,6 @@ def fake_driver() -> dict:
     driver.set_active(Sm90Driver())
     kernel, launch = _skinny_launcher()
     out = {}
-    early = precompile.Precompiler(2)  # an empty cache (a fresh machine): the workers start before the trace
-    out["cache_empty_before"] = precompile.cache_is_empty()
-    out["early_ahead"] = early.ahead(lambda: launch(8))  # one kernel, fewer than MIN_TO_SPAWN: submitted anyway
-    out["early_stats"] = {k: early.stats[k] for k in ("spawned", "submitted", "compiled")}
-    early.close()
-    out["cache_empty_after"] = precompile.cache_is_empty()
     specs = []
     with precompile.recording_launches(specs):
         returned = [launch(16), launch(16), launch(32)]

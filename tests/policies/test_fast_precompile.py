@@ -34,10 +34,7 @@ def test_recorded_launches_compile_in_workers_and_load_from_the_cache(tmp_path):
     assert out["recorded"] == 2 and out["distinct"] == 2
     assert out["launch_returned"] == [True, False, True] and out["compiled_in_process"] == 0
     assert out["hook_removed"]
-    # on an empty cache the workers start before the trace, and get even a single missing kernel
-    assert out["cache_empty_before"] and not out["cache_empty_after"]
-    assert out["early_ahead"] == 1 and out["early_stats"] == {"spawned": 1, "submitted": 1, "compiled": 1}
-    # on a cache with entries, one missing kernel is left to its launch (starting the workers would cost more)
+    # one missing kernel is left to its launch (starting the workers would cost more)
     assert out["few_ahead"] == 0 and out["few_spawned"] == 0
     # the workers compile both into the cache; the in-process compile is then a cache hit
     assert out["on_disk_before"] == [False, False]
