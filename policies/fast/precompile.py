@@ -13,7 +13,7 @@ only, then loads it from the cache (round 24 in docs/predict.md: PhyAI b1's firs
 worker's failure only logs a warning: the launch then compiles in-process as it always did, and raises there
 if the kernel is broken. Workers never touch the GPU: they compile for the target the launching process
 recorded, and they import the kernel modules without torch (compile_worker.py; round 25: a worker's first
-result 3.7 -> 1.1 s after its spawn, PhyAI b1's first call on an empty cache 5.2 s).
+result 3.3 -> 0.9 s after its spawn, PhyAI b1's first call on an empty cache 6.3 -> 4.3 s).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 AUTO_MAX_WORKERS = 8  # compile_workers -1: min(this, CPUs - 1); a bucket has ~20-30 kernels of ~0.3-2 s each
 # missing kernels that justify starting the workers; fewer compile in-process. On the H200 (round 25) a worker
-# answers its first kernel ~1.1 s after spawning (start-up ~0.6 s), and in-process compiles average ~0.4 s
+# answers its first kernel ~1 s after spawning (start-up ~0.5 s), and in-process compiles average 0.23-0.41 s
 MIN_TO_SPAWN = 4
 KEEP_ALIVE_S = 60.0  # idle workers are killed this long after the last session: the next new bucket reuses them
 WORKERS_IMPORT_TORCH = False  # True: workers import the kernel modules with torch, as round 24's did (probe_first_call)
@@ -316,7 +316,7 @@ class Precompiler:
     were given and how long the launching processes waited for them.
 
     The pool is spawned when a trace finds at least MIN_TO_SPAWN kernels missing from the cache (fewer
-    compile in-process: the workers' start-up, ~0.6 s on the H200, would cost more) and is killed KEEP_ALIVE_S
+    compile in-process: the workers' start-up, ~0.5 s on the H200, would cost more) and is killed KEEP_ALIVE_S
     after the last session ends, so that the next new bucket finds it running. Inside a session `ahead` only
     submits: the launching process goes on (the attention choice, the graphs' warm-up runs), and a launch
     whose kernel a worker is still compiling waits for that one kernel (Triton's jit_cache_hook), then loads
