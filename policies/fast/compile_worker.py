@@ -84,11 +84,11 @@ def without_torch() -> None:
 
 def with_torch() -> None:
     """Undo `without_torch`: the stand-ins, the bare packages and every module imported through them are
-    dropped, so the next import of a kernel module runs for real (torch included). No-op once torch is real."""
-    if not torch_is_stood_in():
+    dropped, so the next import of a kernel module runs for real (torch included). No-op when `without_torch`
+    is not in effect (already undone, or never done)."""
+    if _FINDER not in sys.meta_path:
         return
-    if _FINDER in sys.meta_path:
-        sys.meta_path.remove(_FINDER)
+    sys.meta_path.remove(_FINDER)
     for name in [n for n in sys.modules if n.split(".")[0] in (STOOD_IN, BARE_PACKAGES[0])]:
         del sys.modules[name]
 

@@ -121,3 +121,18 @@ def test_a_worker_falls_back_to_real_imports_and_rejects_another_cache_key(tmp_p
         assert pool.procs[0].poll() is None  # the worker lives on
     finally:
         pool.close()
+
+
+def test_real_imports_come_back_even_before_torch_was_imported():
+    """`with_torch` undoes `without_torch` whether or not anything imported torch in between (a kernel module
+    can fail to import before it reaches torch): the real packages and torch import afterwards."""
+    script = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('cw', {str(ROOT / 'policies/fast/compile_worker.py')!r})\n"
+        "cw = importlib.util.module_from_spec(spec); spec.loader.exec_module(cw)\n"
+        "cw.without_torch(); cw.with_torch()\n"
+        "import policies, torch\n"
+        "print(hasattr(policies, 'build_policy'), float(torch.ones(2).sum()))\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "2.0"]
