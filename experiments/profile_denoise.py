@@ -271,7 +271,7 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     rounds: dict[str, list[float]] = {variant: [] for variant in samplers}
     for _ in range(args.rounds):
         for variant, fast in samplers.items():
-            l2_window.release(device)  # a "+l2" variant's persisting lines must not shrink the next one's L2
+            l2_window.set_aside_for(device, buckets[variant].l2_window)  # each variant with only its own set-aside
             rounds[variant].append(common.timed_ms(lambda f=fast, b=buckets[variant]: f.run_stage(b, "denoise"),
                                                    device, 3, args.iters))
     out = {}
@@ -363,6 +363,7 @@ def graph_timeline(policy, spec: dict, device, variant: str | None = None) -> di
     from torch.profiler import ProfilerActivity, profile
 
     fast, bucket = _batch1_bucket(policy, spec, device, variant or "auto/auto/auto")
+    l2_window.set_aside_for(device, bucket.l2_window)
     for _ in range(3):
         fast.run_stage(bucket, "denoise")
     torch.cuda.synchronize(device)

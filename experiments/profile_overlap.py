@@ -16,8 +16,9 @@ Per (configuration, batch), samplers on the same inputs and noise (`--variants`)
 - "auto_r21attn" / "off_r21attn": "auto" / "off" with the prefix attention's batch-1 blocks and stages as
   before round 22 (TritonSplitKVAttention.PREFIX_B1_TUNING off while the bucket is built);
 - "auto_l2kv" / "off_l2kv": "auto" / "off" with `policy.fast.l2_kv=on` (the K/V caches persisting in L2,
-  policies/fast/l2_window.py). Persisting lines outlive a call, so every variant's timed calls start from
-  none (`l2_window.release` before each), and the window's variants make theirs in the warm-up.
+  policies/fast/l2_window.py). The set-aside and persisting lines outlive a call and shrink the L2 of what
+  runs next, so each variant is timed with only its own set-aside and no persisting lines left from another
+  (`l2_window.set_aside_for`); the window's variants make theirs in the warm-up.
 Each round times every variant, round-robin, so a drifting clock hits all alike:
 - `call_ms`: a whole `sample_chains` call, as bench_predict times ours (CUDA events around the call,
   host work included), median of --iters;
@@ -151,7 +152,7 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
             bucket = next(iter(fast.buckets.values()))
             after_vision = [s for s in fast.call_stages(bucket) if s != "vision"]
             replay = lambda f=fast, b=bucket, s=after_vision: [f.run_stage(b, x) for x in s]  # noqa: E731
-            l2_window.release(device)  # one variant's persisting lines must not shrink the next one's L2
+            l2_window.set_aside_for(device, bucket.l2_window)  # each variant with only its own L2 set-aside
             calls[label].append(common.timed_ms(call, device, 2, args.iters))
             graphs[label].append(common.timed_ms(replay, device, 2, args.iters))
     breakdown = {label: call_breakdown(fast, call_args, device, args.iters) for label, (fast, _) in samplers.items()}

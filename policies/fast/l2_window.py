@@ -205,9 +205,22 @@ def reset_persisting() -> None:
 
 
 def release(device: torch.device) -> None:
-    """After the device's queued work, every persisting line back to normal, where the device has any: so that
-    one sampler's persisting K/V do not shrink the L2 of what runs next (the profiles' other variants, a
-    trainer on the same GPU). A no-op off CUDA."""
+    """After the device's queued work: every persisting line back to normal and the set-aside back to 0, where
+    the device has persisting L2 (a no-op elsewhere). On the H200 a set-aside shrinks the L2 that normal accesses
+    get even with no persisting line in it (profile_denoise_nvidia-h200_20261204-091148: the PhyAI batch-2 denoise
+    stage without the window took 10.18 ms under a 37.5 MB set-aside, against ~8.0-8.4 in earlier runs without
+    one), so a trainer sharing the GPU, or a profile's next variant, should run after this. A bucket built
+    earlier keeps its window; `reserve` before its next call gives its set-aside back."""
     if torch.device(device).type == "cuda" and limits(device).max_persisting > 0:
         torch.cuda.synchronize(device)
         reset_persisting()
+        with torch.cuda.device(device):
+            _check(_driver().cuCtxSetLimit(_LIMIT_PERSISTING_L2, 0), "cuCtxSetLimit")
+
+
+def set_aside_for(device: torch.device, window: Window | None) -> None:
+    """Only `window`'s set-aside in place (none for None): `release`, then `reserve` what the window needs. The
+    profiles call it before timing each variant, so that each runs with its own set-aside only."""
+    release(device)
+    if window is not None:
+        reserve(device, window.num_bytes)

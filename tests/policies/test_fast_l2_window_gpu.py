@@ -56,7 +56,14 @@ def test_window_on_every_kernel_node_and_bit_identical_chains(overlap, attention
                 assert got.hit_ratio == pytest.approx(window.hit_ratio, rel=1e-6), name
     for got, want in zip(outs["on"], outs["off"], strict=True):
         assert torch.equal(got, want)
-    l2_window.reset_persisting()
+    l2_window.release(torch.device("cuda"))
+    assert l2_window.reserve(torch.device("cuda"), 0) == 0  # the set-aside is gone ...
+    l2_window.set_aside_for(torch.device("cuda"), window)
+    assert l2_window.reserve(torch.device("cuda"), 0) >= min(window.num_bytes, limits.max_persisting)  # ... and back
+    again = fast.sample_chains(inputs, noise, step_noise, stoch)  # the graphs keep their window across both
+    for got, want in zip(again, outs["off"], strict=True):
+        assert torch.equal(got, want)
+    l2_window.release(torch.device("cuda"))
 
 
 def test_auto_takes_the_window_where_the_caches_fit_the_set_aside():
