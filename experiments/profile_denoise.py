@@ -36,7 +36,7 @@ from experiments.profile_denoise_attention import attention_sweep, graph_time_us
 from experiments.results import write_result
 from policies.config import PolicyConfig
 from policies.fast import kernels as K
-from policies.fast import l2_window, skinny
+from policies.fast import skinny
 from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
 from policies.fast.triton_attention import TritonSplitKVAttention
@@ -271,7 +271,6 @@ def profile_stage(policy, spec: dict, batch: int, device, args) -> dict:
     rounds: dict[str, list[float]] = {variant: [] for variant in samplers}
     for _ in range(args.rounds):
         for variant, fast in samplers.items():
-            l2_window.set_aside_for(device, buckets[variant].l2_window)  # each variant with only its own set-aside
             rounds[variant].append(common.timed_ms(lambda f=fast, b=buckets[variant]: f.run_stage(b, "denoise"),
                                                    device, 3, args.iters))
     out = {}
@@ -299,12 +298,9 @@ def attention_layout(backend) -> dict | None:
 
 
 def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise, stoch, graphs: bool = True):
-    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp][+l2]", mlp default "auto",
-    "+l2": policy.fast.l2_kv=on) that has run one call (its bucket built with the tile set's tiles, graphs
-    captured when `graphs`), and that call's last chain state."""
-    variant, _, extra = variant.partition("+")
-    if extra not in ("", "l2"):
-        raise ValueError(f"unknown variant suffix {'+' + extra!r} in {variant + '+' + extra!r}: only '+l2'")
+    """A sampler with the variant's settings ("gemm[@tile set]/attention/pdl[/mlp]", mlp default "auto")
+    that has run one call (its bucket built with the tile set's tiles, graphs captured when `graphs`), and
+    that call's last chain state."""
     gemm, attention, pdl_mode, *mlp = variant.split("/")
     gemm, _, tile_set = gemm.partition("@")
     attention, _, attention_set = attention.partition("@")
@@ -313,7 +309,7 @@ def _variant_sampler(policy, variant: str, batch: int, spec: dict, inputs, noise
     TritonSplitKVAttention.EXPERT_OPTIONS = expert_attention_options(attention_set)
     try:
         fast = _sampler(policy, batch, spec["prompt_len"], graphs=graphs, gemm=gemm, attention=attention,
-                        pdl=pdl_mode, mlp=mlp[0] if mlp else "auto", l2_kv="on" if extra else "off")
+                        pdl=pdl_mode, mlp=mlp[0] if mlp else "auto")
         return fast, fast.sample_chains(inputs, noise, None, stoch)[0][:, -1].float().cpu()
     finally:
         skinny.TUNED, skinny.TUNED_BY_ROWS, TritonSplitKVAttention.EXPERT_OPTIONS = saved
@@ -363,7 +359,6 @@ def graph_timeline(policy, spec: dict, device, variant: str | None = None) -> di
     from torch.profiler import ProfilerActivity, profile
 
     fast, bucket = _batch1_bucket(policy, spec, device, variant or "auto/auto/auto")
-    l2_window.set_aside_for(device, bucket.l2_window)
     for _ in range(3):
         fast.run_stage(bucket, "denoise")
     torch.cuda.synchronize(device)

@@ -14,11 +14,7 @@ Per (configuration, batch), samplers on the same inputs and noise (`--variants`)
 - "auto_nosearch" / "off_nosearch": "auto" / "off" with `policy.fast.gemm_search=off` (SigLIP's GEMMs
   through torch's cuBLASLt algorithm; round 21's search picks are in `overlap` as `vision_gemms`);
 - "auto_r21attn" / "off_r21attn": "auto" / "off" with the prefix attention's batch-1 blocks and stages as
-  before round 22 (TritonSplitKVAttention.PREFIX_B1_TUNING off while the bucket is built);
-- "auto_l2kv" / "off_l2kv": "auto" / "off" with `policy.fast.l2_kv=on` (the K/V caches persisting in L2,
-  policies/fast/l2_window.py). The set-aside and persisting lines outlive a call and shrink the L2 of what
-  runs next, so each variant is timed with only its own set-aside and no persisting lines left from another
-  (`l2_window.set_aside_for`); the window's variants make theirs in the warm-up.
+  before round 22 (TritonSplitKVAttention.PREFIX_B1_TUNING off while the bucket is built).
 Each round times every variant, round-robin, so a drifting clock hits all alike:
 - `call_ms`: a whole `sample_chains` call, as bench_predict times ours (CUDA events around the call,
   host work included), median of --iters;
@@ -42,7 +38,7 @@ import torch
 from experiments import bench_predict_common as common
 from experiments.results import write_result
 from policies.config import PolicyConfig
-from policies.fast import gemm_search, l2_window, overlap
+from policies.fast import gemm_search, overlap
 from policies.fast.config import FastConfig
 from policies.fast.runner import FastSampler
 from policies.fast.triton_attention import TritonSplitKVAttention
@@ -67,8 +63,7 @@ VARIANTS = {"off": Variant("off"), "on": Variant("on", sampler={"step0_pdl": Tru
             "auto": Variant("auto"), "auto_nosearch": Variant("auto", fast={"gemm_search": "off"}),
             "off_nosearch": Variant("off", fast={"gemm_search": "off"}),
             "auto_r21attn": Variant("auto", attention=_ROUND21_ATTENTION),
-            "off_r21attn": Variant("off", attention=_ROUND21_ATTENTION),
-            "auto_l2kv": Variant("auto", fast={"l2_kv": "on"}), "off_l2kv": Variant("off", fast={"l2_kv": "on"})}
+            "off_r21attn": Variant("off", attention=_ROUND21_ATTENTION)}
 DEFAULT_VARIANTS = ["off", "on_nopdl", "auto"]  # "auto" is the default since round 16 ("on_nopdl" in rounds 14-15)
 
 
@@ -152,15 +147,13 @@ def measure(policy, spec: dict, batch: int, args, device: torch.device) -> dict:
             bucket = next(iter(fast.buckets.values()))
             after_vision = [s for s in fast.call_stages(bucket) if s != "vision"]
             replay = lambda f=fast, b=bucket, s=after_vision: [f.run_stage(b, x) for x in s]  # noqa: E731
-            l2_window.set_aside_for(device, bucket.l2_window)  # each variant with only its own L2 set-aside
             calls[label].append(common.timed_ms(call, device, 2, args.iters))
             graphs[label].append(common.timed_ms(replay, device, 2, args.iters))
     breakdown = {label: call_breakdown(fast, call_args, device, args.iters) for label, (fast, _) in samplers.items()}
     hosts = ({label: host_profile(fast, call_args, device, args.iters)
               for label, (fast, _) in samplers.items()} if args.host_profile else {})
     chosen = {label: {"overlap": b.overlap, "overlap_ms": b.overlap_ms,
-                      "vision_gemms": gemm_search.summary(b.vision_gemms),
-                      "l2_window": dataclasses.asdict(b.l2_window) if b.l2_window else None}
+                      "vision_gemms": gemm_search.summary(b.vision_gemms)}
               for label, (fast, _) in samplers.items() for b in fast.buckets.values()}
     identical = {label: all(torch.equal(a, b) for a, b in zip(out, outputs["off"], strict=True))
                  for label, out in outputs.items() if label != "off"}

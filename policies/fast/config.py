@@ -19,7 +19,6 @@ PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
 MLP_CHOICES = ("auto", "split", "fused")  # policies/fast/fused_mlp.py
 OVERLAP_CHOICES = ("auto", "off", "on")  # policies/fast/overlap.py
 SEARCH_CHOICES = ("auto", "off")  # policies/fast/gemm_search.py
-L2_KV_CHOICES = ("auto", "off", "on")  # policies/fast/l2_window.py
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -90,11 +89,7 @@ class FastConfig:
     compile_workers: processes that compile a new bucket's Triton kernels in parallel before their first
     launch (policies/fast/precompile.py): -1 = min(precompile.AUTO_MAX_WORKERS, CPUs - 1), 0 = off (each
     kernel compiles in-process at its first launch, one after another). Only kernels missing from Triton's
-    on-disk cache are compiled; the numerics do not change.
-    l2_kv: the prefix's K/V kept in L2 across the denoise steps by an access-policy window on every kernel of
-    a bucket's graphs and an L2 set-aside for persisting lines (policies/fast/l2_window.py): "on" wherever
-    the device has persisting L2, "auto" where the bucket's K/V also fit the set-aside, "off" never. Needs
-    CUDA graphs; the numerics do not change."""
+    on-disk cache are compiled; the numerics do not change."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -113,7 +108,6 @@ class FastConfig:
     gemm_search: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
     compile_workers: int = -1
-    l2_kv: str = "off"
 
     def __post_init__(self) -> None:
         self.validate("policy.fast")
@@ -140,8 +134,6 @@ class FastConfig:
             raise ValueError(f"{key}.gemm_search must be one of {SEARCH_CHOICES}, got {self.gemm_search!r}")
         if self.overlap not in OVERLAP_CHOICES:
             raise ValueError(f"{key}.overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
-        if self.l2_kv not in L2_KV_CHOICES:
-            raise ValueError(f"{key}.l2_kv must be one of {L2_KV_CHOICES}, got {self.l2_kv!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
         if not isinstance(self.compile_workers, int) or self.compile_workers < -1:

@@ -28,7 +28,6 @@ from torch import Tensor
 from policies import flow
 from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, gemm_search, overlap, pdl, skinny
 from policies.fast import kernels as K
-from policies.fast import l2_window as L2
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig, triton_cache_dir, triton_interpreting
 from policies.fast.precompile import Precompiler, resolve_workers, shared
@@ -65,7 +64,6 @@ class Bucket:
     first_call_s: float | None = None  # wall time of the call that built it (compile, capture, searches)
     precompiled: set = field(default_factory=set)  # stages whose Triton kernels went through precompile.py
     precompiled_kernels: int = 0  # kernels given to the compile workers for this bucket (attention choice, stages)
-    l2_window: object = None  # l2_window.Window over the K/V caches set on its graphs' kernels, or None
 
 
 class FastSampler:
@@ -241,7 +239,6 @@ class FastSampler:
             self._side_stream = overlap.side_stream(self.device)
         return self._side_stream
 
-    @torch.no_grad()  # the caches are views of one block: written under autograd they would need grad history
     def run_stage(self, bucket: Bucket, stage: str, fn=None) -> None:
         """Replay the stage's graph (captured on first use), or run it eagerly without graphs.
         `fn(bucket)` runs a stage that is not one of STAGES (graph key `stage`)."""
@@ -259,10 +256,9 @@ class FastSampler:
         with torch.cuda.stream(stream):
             fn(bucket)  # warm-up on a side stream (allocator, cuBLAS handles, Triton compile)
         torch.cuda.current_stream().wait_stream(stream)
-        graph = L2.new_graph(bucket.l2_window)
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             fn(bucket)
-        L2.instantiate(graph, bucket.l2_window)
         bucket.graphs[stage] = graph
         graph.replay()
 
@@ -327,10 +323,8 @@ class FastSampler:
         tensors["order"] = pack[: batch * p].view(batch, p)
         tensors["positions"] = pack[batch * p: 2 * batch * p].view(batch, p)
         tensors["suffix_slots"] = tensors["suffix_positions"] = pack[2 * batch * p:].view(batch, h)
-        caches = z(2, cfg.expert.depth, batch, rows, kv, hd, dtype=self.dtype)  # one block: l2_window's one window
-        layers = range(cfg.expert.depth)  # select views: unbind's may not be written in place under autograd
-        bucket = Bucket(batch, prompt_len, tensors, [caches[0, i] for i in layers], [caches[1, i] for i in layers])
-        bucket.l2_window = L2.for_caches(self.fast.l2_kv, caches, self.use_graphs)
+        caches = [[z(batch, rows, kv, hd, dtype=self.dtype) for _ in range(cfg.expert.depth)] for _ in range(2)]
+        bucket = Bucket(batch, prompt_len, tensors, caches[0], caches[1])
         bucket.tiles = skinny.expert_tiles(self.fast.gemm, batch * h, self.w.expert[0], dev)
         self._plan_mlp(bucket, batch * h)
         bucket.overlap = overlap.choose(self.fast.overlap, batch * h, self.use_graphs)
