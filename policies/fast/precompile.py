@@ -42,7 +42,7 @@ AUTO_MAX_WORKERS = 8  # compile_workers -1: min(this, CPUs - 1); a bucket has ~2
 # missing kernels that justify starting the workers; fewer compile in-process. On the H200 (round 25) a worker
 # answers its first kernel ~1 s after spawning (start-up ~0.5 s), and in-process compiles average 0.23-0.41 s
 MIN_TO_SPAWN = 4
-KEEP_ALIVE_S = 60.0  # idle workers are killed this long after the last session: the next new bucket reuses them
+KEEP_ALIVE_S = 60.0  # idle workers are killed this long after their last compile: the next new bucket reuses them
 WORKERS_IMPORT_TORCH = False  # True: workers import the kernel modules with torch, as round 24's did (probe_first_call)
 _SHARED: dict[int, Precompiler] = {}
 
@@ -316,18 +316,21 @@ class Precompiler:
     were given and how long the launching processes waited for them.
 
     The pool is spawned when a trace finds at least MIN_TO_SPAWN kernels missing from the cache (fewer
-    compile in-process: the workers' start-up, ~0.5 s on the H200, would cost more) and is killed KEEP_ALIVE_S
-    after the last session ends, so that the next new bucket finds it running. Inside a session `ahead` only
-    submits: the launching process goes on (the attention choice, the graphs' warm-up runs), and a launch
-    whose kernel a worker is still compiling waits for that one kernel (Triton's jit_cache_hook), then loads
-    it from the cache. Kernels are submitted in launch order, so the first needed are the first compiled.
-    Outside a session `ahead` waits for all it submitted."""
+    compile in-process: the workers' start-up, ~0.5 s on the H200, would cost more) and is killed once it has
+    had nothing to compile for KEEP_ALIVE_S, so that the next new bucket finds it running. The keep-alive counts
+    from the pool's last use, not from the last session: every sample_chains call is a session, so a session
+    must not arm a timer (a thread per call) nor keep idle workers alive through a whole rollout. Inside a
+    session `ahead` only submits: the launching process goes on (the attention choice, the graphs' warm-up
+    runs), and a launch whose kernel a worker is still compiling waits for that one kernel (Triton's
+    jit_cache_hook), then loads it from the cache. Kernels are submitted in launch order, so the first needed
+    are the first compiled. Outside a session `ahead` waits for all it submitted."""
 
     def __init__(self, workers: int):
         self.workers = workers
         self._pool: WorkerPool | None = None
         self._lock = threading.Lock()  # the pool between the launching thread and the keep-alive timer
-        self._timer: threading.Timer | None = None
+        self._timer: threading.Timer | None = None  # the keep-alive check, armed while a pool lives
+        self._last_use = 0.0  # time.monotonic() of the pool's spawn, last submit or last finished compile
         self._session = 0
         self._hook_before = None
         self._pending: dict[KernelSpec, object] = {}  # spec -> Future of its compile, until it is done
@@ -341,11 +344,9 @@ class Precompiler:
     @contextlib.contextmanager
     def session(self):
         """Launches inside wait for their kernels' pending compiles (e.g. a new bucket's whole first call)."""
-        with self._lock:  # against the keep-alive timer's close
+        with self._lock:
             outermost = self._session == 0 and self.workers > 0
             self._session += 1
-            if outermost and self._timer is not None:
-                self._timer.cancel()
         if outermost:
             from triton import knobs
 
@@ -359,13 +360,26 @@ class Precompiler:
                 from triton import knobs
 
                 knobs.runtime.jit_cache_hook = self._hook_before
-                if self._pool is not None:
-                    self._timer = threading.Timer(KEEP_ALIVE_S, self._close_if_idle)
-                    self._timer.daemon = True
-                    self._timer.start()
+
+    def _arm(self, delay: float) -> None:
+        """(Under the lock) the keep-alive check in `delay` seconds."""
+        self._timer = threading.Timer(delay, self._close_if_idle)
+        self._timer.daemon = True
+        self._timer.start()
 
     def _close_if_idle(self) -> None:
-        self.close(only_if_idle=True)
+        """The keep-alive check: kill the pool once it has had nothing to compile for KEEP_ALIVE_S, else look
+        again when that would be the case. A compile submitted later spawns a new pool (`_submit`)."""
+        with self._lock:
+            self._timer = None
+            if self._pool is None:
+                return
+            idle = time.monotonic() - self._last_use
+            if self._pending or idle < KEEP_ALIVE_S:
+                self._arm(KEEP_ALIVE_S - idle if not self._pending else KEEP_ALIVE_S)
+                return
+            pool, self._pool = self._pool, None  # a submit from here on spawns a new pool
+        self._shut(pool)
 
     def ahead(self, *fns) -> int:
         """Run each of `fns` with Triton's compiling launches skipped, and give the workers what they would
@@ -416,11 +430,14 @@ class Precompiler:
             if self._pool is None:
                 self._pool = WorkerPool(self.workers, str(triton_cache_dir()))
                 self._count(spawned=1)
+                self._arm(KEEP_ALIVE_S)
+            self._last_use = time.monotonic()
             future = self._pool.threads.submit(self._pool.compile, spec)
         self._pending[spec] = future
         future.add_done_callback(lambda f, spec=spec: self._done(spec, f))
 
     def _done(self, spec: KernelSpec, future) -> None:
+        self._last_use = time.monotonic()
         self._pending.pop(spec, None)
         if future.cancelled():
             return
@@ -458,18 +475,20 @@ class Precompiler:
             return self._hook_before(fn=fn, compile=compile, **kwargs)
         return None
 
-    def close(self, only_if_idle: bool = False) -> None:
-        """Kill the workers now (a compile in flight was traced but never waited for); `only_if_idle`: unless
-        a session is open (the keep-alive timer fired as one began)."""
+    def close(self) -> None:
+        """Kill the workers now (a compile in flight was traced but never waited for)."""
         with self._lock:
-            if only_if_idle and self._session:
-                return
             pool, self._pool = self._pool, None
             if self._timer is not None:
                 self._timer.cancel()
-        if pool is not None:
-            pool.close()
+        self._shut(pool)
         self._pending.clear()
+
+    def _shut(self, pool: WorkerPool | None) -> None:
+        """Kill a pool taken out of use, and say what the workers did so far."""
+        if pool is None:
+            return
+        pool.close()
         if self.stats["submitted"]:
             logger.info("precompile: %d Triton kernels given to %d worker processes (%d failed), %.1f s of their "
                         "compiles, %.2f s waited for; traces %.2f s, cache checks %.2f s", self.stats["submitted"],

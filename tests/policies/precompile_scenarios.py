@@ -109,7 +109,14 @@ def fake_driver() -> dict:
     out["compiled_after_failure"] = pc.stats["compiled"]
     out["failed"] = pc.stats["failed"]
     out["hook_restored"] = triton.knobs.runtime.jit_cache_hook is None
-    time.sleep(precompile.KEEP_ALIVE_S + 2.0)
+    timer = pc._timer
+    with pc.session():
+        pass
+    out["session_armed_no_timer"] = pc._timer is timer  # a session starts no timer thread of its own
+    deadline = time.monotonic() + precompile.KEEP_ALIVE_S + 2.0
+    while time.monotonic() < deadline:  # sampling calls: sessions without compiles keep no idle pool alive
+        with pc.session():
+            time.sleep(0.01)
     out["pool_closed_when_idle"] = pc._pool is None and not pc._pending
     with pc.session():
         pc.ahead(lambda: launch(128))  # still compiling at close: cut off quietly

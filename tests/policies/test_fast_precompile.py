@@ -48,7 +48,9 @@ def test_recorded_launches_compile_in_workers_and_load_from_the_cache(tmp_path):
     assert out["session"] == 1 and out["pool_reused"]
     assert out["session_launch_hit"] == [True] and out["session_waited"]
     assert out["compiled_after_failure"] == 3 and out["failed"] == 1 and out["hook_restored"]
-    # idle workers are killed KEEP_ALIVE_S after the last session; close() kills them at once, quietly
+    # idle workers are killed KEEP_ALIVE_S after their last compile, though sessions (sampling calls) go on, and
+    # a session arms no timer; close() kills them at once, quietly
+    assert out["session_armed_no_timer"]
     assert out["pool_closed_when_idle"] and out["closed_now"]
     # the workers imported the kernel modules without torch and never needed it (compile_worker.py)
     assert out["torch_imports"] == 0
