@@ -136,7 +136,7 @@ class FastSampler:
             part = call_inputs.split_rows(inputs, s, s + largest) if total > largest else inputs
             started = time.perf_counter()  # a new bucket's build starts in _select (attention choice, searches)
             with self.precompiler.session():  # a new bucket's build: one pool of compile workers (precompile.py)
-                bucket, part, masks = self._run_part(part, s, noise, step_noise, stochastic, mark)
+                bucket, part, masks = self._run_part(part, slice(s, s + largest), noise, step_noise, stochastic, mark)
             if bucket.first_call_s is None:
                 self._record_first_call(bucket, started)
             t, rows = bucket.tensors, part.batch_size
@@ -148,15 +148,14 @@ class FastSampler:
             return chains[0], logps[0]
         return torch.cat(chains), torch.cat(logps)
 
-    def _run_part(self, part, s: int, noise: Tensor, step_noise: Tensor | None, stochastic: Tensor, mark):
+    def _run_part(self, part, rows: slice, noise: Tensor, step_noise: Tensor | None, stochastic: Tensor, mark):
         """One bucket's worth of rows of sample_chains: choose (or build) the bucket, lay out the inputs, run
-        the stages. The rows' noise starts at row `s` of the call's."""
+        the stages. `rows`: the part's rows of the call's noise."""
         submitted = self.precompiler.stats["submitted"]
         bucket, part, masks = self._select(part)
         if bucket.first_call_s is None:  # its kernels to the compile workers before the first stage runs
             self.precompile_stages(bucket, self._building_stages(bucket))
             bucket.precompiled_kernels += self.precompiler.stats["submitted"] - submitted
-        rows = slice(s, s + self.fast.batch_buckets[-1])
         self._fill_images(bucket, part)
         mark("images")
         if self.early_vision:  # vision reads only the images: it runs while the host lays out the rest
