@@ -6,18 +6,21 @@
 A FastSampler's first call at a new bucket builds it: Triton kernels compile (or load from Triton's cache),
 CUDA graphs are captured, SigLIP's GEMM algorithms are searched (policy.fast.gemm_search) and
 `overlap: auto` times both orders. Each case runs in a fresh process, one after the other, on a Triton cache
-directory that starts empty ("serial" for the first case, "shared" for the others):
+directory that starts empty ("serial" for the first case, "shared" for the others), and a tuning cache
+(policies/fast/tuning.py: the timed choices and kernel lists kept between processes) of its own or shared:
 - "cold_serial": the cache empty, every kernel compiled in-process as its launch reaches it
   (`compile_workers: 0`, what rounds up to 23 paid);
-- "cold_torch": the cache empty, compile workers that import torch (round 24's; its own empty cache);
-- "cold": the default sampler with the cache empty (what a fresh machine pays): the compile workers
+- "cold_torch" (only with --cases): the cache empty, compile workers that import torch (round 24's);
+- "cold": the default sampler with both caches empty (what a fresh machine pays): the compile workers
   (policies/fast/precompile.py, imports without torch since round 25) build the kernels in parallel first;
-- "warm": the same again, the cache now filled by "cold";
-- "warm_nosearch": warm, with gemm_search and overlap off (no search, no timing of both orders).
+- "warm_untuned": the Triton cache filled by "cold", a tuning cache empty: the choices timed again and the
+  stages traced (what every process paid before the tuning cache);
+- "warm": both caches filled by "cold" (what a new process on the same machine pays);
+- "warm_nosearch": warm Triton cache, its own empty tuning cache, gemm_search and overlap off.
 Per case and configuration: the policy's build time, the first call's wall time (`first_call_s`), the
-median of the next calls (`ms`), the kernels the workers compiled, and the Triton cache's file count
-before and after. cold - warm is the compile cost; warm - warm_nosearch is what the search and the overlap
-pick add.
+median of the next calls (`ms`), the kernels the workers compiled, the timed choices made here or kept,
+and the Triton cache's file count before and after. cold - warm_untuned is the compile cost; warm_untuned -
+warm what the tuning cache saves.
 """
 
 from __future__ import annotations
@@ -36,15 +39,18 @@ import torch
 from experiments import bench_predict_common as common
 from experiments.results import write_result
 from policies.config import PolicyConfig
-from policies.fast import precompile
+from policies.fast import precompile, tuning
 from policies.fast.config import FastConfig, triton_cache_dir
 from policies.fast.runner import FastSampler
 from policies.policy import build_policy
 
-# case -> (FastConfig overrides, Triton cache directory name, precompile.WORKERS_IMPORT_TORCH)
-CASES = {"cold_serial": ({"compile_workers": 0}, "serial", False), "cold_torch": ({}, "torch", True),
-         "cold": ({}, "shared", False), "warm": ({}, "shared", False),
-         "warm_nosearch": ({"gemm_search": "off", "overlap": "off"}, "shared", False)}
+# case -> (FastConfig overrides, Triton cache directory name, tuning cache directory name,
+# precompile.WORKERS_IMPORT_TORCH)
+CASES = {"cold_serial": ({"compile_workers": 0}, "serial", "serial", False), "cold_torch": ({}, "torch", "torch", True),
+         "cold": ({}, "shared", "shared", False), "warm_untuned": ({}, "shared", "untuned", False),
+         "warm": ({}, "shared", "shared", False),
+         "warm_nosearch": ({"gemm_search": "off", "overlap": "off"}, "shared", "nosearch", False)}
+DEFAULT_CASES = ["cold_serial", "cold", "warm_untuned", "warm", "warm_nosearch"]
 CHILD_MARK = "PROBE_FIRST_CALL "
 
 
@@ -54,6 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configurations", nargs="+", default=["phyai", "libero_rl"], choices=list(common.CONFIGURATIONS))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--iters", type=int, default=10, help="calls timed after the first")
+    p.add_argument("--cases", nargs="+", default=DEFAULT_CASES, choices=list(CASES), help="in this order")
     p.add_argument("--child", choices=list(CASES), default=None, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default=None)
     p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
@@ -91,7 +98,7 @@ def compile_summary(log: list) -> dict:
 def run_case(case: str, args) -> dict:
     """In this process: per configuration, build the policy and a sampler, time its first call and the next."""
     device, dtype = common.run_device_and_dtype()
-    precompile.WORKERS_IMPORT_TORCH = CASES[case][2]
+    precompile.WORKERS_IMPORT_TORCH = CASES[case][3]
     cache_dir = triton_cache_dir()
     compiles: list = []
     compile_listener(compiles)
@@ -112,7 +119,8 @@ def run_case(case: str, args) -> dict:
         report = fast.bucket_report()[0]
         rows[name] = {"policy_build_s": build_s, "first_call_s": timing["first_call_s"], "ms": timing["ms"],
                       "bucket_first_call_s": report["first_call_s"], "compile_workers": fast.precompiler.workers,
-                      "precompiled_kernels": report["precompiled_kernels"],
+                      "precompiled_kernels": report["precompiled_kernels"], "tuned": report["tuned"],
+                      "tuning_hits": {k: v["hits"] for k, v in fast.tuning.stats.items()},
                       "precompile": {k: v - stats_before[k] for k, v in fast.precompiler.stats.items()},
                       "in_process_compiles": compile_summary(compiles),
                       "triton_cache_files_before": files_before, "triton_cache_files_after": cache_files(cache_dir)}
@@ -122,12 +130,14 @@ def run_case(case: str, args) -> dict:
     return rows
 
 
-def run_child(case: str, args, cache_dir: str) -> dict:
-    """`case` in a fresh process on Triton cache `cache_dir`; its rows come back as one marked stdout line."""
+def run_child(case: str, args, cache_dir: str, tuning_dir: str) -> dict:
+    """`case` in a fresh process on Triton cache `cache_dir` and tuning cache `tuning_dir`; its rows come back
+    as one marked stdout line."""
     cmd = [sys.executable, "-m", "experiments.probe_first_call", "--child", case, "--policy", args.policy,
            "--batch", str(args.batch), "--iters", str(args.iters), "--configurations", *args.configurations]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env={**os.environ, "TRITON_CACHE_DIR": cache_dir}, capture_output=True, text=True)
+    env = {**os.environ, "TRITON_CACHE_DIR": cache_dir, tuning.ENV_DIR: tuning_dir}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"case {case!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith(CHILD_MARK)]
@@ -141,8 +151,9 @@ def main(argv=None) -> None:
         return
     results = {}
     with tempfile.TemporaryDirectory(prefix="triton_caches_") as caches:
-        for case, (_, cache, _) in CASES.items():
-            results[case] = run_child(case, args, os.path.join(caches, cache))
+        for case in args.cases:
+            _, cache, tuned, _ = CASES[case]
+            results[case] = run_child(case, args, os.path.join(caches, cache), os.path.join(caches, f"tuning_{tuned}"))
             shown = "  ".join(f"{name} first {r['first_call_s']:.2f} s ({r['precompiled_kernels']} kernels by "
                               f"{r['compile_workers']} workers), then {r['ms']:.2f} ms, cache files "
                               f"{r['triton_cache_files_before']} -> {r['triton_cache_files_after']}"
@@ -150,8 +161,8 @@ def main(argv=None) -> None:
             print(f"{case}: process {results[case]['process_s']:.1f} s | {shown}", flush=True)
     summary = {f"{case}_{name}_first_call_s": r["first_call_s"]
                for case, res in results.items() for name, r in res["rows"].items()}
-    cases = {case: {"overrides": overrides, "cache": cache, "workers_import_torch": torch_imports}
-             for case, (overrides, cache, torch_imports) in CASES.items()}
+    cases = {case: {"overrides": CASES[case][0], "cache": CASES[case][1], "tuning_cache": CASES[case][2],
+                    "workers_import_torch": CASES[case][3]} for case in args.cases}
     write_result("probe_first_call", {"args": vars(args), "cases": cases, "results": results}, summary,
                  out_dir=args.out_dir, commit=args.commit)
 

@@ -47,3 +47,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "libero" in item.keywords and not has_libero:
             item.add_marker(skip_libero)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tuning_cache_outside_home(tmp_path_factory):
+    """The fast path's tuning cache (policies/fast/tuning.py) in a directory of the test session, never in the
+    user's: samplers built by module-scoped fixtures resolve it before any per-test directory exists."""
+    before = os.environ.get("VLA_ROLLOUT_TUNING_DIR")
+    os.environ["VLA_ROLLOUT_TUNING_DIR"] = str(tmp_path_factory.mktemp("tuning_session"))
+    yield
+    if before is None:
+        os.environ.pop("VLA_ROLLOUT_TUNING_DIR", None)
+    else:
+        os.environ["VLA_ROLLOUT_TUNING_DIR"] = before
+
+
+@pytest.fixture(autouse=True)
+def _tuning_cache_per_test(tmp_path, monkeypatch):
+    """Each test's samplers time their own choices: a choice kept by an earlier test (same shapes, another
+    setting such as gemm_search.MIN_GAIN) would otherwise replace the timing a test is about."""
+    monkeypatch.setenv("VLA_ROLLOUT_TUNING_DIR", str(tmp_path / "tuning"))

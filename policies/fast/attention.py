@@ -122,6 +122,7 @@ class AttentionSelector:
     tolerance: float = 2e-2
     records: dict = field(default_factory=dict)
     precompiler: object = None  # precompile.Precompiler: the candidates' Triton kernels compiled in parallel first
+    tuning: object = None  # tuning.TuningCache: a choice timed by an earlier process, re-checked, instead of timing
 
     def __post_init__(self):
         if self.policy not in ("auto", *BACKENDS):
@@ -154,11 +155,38 @@ class AttentionSelector:
         k = torch.randn(batch, rows, kv_heads, head_dim, device=device, dtype=dtype)
         v = torch.randn_like(k)
         lengths = torch.randint(max(1, rows // 2), rows + 1, (batch,), dtype=torch.int32)
-        if self.precompiler is not None:
-            self.precompiler.ahead(lambda: self.exercise(found, q, k, v, lengths, key_len))
+        kept_key = {"stage": stage, "batch": batch, "queries": queries, "rows": rows, "heads": heads,
+                    "kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(dtype), "candidates": sorted(found)}
+        kept = self.tuning.get("attention", kept_key) if self.tuning is not None else None
+        if kept is not None and kept["chosen"] in found:  # timed by an earlier process: checked, not timed
+            chosen = {kept["chosen"]: found[kept["chosen"]]}
+            self._precompile(chosen, q, k, v, lengths, key_len, kept_key)
+            built, _, errors = self.measure(chosen, q, k, v, lengths, key_len, lambda fn: fn() or 0.0)
+            if built:
+                return self._record(key, built[kept["chosen"]], kept["times_ms"], errors, "kept")
+        self._precompile(found, q, k, v, lengths, key_len, kept_key)
         built, times, errors = self.measure(found, q, k, v, lengths, key_len, graph_call_ms)
         best = self.choose(key, times, errors)
+        if self.tuning is not None:
+            self.tuning.put("attention", kept_key, {"chosen": best, "times_ms": times})
         return self._record(key, built[best], times, errors, "measured")
+
+    def tuned(self, batch: int, rows: int, **queries_by_stage) -> dict:
+        """{"attention": "measured" or "kept"} for the stages just built (`stage=queries`), where a choice was
+        timed now or an earlier process's was used; {} where none was (forced, or no CUDA)."""
+        whys = {self.records[f"{stage}/b{batch}/q{q}/s{rows}"]["why"] for stage, q in queries_by_stage.items()}
+        if not whys & {"measured", "kept"}:
+            return {}
+        return {"attention": "measured" if "measured" in whys else "kept"}
+
+    def _precompile(self, found: dict, q, k, v, lengths, key_len, kept_key: dict) -> None:
+        """`found`'s Triton kernels to the compile workers (`exercise` traced, or recalled from the tuning cache)."""
+        if self.precompiler is None:
+            return
+        recall = None
+        if self.tuning is not None and self.tuning.enabled:
+            recall = (self.tuning, {"what": "attention", **kept_key, "candidates": sorted(found)})
+        self.precompiler.ahead(lambda: self.exercise(found, q, k, v, lengths, key_len), recall=recall)
 
     def measure(self, found: dict, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, key_len: Tensor,
                 timer) -> tuple[dict, dict, dict]:

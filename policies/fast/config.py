@@ -89,7 +89,11 @@ class FastConfig:
     compile_workers: processes that compile a new bucket's Triton kernels in parallel before their first
     launch (policies/fast/precompile.py): -1 = min(precompile.AUTO_MAX_WORKERS, CPUs - 1), 0 = off (each
     kernel compiles in-process at its first launch, one after another). Only kernels missing from Triton's
-    on-disk cache are compiled; the numerics do not change."""
+    on-disk cache are compiled; the numerics do not change.
+    tuning_cache: where a bucket's timed choices (attention backend, SigLIP's cuBLASLt algorithms, the
+    overlap order) and its kernel list are kept for the next process (policies/fast/tuning.py): "auto"
+    ($VLA_ROLLOUT_TUNING_DIR, else `vla_rollout_tuning` beside Triton's cache directory), "off", or a
+    directory. A kept choice is re-checked where correctness depends on it; it changes time only."""
 
     enabled: bool = False
     cuda_graphs: bool = True
@@ -108,6 +112,7 @@ class FastConfig:
     gemm_search: str = "auto"
     fp8_gemms: list[str] = field(default_factory=lambda: list(DEFAULT_FP8_GEMMS))
     compile_workers: int = -1
+    tuning_cache: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate("policy.fast")
@@ -139,6 +144,8 @@ class FastConfig:
         if not isinstance(self.compile_workers, int) or self.compile_workers < -1:
             raise ValueError(f"{key}.compile_workers must be -1 (auto), 0 (off) or a number of processes, "
                              f"got {self.compile_workers!r}")
+        if not isinstance(self.tuning_cache, str) or not self.tuning_cache.strip():
+            raise ValueError(f"{key}.tuning_cache must be 'auto', 'off' or a directory, got {self.tuning_cache!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"{key}.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         for name in ("batch_buckets", "prompt_buckets"):

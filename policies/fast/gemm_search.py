@@ -50,17 +50,57 @@ def choose(mode: str, image_rows: int, device: torch.device) -> bool:
 
 
 @torch.no_grad()
-def search_linear(rows: int, layers: list, seed: int = 0) -> Pick | None:
+def search_linear(rows: int, layers: list, seed: int = 0, tuning=None) -> Pick | None:
     """The fastest bit-exact algorithm for F.linear(x (rows, K), W, b) over `layers` (LinearW with a bias,
-    same shape), or None where torch's own call is as fast."""
+    same shape), or None where torch's own call is as fast. `tuning` (tuning.TuningCache): an earlier
+    process's answer for the shape is used where it still holds (`_kept`), and a new answer is kept."""
     weight, bias = layers[0].weight, layers[0].bias
     plan = LtGemm(GemmShape(rows, *weight.shape, "bias"), weight.dtype)
     g = torch.Generator(device=weight.device).manual_seed(seed)
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype, generator=g)
     want = F.linear(x, weight, bias)
     out = torch.empty_like(want)
-    exact = [i for i, r in enumerate(plan.results)
-             if r.workspace_size == 0 and torch.equal(plan(x, weight, bias, out, i), want)]
+    key = {"rows": rows, "cols": weight.shape[0], "depth": weight.shape[1], "dtype": str(weight.dtype),
+           "layers": len(layers), "algorithms": len(plan.results)}
+    kept = tuning.get("gemm_search", key) if tuning is not None else None
+    if kept is not None:
+        found = _kept(kept, plan, x, weight, bias, out, want)
+        if found is not False:
+            return found
+    pick = _timed(plan, x, layers, out, want)
+    if tuning is not None:
+        tuning.put("gemm_search", key, {"index": None} if pick is None else
+                   {"index": pick.index, "algo": _algo_words(plan, pick.index), "torch_ms": pick.torch_ms,
+                    "ms": pick.ms})
+    return pick
+
+
+def _algo_words(plan: LtGemm, index: int) -> list[int]:
+    """The algorithm's descriptor (cublasLtMatmulAlgo_t's eight words): what identifies it across processes."""
+    return [int(word) for word in plan.results[index].algo.data]
+
+
+def _exact(plan: LtGemm, index: int, x: Tensor, weight: Tensor, bias: Tensor, out: Tensor, want: Tensor) -> bool:
+    return plan.results[index].workspace_size == 0 and torch.equal(plan(x, weight, bias, out, index), want)
+
+
+def _kept(kept: dict, plan: LtGemm, x, weight, bias, out, want):
+    """A kept answer: None (index None: torch's call), the Pick, or False where it no longer holds (another
+    algorithm at that index, or other bits): then the search runs."""
+    index = kept["index"]
+    if index is None:
+        plan.close()
+        return None
+    if (index < len(plan.results) and _algo_words(plan, index) == kept["algo"]
+            and _exact(plan, index, x, weight, bias, out, want)):
+        return Pick(plan, index, kept["torch_ms"], kept["ms"])
+    return False
+
+
+def _timed(plan: LtGemm, x: Tensor, layers: list, out: Tensor, want: Tensor) -> Pick | None:
+    """search_linear's timing: every exact algorithm against torch's call, cycled through `layers`."""
+    weight, bias = layers[0].weight, layers[0].bias
+    exact = [i for i in range(len(plan.results)) if _exact(plan, i, x, weight, bias, out, want)]
     if not exact:
         plan.close()
         return None
@@ -78,13 +118,13 @@ def search_linear(rows: int, layers: list, seed: int = 0) -> Pick | None:
     return Pick(plan, best, torch_ms, timed[best])
 
 
-def search_vision(vision: dict, image_rows: int) -> dict[str, Pick | None]:
+def search_vision(vision: dict, image_rows: int, tuning=None) -> dict[str, Pick | None]:
     """search_linear for each of SigLIP's bf16 bias GEMMs at `image_rows` rows (FP8 ones keep fp8.project)."""
     picks = {}
     for name in VISION_GEMMS:
         layers = [layer[name] for layer in vision["layers"]]
-        picks[name] = search_linear(image_rows, layers) if _searchable(layers[0]) else None
-    picks["proj"] = search_linear(image_rows, [vision["proj"]]) if _searchable(vision["proj"]) else None
+        picks[name] = search_linear(image_rows, layers, tuning=tuning) if _searchable(layers[0]) else None
+    picks["proj"] = search_linear(image_rows, [vision["proj"]], tuning=tuning) if _searchable(vision["proj"]) else None
     return picks
 
 

@@ -84,6 +84,19 @@ def pick(sampler, bucket, timer=None, rounds: int = TIMING_ROUNDS, replays: int 
     return chosen
 
 
+def pick_or_kept(sampler, bucket, tuning, key: dict) -> bool:
+    """"auto": the way an earlier process timed faster for this bucket (tuning.py's cache, `key`), else `pick`'s,
+    which is then kept. Either way `bucket.tuned["overlap"]` says which."""
+    kept = tuning.get("overlap", key)
+    if kept is not None:
+        bucket.overlap_ms, bucket.tuned["overlap"] = kept["overlap_ms"], "kept"
+        return kept["on"]
+    chosen = pick(sampler, bucket)
+    tuning.put("overlap", key, {"on": chosen, "overlap_ms": bucket.overlap_ms})
+    bucket.tuned["overlap"] = "measured"
+    return chosen
+
+
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """A stream of the highest priority: step 0's kernels take SMs as soon as prefix blocks retire."""
     return torch.cuda.Stream(device=device, priority=-100)  # clamped to the device's highest priority

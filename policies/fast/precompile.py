@@ -334,10 +334,11 @@ class Precompiler:
         self._session = 0
         self._hook_before = None
         self._pending: dict[KernelSpec, object] = {}  # spec -> Future of its compile, until it is done
-        # over this object's life: traces run, specializations they recorded, kernels submitted / compiled /
-        # failed by the workers, pools spawned, workers that had to import torch after all (compile_worker.py),
-        # and seconds (traces, cache checks, waits, worker compiles, the workers' start-up up to their first result)
-        self.stats = {"traces": 0, "specs": 0, "submitted": 0, "compiled": 0, "failed": 0, "spawned": 0,
+        # over this object's life: traces run, traces skipped for a kept list (`recall`), specializations they
+        # recorded, kernels submitted / compiled / failed by the workers, pools spawned, workers that had to import
+        # torch after all (compile_worker.py), and seconds (traces, cache checks, waits, worker compiles, the
+        # workers' start-up up to their first result)
+        self.stats = {"traces": 0, "recalled": 0, "specs": 0, "submitted": 0, "compiled": 0, "failed": 0, "spawned": 0,
                       "torch_imports": 0, "trace_s": 0.0, "check_s": 0.0, "wait_s": 0.0, "worker_s": 0.0,
                       "first_result_s": 0.0}
 
@@ -381,13 +382,17 @@ class Precompiler:
             pool, self._pool = self._pool, None  # a submit from here on spawns a new pool
         self._shut(pool)
 
-    def ahead(self, *fns) -> int:
+    def ahead(self, *fns, recall: tuple | None = None) -> int:
         """Run each of `fns` with Triton's compiling launches skipped, and give the workers what they would
         have compiled and Triton's cache lacks; returns how many kernels that was. No-op with 0 workers; an
-        exception in `fns` propagates after the hook is removed."""
+        exception in `fns` propagates after the hook is removed. `recall` = (tuning.TuningCache, key): the
+        specializations an earlier trace of the same key found; where Triton's cache holds every one of them,
+        `fns` are not traced (nothing to compile), else they are and what they launch is kept for the key."""
         if not self.workers:
             return 0
         with self.session():
+            if recall is not None and self._recalled(*recall):
+                return 0
             started = time.perf_counter()
             specs: list[KernelSpec] = []
             with recording_launches(specs):
@@ -396,6 +401,8 @@ class Precompiler:
             checked = time.perf_counter()
             missing = self._missing(specs)
             self._count(traces=1, specs=len(specs), trace_s=checked - started, check_s=time.perf_counter() - checked)
+            if recall is not None and specs:
+                self._keep(*recall, specs)
             if self._pool is None and len(missing) < MIN_TO_SPAWN:
                 return 0  # they compile in-process at their launches
             self._count(submitted=len(missing))
@@ -405,6 +412,29 @@ class Precompiler:
                 for spec in missing:
                     self._wait(spec)
         return len(missing)
+
+    def _recalled(self, tuning, key: dict) -> bool:
+        """Whether the kept specializations of `key` are all in Triton's cache (then no trace is needed)."""
+        kept = tuning.get("kernels", key)
+        if not kept:
+            return False
+        started = time.perf_counter()
+        try:
+            specs = [KernelSpec(d["module"], d["qualname"], d["data"], tuple(d["target"]), d["key"]) for d in kept]
+            complete = not self._missing(specs) and not any(spec in self._pending for spec in specs)
+        except (KeyError, TypeError):
+            complete = False
+        self._count(recalled=int(complete), check_s=time.perf_counter() - started)
+        return complete
+
+    @staticmethod
+    def _keep(tuning, key: dict, specs: list[KernelSpec]) -> None:
+        """Keep what a trace of `key` found, with what was kept before (a trace in a process that already
+        loaded a kernel does not see it)."""
+        kept = tuning.get("kernels", key) or []
+        merged = {json.dumps(d, sort_keys=True): d for d in [*kept, *(asdict(s) for s in dict.fromkeys(specs))]}
+        if len(merged) > len(kept):
+            tuning.put("kernels", key, list(merged.values()))
 
     def _count(self, **amounts) -> None:
         for name, amount in amounts.items():

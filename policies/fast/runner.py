@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies import flow
-from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, gemm_search, overlap, pdl, skinny
+from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, gemm_search, overlap, pdl, skinny, tuning
 from policies.fast import kernels as K
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig, triton_cache_dir, triton_interpreting
@@ -64,6 +64,7 @@ class Bucket:
     first_call_s: float | None = None  # wall time of the call that built it (compile, capture, searches)
     precompiled: set = field(default_factory=set)  # stages whose Triton kernels went through precompile.py
     precompiled_kernels: int = 0  # kernels given to the compile workers for this bucket (attention choice, stages)
+    tuned: dict = field(default_factory=dict)  # timed choice -> "measured" here or "kept" (tuning.py's cache)
 
 
 class FastSampler:
@@ -77,8 +78,11 @@ class FastSampler:
         cuda_triton = self.device.type == "cuda" and not triton_interpreting()
         workers = resolve_workers(fast_cfg.compile_workers) if cuda_triton else 0
         self.precompiler = shared(workers) if workers else Precompiler(0)
+        self.tuning = tuning.TuningCache(tuning.resolve_dir(fast_cfg.tuning_cache) if cuda_triton else None,
+                                         self.device)
+        self._tuning_context = tuning.context(self.cfg, fast_cfg)
         self.selector = AttentionSelector(fast_cfg.attention, fast_cfg.attention_profile_path,
-                                          precompiler=self.precompiler)
+                                          precompiler=self.precompiler, tuning=self.tuning)
         self.buckets: dict[tuple[int, int], Bucket] = {}
         self.use_graphs = fast_cfg.cuda_graphs and self.device.type == "cuda"
         # PDL (pdl.py) only inside graphs: eager launches are host-bound anyway, and the denoise
@@ -168,7 +172,7 @@ class FastSampler:
             self.run_stage(bucket, "vision")
             mark("vision")
         if bucket.overlap is None:  # overlap "auto" at the bucket's first call: the faster way on these inputs
-            bucket.overlap = overlap.pick(self, bucket)
+            bucket.overlap = overlap.pick_or_kept(self, bucket, self.tuning, self._tuning_key(bucket))
         for stage in self.call_stages(bucket)[1:]:  # after vision
             self.run_stage(bucket, stage)
             mark(stage)
@@ -190,7 +194,7 @@ class FastSampler:
         """Per built bucket: its shape, the building call's seconds and the choices timed at that call."""
         return [{"batch": b.batch, "prompt_len": b.prompt_len, "camera_bits": b.cam_bits,
                  "first_call_s": b.first_call_s, "precompiled_kernels": b.precompiled_kernels,
-                 "overlap": b.overlap, "overlap_ms": b.overlap_ms,
+                 "overlap": b.overlap, "overlap_ms": b.overlap_ms, "tuned": b.tuned,
                  "graphs": sorted(b.graphs)} for b in self.buckets.values()]
 
     def prepare(self, inputs, noise: Tensor, step_noise: Tensor | None, stochastic: Tensor,
@@ -271,10 +275,11 @@ class FastSampler:
         if not todo or not self.precompiler.workers:
             return
         bucket.precompiled.update(todo)
+        recall = (self.tuning, self._tuning_key(bucket, stages=sorted(todo))) if self.tuning.enabled else None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.precompiler.ahead(*[lambda fn=fn: fn(bucket) for fn in todo.values()])
+            self.precompiler.ahead(*[lambda fn=fn: fn(bucket) for fn in todo.values()], recall=recall)
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _building_stages(self, bucket: Bucket) -> dict:
@@ -329,7 +334,10 @@ class FastSampler:
         bucket.overlap = overlap.choose(self.fast.overlap, batch * h, self.use_graphs)
         image_rows = batch * cams * n
         if gemm_search.choose(self.fast.gemm_search, image_rows, dev):
-            bucket.vision_gemms = gemm_search.search_vision(self.w.vision, image_rows)
+            hits = self.tuning.stats["gemm_search"]["hits"]
+            bucket.vision_gemms = gemm_search.search_vision(self.w.vision, image_rows, self.tuning)
+            kept = self.tuning.stats["gemm_search"]["hits"] - hits == len(bucket.vision_gemms)
+            bucket.tuned["gemm_search"] = "kept" if kept else "measured"
         gate_up = self.w.prefix[0]["gate_up"]
         if gate_up.fp8 is None and gate_up.bias is None:
             bucket.geglu_tile = geglu_gemm.choose_tile(self.fast.geglu, batch * p, *gate_up.weight.shape, dev,
@@ -340,10 +348,14 @@ class FastSampler:
         self._precompile_early(bucket, (batch, p, h, rows, heads, kv, hd), full)
         bucket.prefix_attn = self.selector.build("prefix", batch, p, rows, heads, kv, hd, self.dtype, dev, full)
         bucket.expert_attn = self.selector.build("expert", batch, h, rows, heads, kv, hd, self.dtype, dev, full)
+        bucket.tuned.update(self.selector.tuned(batch, rows, prefix=p, expert=h))
         if hasattr(bucket.expert_attn, "pdl"):
             bucket.expert_attn.pdl = self._pdl_for(bucket)
         self.buckets[key] = bucket
         return bucket
+
+    def _tuning_key(self, bucket: Bucket, **more) -> dict:
+        return tuning.bucket_key(self._tuning_context, bucket, **more)
 
     def _precompile_early(self, bucket: Bucket, shape: tuple, full: Tensor) -> None:
         """With compile workers: the call's stages traced with the Triton attention the selector is about to

@@ -13,11 +13,12 @@ def test_smoke_run_times_every_case_in_its_own_process(tmp_path):
                            "--out-dir", str(tmp_path)])
     (path,) = tmp_path.glob("probe_first_call_*.json")
     record = json.loads(path.read_text())
-    assert list(record["results"]) == list(probe_first_call.CASES)
+    assert list(record["results"]) == probe_first_call.DEFAULT_CASES
     for case, result in record["results"].items():
         row = result["rows"]["libero_rl"]
         assert row["first_call_s"] > 0 and row["ms"] > 0 and row["policy_build_s"] > 0
         assert row["triton_cache_files_before"] == row["triton_cache_files_after"] == 0
+        assert row["tuned"] == {}  # no CUDA: nothing timed, nothing kept
         assert result["process_s"] >= row["first_call_s"]
         assert record["summary"][f"{case}_libero_rl_first_call_s"] == row["first_call_s"]
 

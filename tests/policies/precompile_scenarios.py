@@ -5,6 +5,8 @@ test process's interpreter mode nor its in-memory kernel caches leak in. Prints 
 - "fake_driver" (CPU): Triton's driver replaced by one that reports an sm_90 device, so launches reach the
   compile step without a GPU (the workers and the in-process lookup compile for that target with the wheel's
   ptxas; nothing is launched).
+- "recall" (CPU, the same driver): a trace's specializations kept in a tuning cache (policies/fast/tuning.py)
+  and the next trace of the same key skipped where Triton's cache holds them all.
 - "first_call" (GPU): a tiny FastSampler's first call, every Triton compile of the process recorded by
   Triton's compilation listener; args: compile_workers.
 - "kernel_keys" (CPU): every Triton kernel of the fast path (the `@functools.cache` factories of
@@ -41,18 +43,17 @@ def _skinny_launcher():
     return kernel, launch
 
 
-def fake_driver() -> dict:
+def _fake_sm90() -> None:
+    """Triton's driver replaced by one that reports an sm_90 device (what JITFunction.run asks of a driver
+    before it compiles)."""
     import logging
 
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
-    from policies.fast import precompile
-
     logging.basicConfig(level=logging.WARNING)
 
-    class Sm90Driver:  # what JITFunction.run asks of a driver before it compiles
+    class Sm90Driver:
         def get_current_device(self):
             return 0
 
@@ -63,6 +64,14 @@ def fake_driver() -> dict:
             return GPUTarget("cuda", 90, 32)
 
     driver.set_active(Sm90Driver())
+
+
+def fake_driver() -> dict:
+    import triton
+
+    from policies.fast import precompile
+
+    _fake_sm90()
     kernel, launch = _skinny_launcher()
     out = {}
     specs = []
@@ -132,6 +141,44 @@ def fake_driver() -> dict:
     return out
 
 
+def recall() -> dict:
+    """(CPU, sm_90 stand-in driver) `Precompiler.ahead(..., recall=)`: a trace's specializations kept in a
+    tuning cache; a later `ahead` of the same key skips its trace where Triton's cache holds all of them."""
+    import dataclasses
+    from pathlib import Path
+
+    import torch
+
+    from policies.fast import precompile, tuning
+
+    _fake_sm90()
+    _, launch = _skinny_launcher()
+    precompile.MIN_TO_SPAWN = 1
+    kept = tuning.TuningCache(Path(os.environ["TRITON_CACHE_DIR"]).parent / "tuning", torch.device("cpu"))
+    key, out, traced = {"bucket": [1, 48, 2], "stages": ["denoise"]}, {}, []
+
+    def trace(*blocks):
+        return lambda: [traced.append(len(traced)), *(launch(b) for b in blocks)]
+
+    pc = precompile.Precompiler(2)
+    out["first"] = pc.ahead(trace(16, 32), recall=(kept, key))  # nothing kept: traced, compiled, kept
+    out["kept"] = len(tuning.TuningCache(kept.directory, torch.device("cpu")).get("kernels", key))
+    out["traced_first"] = len(traced)
+    out["again"] = pc.ahead(trace(16, 32), recall=(kept, key))  # all on disk: no trace
+    out["traced_again"] = len(traced)
+    out["recalled"] = pc.stats["recalled"]
+    launched = []  # a kept specialization missing from Triton's cache: traced again, compiled, the list grows
+    with precompile.recording_launches(launched):
+        launch(64)
+    kept.put("kernels", key, [*kept.get("kernels", key), dataclasses.asdict(launched[0])])
+    out["with_missing"] = pc.ahead(trace(16, 32, 64), recall=(kept, key))
+    out["traced_with_missing"] = len(traced)
+    out["kept_after"] = len(kept.get("kernels", key))
+    out["stats"] = dict(pc.stats)
+    pc.close()
+    return out
+
+
 def first_call(workers: str) -> dict:
     """A bf16 sampler at test_fast_gpu's shapes (the real head_dim and head counts): its first call's
     in-process compiles, and its chains and log-probs saved next to the cache for the test to compare."""
@@ -192,7 +239,7 @@ def kernel_keys(imports: str) -> dict:
     return {"keys": keys, "torch_stood_in": worker.torch_is_stood_in()}
 
 
-SCENARIOS = {"fake_driver": fake_driver, "first_call": first_call, "kernel_keys": kernel_keys}
+SCENARIOS = {"fake_driver": fake_driver, "recall": recall, "first_call": first_call, "kernel_keys": kernel_keys}
 
 if __name__ == "__main__":
     name, cache_dir, *rest = sys.argv[1:]

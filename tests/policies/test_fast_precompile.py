@@ -59,6 +59,16 @@ def test_recorded_launches_compile_in_workers_and_load_from_the_cache(tmp_path):
     assert "no_such" in out["resolve_error"] and "_triton_kernels()" in out["resolve_error"]
 
 
+def test_a_kept_kernel_list_skips_the_trace_where_the_cache_holds_it(tmp_path):
+    pytest.importorskip("triton")
+    out = run_scenario("recall", tmp_path / "cache")
+    assert out["first"] == 2 and out["kept"] == 2 and out["traced_first"] == 1
+    assert out["again"] == 0 and out["traced_again"] == 1 and out["recalled"] == 1
+    # one kept specialization not in Triton's cache: the trace runs and the workers compile only that one
+    assert out["with_missing"] == 1 and out["traced_with_missing"] == 2 and out["kept_after"] == 3
+    assert out["stats"]["traces"] == 2 and out["stats"]["compiled"] == 3 and out["stats"]["failed"] == 0
+
+
 def test_workers_resolve_and_validate():
     assert precompile.resolve_workers(0) == 0
     assert precompile.resolve_workers(3) == 3
