@@ -160,8 +160,8 @@ class AttentionSelector:
         kept = self.tuning.get("attention", kept_key) if self.tuning is not None else None
         if kept is not None and kept["chosen"] in found:  # timed by an earlier process: checked, not timed
             chosen = {kept["chosen"]: found[kept["chosen"]]}
-            self._precompile(chosen, q, k, v, lengths, key_len, kept_key)
-            built, _, errors = self.measure(chosen, q, k, v, lengths, key_len, lambda fn: fn() or 0.0)
+            self._precompile(chosen, q, k, v, lengths, key_len, kept_key)  # the candidates' list covers it
+            built, _, errors = self.measure(chosen, q, k, v, lengths, key_len, _untimed)
             if built:
                 return self._record(key, built[kept["chosen"]], kept["times_ms"], errors, "kept")
         self._precompile(found, q, k, v, lengths, key_len, kept_key)
@@ -184,8 +184,8 @@ class AttentionSelector:
         if self.precompiler is None:
             return
         recall = None
-        if self.tuning is not None and self.tuning.enabled:
-            recall = (self.tuning, {"what": "attention", **kept_key, "candidates": sorted(found)})
+        if self.tuning is not None and self.tuning.enabled:  # keyed by every candidate: what a timing traces
+            recall = (self.tuning, {"what": "attention", **kept_key})
         self.precompiler.ahead(lambda: self.exercise(found, q, k, v, lengths, key_len), recall=recall)
 
     def measure(self, found: dict, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, key_len: Tensor,
@@ -244,6 +244,12 @@ class AttentionSelector:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(self.records, indent=2))
         return backend
+
+
+def _untimed(fn) -> float:
+    """`measure`'s timer for a kept choice: one call (the accuracy check ran before it), no timing."""
+    fn()
+    return 0.0
 
 
 def triton_available() -> bool:

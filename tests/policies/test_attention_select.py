@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from policies.fast import attention
 from policies.fast.attention import AttentionSelector, FlashInferAttention, SdpaAttention
 
 B, Q, S, H, KV, HD = 2, 3, 16, 4, 1, 8
@@ -42,6 +43,15 @@ def test_accurate_backend_is_chosen_and_failures_recorded():
     assert list(built) == ["sdpa"] and errors["sdpa"] < 1e-6
     assert errors["flashinfer"].startswith(("ModuleNotFoundError", "ImportError"))
     assert selector.choose("expert/b2/q3/s16", times, errors) == "sdpa"
+
+
+def test_a_kept_choice_is_checked_without_a_timing():
+    """The check a choice kept by an earlier process (policies/fast/tuning.py) goes through: measure's accuracy
+    gate with a timer that only calls the backend (its output is a tensor, not a time)."""
+    q, k, v, lengths = _inputs(torch.float32)
+    built, times, errors = AttentionSelector().measure({"sdpa": _candidates(torch.float32)["sdpa"]}, q, k, v,
+                                                       lengths, lengths, attention._untimed)
+    assert list(built) == ["sdpa"] and times == {"sdpa": 0.0} and errors["sdpa"] < 1e-6
 
 
 def test_no_accurate_backend_lists_each_error():
