@@ -26,8 +26,10 @@ warm what the tuning cache saves.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -52,6 +54,7 @@ CASES = {"cold_serial": ({"compile_workers": 0}, "serial", "serial", False), "co
          "warm_nosearch": ({"gemm_search": "off", "overlap": "off"}, "shared", "nosearch", False)}
 DEFAULT_CASES = ["cold_serial", "cold", "warm_untuned", "warm", "warm_nosearch"]
 CHILD_MARK = "PROBE_FIRST_CALL "
+PROFILE_TOP = 40
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--iters", type=int, default=10, help="calls timed after the first")
     p.add_argument("--cases", nargs="+", default=DEFAULT_CASES, choices=list(CASES), help="in this order")
+    p.add_argument("--profile-cases", nargs="*", default=[], choices=list(CASES),
+                   help="cases whose first call runs under cProfile (the top functions by cumulative time go to the "
+                        "JSON's `profile`; the profiler's overhead inflates that call's time)")
     p.add_argument("--child", choices=list(CASES), default=None, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default=None)
     p.add_argument("--commit", action="store_true", help="write to benchmarks/results/")
@@ -95,6 +101,31 @@ def compile_summary(log: list) -> dict:
             "hit_s": sum(e[2] for e in hits), "slowest_misses": [[e[0], round(e[2], 3)] for e in misses[:5]]}
 
 
+def profiled_first_call(fn, profile: cProfile.Profile):
+    """`fn` with its first call under `profile`."""
+    calls = []
+
+    def call():
+        calls.append(1)
+        if len(calls) > 1:
+            return fn()
+        profile.enable()
+        try:
+            return fn()
+        finally:
+            profile.disable()
+
+    return call
+
+
+def profile_top(profile: cProfile.Profile, top: int = PROFILE_TOP) -> list:
+    """[function, cumulative s, own s, calls] of the `top` functions by cumulative time."""
+    stats = pstats.Stats(profile)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][3])[:top]
+    return [[f"{Path(file).name}:{line}({name})", round(cum, 4), round(own, 4), calls]
+            for (file, line, name), (_, calls, own, cum, _) in rows]
+
+
 def run_case(case: str, args) -> dict:
     """In this process: per configuration, build the policy and a sampler, time its first call and the next."""
     device, dtype = common.run_device_and_dtype()
@@ -115,7 +146,9 @@ def run_case(case: str, args) -> dict:
         files_before = cache_files(cache_dir)
         compiles.clear()
         stats_before = dict(fast.precompiler.stats)  # the process's samplers share the workers and their stats
-        timing = common.time_calls(lambda f=fast: f.sample_chains(*call_args), device, 2, args.iters)
+        call = lambda f=fast: f.sample_chains(*call_args)  # noqa: E731
+        profile = cProfile.Profile() if case in args.profile_cases else None
+        timing = common.time_calls(profiled_first_call(call, profile) if profile else call, device, 2, args.iters)
         report = fast.bucket_report()[0]
         rows[name] = {"policy_build_s": build_s, "first_call_s": timing["first_call_s"], "ms": timing["ms"],
                       "bucket_first_call_s": report["first_call_s"], "compile_workers": fast.precompiler.workers,
@@ -124,6 +157,8 @@ def run_case(case: str, args) -> dict:
                       "precompile": {k: v - stats_before[k] for k, v in fast.precompiler.stats.items()},
                       "in_process_compiles": compile_summary(compiles),
                       "triton_cache_files_before": files_before, "triton_cache_files_after": cache_files(cache_dir)}
+        if profile is not None:
+            rows[name]["profile"] = profile_top(profile)
         del policy, fast
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -134,7 +169,8 @@ def run_child(case: str, args, cache_dir: str, tuning_dir: str) -> dict:
     """`case` in a fresh process on Triton cache `cache_dir` and tuning cache `tuning_dir`; its rows come back
     as one marked stdout line."""
     cmd = [sys.executable, "-m", "experiments.probe_first_call", "--child", case, "--policy", args.policy,
-           "--batch", str(args.batch), "--iters", str(args.iters), "--configurations", *args.configurations]
+           "--batch", str(args.batch), "--iters", str(args.iters), "--configurations", *args.configurations,
+           "--profile-cases", *args.profile_cases]
     t0 = time.perf_counter()
     env = {**os.environ, "TRITON_CACHE_DIR": cache_dir, tuning.ENV_DIR: tuning_dir}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

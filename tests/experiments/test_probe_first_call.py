@@ -26,3 +26,17 @@ def test_smoke_run_times_every_case_in_its_own_process(tmp_path):
 def test_a_failing_case_names_itself():
     with pytest.raises(RuntimeError, match="case 'cold_serial' failed"):
         probe_first_call.main(["--policy", "no_such_preset", "--configurations", "libero_rl"])
+
+
+def test_a_profiled_case_lists_where_its_first_call_went(tmp_path):
+    probe_first_call.main(["--policy", "tiny", "--configurations", "libero_rl", "--iters", "1", "--cases", "warm",
+                           "cold", "--profile-cases", "warm", "--out-dir", str(tmp_path)])
+    (path,) = tmp_path.glob("probe_first_call_*.json")
+    record = json.loads(path.read_text())
+    assert list(record["results"]) == ["warm", "cold"]
+    warm, cold = (record["results"][case]["rows"]["libero_rl"] for case in ("warm", "cold"))
+    assert "profile" not in cold and len(warm["profile"]) == probe_first_call.PROFILE_TOP
+    names = [row[0] for row in warm["profile"]]
+    assert any("sample_chains" in name for name in names)
+    cumulative = [row[1] for row in warm["profile"]]
+    assert cumulative == sorted(cumulative, reverse=True) and cumulative[0] <= warm["first_call_s"] * 1.5
