@@ -36,6 +36,7 @@ import statistics
 
 import torch
 
+from policies.fast import tuning
 from policies.fast.attention import event_ms
 from policies.fast.config import OVERLAP_CHOICES
 
@@ -84,15 +85,16 @@ def pick(sampler, bucket, timer=None, rounds: int = TIMING_ROUNDS, replays: int 
     return chosen
 
 
-def pick_or_kept(sampler, bucket, tuning, key: dict) -> bool:
-    """"auto": the way an earlier process timed faster for this bucket (tuning.py's cache, `key`), else `pick`'s,
-    which is then kept. Either way `bucket.tuned["overlap"]` says which."""
-    kept = tuning.get("overlap", key)
+def pick_or_kept(sampler, bucket, kept_by: tuning.TuningCache, context: str) -> bool:
+    """"auto": the way an earlier process timed faster for this bucket (`kept_by`, keyed by tuning.bucket_key with
+    the sampler's `context` digest), else `pick`'s, which is then kept. `bucket.tuned["overlap"]` says which."""
+    key = tuning.bucket_key(context, bucket)
+    kept = kept_by.get("overlap", key)
     if kept is not None:
         bucket.overlap_ms, bucket.tuned["overlap"] = kept["overlap_ms"], "kept"
         return kept["on"]
     chosen = pick(sampler, bucket)
-    tuning.put("overlap", key, {"on": chosen, "overlap_ms": bucket.overlap_ms})
+    kept_by.put("overlap", key, {"on": chosen, "overlap_ms": bucket.overlap_ms})
     bucket.tuned["overlap"] = "measured"
     return chosen
 

@@ -139,7 +139,8 @@ class FastSampler:
         for s in range(0, max(total, 1), largest):  # split: graphs exist only up to the largest bucket
             part = call_inputs.split_rows(inputs, s, s + largest) if total > largest else inputs
             started = time.perf_counter()  # a new bucket's build starts in _select (attention choice, searches)
-            with self.precompiler.session():  # a new bucket's build: one pool of compile workers (precompile.py)
+            # a new bucket's build: one pool of compile workers (precompile.py), one write of its kept timings
+            with self.precompiler.session(), self.tuning.deferred():
                 bucket, part, masks = self._run_part(part, slice(s, s + largest), noise, step_noise, stochastic, mark)
             if bucket.first_call_s is None:
                 self._record_first_call(bucket, started)
@@ -172,7 +173,7 @@ class FastSampler:
             self.run_stage(bucket, "vision")
             mark("vision")
         if bucket.overlap is None:  # overlap "auto" at the bucket's first call: the faster way on these inputs
-            bucket.overlap = overlap.pick_or_kept(self, bucket, self.tuning, self._tuning_key(bucket))
+            bucket.overlap = overlap.pick_or_kept(self, bucket, self.tuning, self._tuning_context)
         for stage in self.call_stages(bucket)[1:]:  # after vision
             self.run_stage(bucket, stage)
             mark(stage)
@@ -207,7 +208,8 @@ class FastSampler:
         The token layout (valid-first order, RoPE positions, suffix slots) is computed on the
         host from the masks (tiny) and sent as one packed copy; the attention is planned from
         the same host lengths, so no device value is read back."""
-        bucket, inputs, masks = self._select(inputs, key)
+        with self.tuning.deferred():
+            bucket, inputs, masks = self._select(inputs, key)
         self._fill_images(bucket, inputs)
         self._fill_rest(bucket, inputs, masks, noise, step_noise, stochastic)
         return bucket
@@ -275,7 +277,8 @@ class FastSampler:
         if not todo or not self.precompiler.workers:
             return
         bucket.precompiled.update(todo)
-        recall = (self.tuning, self._tuning_key(bucket, stages=sorted(todo))) if self.tuning.enabled else None
+        key = tuning.bucket_key(self._tuning_context, bucket, stages=sorted(todo))
+        recall = (self.tuning, key) if self.tuning.enabled else None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -353,9 +356,6 @@ class FastSampler:
             bucket.expert_attn.pdl = self._pdl_for(bucket)
         self.buckets[key] = bucket
         return bucket
-
-    def _tuning_key(self, bucket: Bucket, **more) -> dict:
-        return tuning.bucket_key(self._tuning_context, bucket, **more)
 
     def _precompile_early(self, bucket: Bucket, shape: tuple, full: Tensor) -> None:
         """With compile workers: the call's stages traced with the Triton attention the selector is about to

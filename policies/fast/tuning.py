@@ -120,6 +120,8 @@ class TuningCache:
         self.stats = {kind: {"hits": 0, "misses": 0, "writes": 0} for kind in KINDS}
         self._entries: dict | None = None
         self._writable = directory is not None
+        self._unwritten: list[tuple] = []  # (kind, key, value) put inside a `deferred` block, not yet written
+        self._deferring = 0
         if directory is None:
             self.path = None
             return
@@ -142,34 +144,53 @@ class TuningCache:
         return value
 
     def put(self, kind: str, key: dict, value) -> None:
-        """Keep `value` (JSON) for (`kind`, `key`): the file is re-read under its lock, merged and replaced;
-        where it cannot be written, in this object only."""
+        """Keep `value` (JSON) for (`kind`, `key`): at once, or at the end of the enclosing `deferred` block.
+        Writing re-reads the file under its lock, merges and replaces it; where it cannot be written, the
+        answers stay in this object only."""
         if kind not in KINDS:
             raise ValueError(f"tuning cache: kind must be one of {KINDS}, got {kind!r}")
         if not self.enabled:
             return
-        if self._writable:
-            try:
-                self._entries = self._write(kind, _key(key), value)
-                self.stats[kind]["writes"] += 1
-                return
-            except OSError as exc:
-                self._writable = False
-                logger.warning("tuning cache: cannot write %s (%s); this process keeps its timings in memory only",
-                               self.path, exc)
         if self._entries is None:
             self._entries = self._read()
         self._entries.setdefault(kind, {})[_key(key)] = value
+        self._unwritten.append((kind, _key(key), value))
+        if not self._deferring:
+            self._flush()
 
-    def _write(self, kind: str, key: str, value) -> dict:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._locked():
-            entries = self._read()
-            entries.setdefault(kind, {})[key] = value
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "entries": entries}, indent=1))
-            os.replace(tmp, self.path)
-        return entries
+    @contextlib.contextmanager
+    def deferred(self):
+        """Inside the block puts are written once, at its end (nested blocks: the outermost end): a bucket's
+        build keeps a dozen answers, and each write re-reads and rewrites the whole file."""
+        self._deferring += 1
+        try:
+            yield self
+        finally:
+            self._deferring -= 1
+            if not self._deferring:
+                self._flush()
+
+    def _flush(self) -> None:
+        unwritten, self._unwritten = self._unwritten, []
+        if not unwritten or not self._writable:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._locked():
+                entries = self._read()
+                for kind, key, value in unwritten:
+                    entries.setdefault(kind, {})[key] = value
+                tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "entries": entries},
+                                          separators=(",", ":")))
+                os.replace(tmp, self.path)
+            self._entries = entries  # with what other processes kept meanwhile
+            for kind, _, _ in unwritten:
+                self.stats[kind]["writes"] += 1
+        except OSError as exc:
+            self._writable = False
+            logger.warning("tuning cache: cannot write %s (%s); this process keeps its timings in memory only",
+                           self.path, exc)
 
     @contextlib.contextmanager
     def _locked(self):

@@ -34,6 +34,22 @@ def test_kept_values_come_back_in_a_new_object_and_misses_are_counted(tmp_path):
     assert again.get("gemm_search", dict(reversed(list({"rows": 512}.items())))) == {"index": None}
 
 
+def test_a_deferred_block_writes_once_at_its_end_and_merges_other_writers(tmp_path):
+    cache, other = tuning.TuningCache(tmp_path, CPU), tuning.TuningCache(tmp_path, CPU)
+    with cache.deferred():
+        with cache.deferred():  # nested: the outermost end writes
+            cache.put("gemm_search", {"rows": 1}, {"index": 3})
+        cache.put("overlap", {"bucket": 1}, {"on": True})
+        assert cache.get("gemm_search", {"rows": 1}) == {"index": 3}  # this object sees its own answers
+        assert not cache.path.exists() and cache.stats["gemm_search"]["writes"] == 0
+        other.put("overlap", {"bucket": 2}, {"on": False})  # another process writes meanwhile
+    assert cache.stats["gemm_search"]["writes"] == 1 and cache.stats["overlap"]["writes"] == 1
+    fresh = tuning.TuningCache(tmp_path, CPU)
+    assert fresh.get("gemm_search", {"rows": 1}) == {"index": 3}
+    assert fresh.get("overlap", {"bucket": 1}) == {"on": True} and fresh.get("overlap", {"bucket": 2}) == {"on": False}
+    assert cache.get("overlap", {"bucket": 2}) == {"on": False}  # merged back in at the write
+
+
 def test_off_reads_and_writes_nothing(tmp_path):
     off = tuning.TuningCache(None, CPU)
     assert not off.enabled and off.get("overlap", {"a": 1}) is None
