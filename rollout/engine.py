@@ -231,6 +231,14 @@ class PolicyEngine:
             self._guard(lambda: self.client.join_group(init_method, world_size, first_rank, backend,
                                                        self.weights_cfg.dist_timeout_s))
 
+    def leave_weight_group(self) -> None:
+        """The receivers leave the group `join_weight_group` joined (no-op where none did). The trainer leaves
+        at the same time (weights_push.BroadcastPush.close): NCCL's group destroy is collective, so a trainer
+        that leaves alone waits for ranks that leave only when the engine closes."""
+        with self._lock:
+            self._check_alive()
+            self._guard(self.client.leave_group)
+
     def reseed(self, seed: int | None = None) -> None:
         """Restart the front-end generator (all noise and denoise indices) from `seed`
         (default rollout.engine.seed): the next calls repeat those of a fresh engine."""
@@ -315,6 +323,11 @@ class PolicyEngine:
         client, self._client = self._client, None
         if client is not None:
             client.close()
+
+    @property
+    def alive(self) -> bool:
+        """Open, and no rank failed since the last (re)start."""
+        return self._client is not None and (self._refusal is None or self._refusal[0] != "rank")
 
     def _check_alive(self) -> None:
         if self._client is None:

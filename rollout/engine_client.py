@@ -54,6 +54,12 @@ class EngineClient(ABC):
         """The ranks' receivers join a torch.distributed group (weights_dist.py)."""
 
     @abstractmethod
+    def leave_group(self) -> None:
+        """The ranks' receivers leave the weight group (no-op where none joined). With NCCL every member must
+        destroy its group at the same time as the trainer (ncclCommDestroy is collective): see
+        weights_push.BroadcastPush.close."""
+
+    @abstractmethod
     def apply_dist(self, src: int, version: int, partial: bool, options: dict) -> None:
         """Every receiver takes one broadcast update from the group's `src`."""
 
@@ -116,6 +122,11 @@ class InprocClient(EngineClient):
             self._receiver.close()
         self._receiver = WeightReceiver.join(init_method, world_size, first_rank, backend, timeout_s,
                                              self.cores[0].device)
+
+    def leave_group(self) -> None:
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.close()
 
     def apply_dist(self, src: int, version: int, partial: bool, options: dict) -> None:
         if self._receiver is None:

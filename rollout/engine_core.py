@@ -145,7 +145,10 @@ class EngineCore:
         return self.policy.fast_buckets()
 
     def info(self) -> dict[str, Any]:
-        return {"rank": self.rank, "device": str(self.device), "pid": os.getpid()}
+        """The rank, its device and process, and whether the process is in a torch.distributed group (the
+        weight group a broadcast transport joins)."""
+        in_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return {"rank": self.rank, "device": str(self.device), "pid": os.getpid(), "weight_group": in_group}
 
     def _sync(self) -> None:
         synchronize(self.device)

@@ -216,6 +216,10 @@ class LocalClient(EngineClient):
                     for h in self._ranks}
         self._exchange(messages, "joining the weight group", max(self.cfg.rank_timeout_s, timeout_s + 30))
 
+    def leave_group(self) -> None:
+        self._exchange({h.rank: ("leave", None) for h in self._ranks}, "leaving the weight group",
+                       max(self.cfg.rank_timeout_s, 60))
+
     def apply_dist(self, src: int, version: int, partial: bool, options: dict) -> None:
         messages = {h.rank: ("dist", (src, version, partial, options)) for h in self._ranks}
         self._exchange(messages, "weight update (broadcast)",

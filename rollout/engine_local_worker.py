@@ -14,6 +14,7 @@ Commands (parent -> rank):
   ("ipc", (handles, plan|None))    open (cached) and copy a producer's IPC tensors
   ("join", (init, world, rank, backend, timeout_s))   join a torch.distributed weight group
   ("dist", (src, version, partial, options))          receive one broadcast update
+  ("leave", None)                  leave the weight group (with the trainer: NCCL's destroy is collective)
   ("call", (method, args))         any EngineCore method (refresh_weights, state_dict, info)
   ("close", None)
 """
@@ -155,6 +156,11 @@ class _Server:
         if self.receiver is not None:
             self.receiver.close()
         self.receiver = WeightReceiver.join(init_method, world_size, rank, backend, timeout_s, self.core.device)
+
+    def do_leave(self, payload) -> None:
+        receiver, self.receiver = self.receiver, None
+        if receiver is not None:
+            receiver.close()
 
     def do_dist(self, payload) -> None:
         if self.receiver is None:

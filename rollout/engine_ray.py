@@ -75,6 +75,11 @@ class RankActor:
 
         self.receiver = WeightReceiver.join(init_method, world_size, rank, backend, timeout_s, self.core.device)
 
+    def leave(self) -> None:
+        receiver, self.receiver = self.receiver, None
+        if receiver is not None:
+            receiver.close()
+
     def dist(self, src: int, version: int, partial: bool, options: dict) -> None:
         if self.receiver is None:
             raise RuntimeError("no weight group joined: call engine.join_weight_group(...) first")
@@ -184,6 +189,9 @@ class RayClient(EngineClient):
     def join_group(self, init_method: str, world_size: int, first_rank: int, backend: str, timeout_s: float) -> None:
         self._all(lambda r, a: a.join.remote(init_method, world_size, first_rank + r, backend, timeout_s),
                   "joining the weight group", max(self.cfg.rank_timeout_s, timeout_s + 30))
+
+    def leave_group(self) -> None:
+        self._all(lambda r, a: a.leave.remote(), "leaving the weight group", max(self.cfg.rank_timeout_s, 60))
 
     def apply_dist(self, src: int, version: int, partial: bool, options: dict) -> None:
         self._all(lambda r, a: a.dist.remote(src, version, partial, options), "weight update (broadcast)",

@@ -22,6 +22,7 @@ torch.distributed (DDP) cannot use this transport yet.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -35,6 +36,8 @@ from torch import Tensor
 from policies import PolicyConfig
 from rollout.config import WeightSyncConfig
 from rollout.placement import Placement
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,6 +97,7 @@ class BroadcastPush:
 
         self.engine, self.dtypes = engine, dtypes
         self.bucket_bytes, self.timeout_s = weights.bucket_bytes, weights.dist_timeout_s
+        self.backend = placement.dist_backend
         self.joined = False
         if placement.dist_backend == "nccl":
             torch.cuda.set_device(torch.device(placement.trainer_device))  # the trainer's buffers go there
@@ -126,11 +130,27 @@ class BroadcastPush:
         return PushTiming(time.perf_counter() - start, send_s, engine_s)
 
     def close(self) -> None:
+        """Leave the weight group together with the engine's receivers. NCCL's group destroy is collective
+        (ncclCommDestroy): a trainer that left alone would wait for ranks that leave only when the engine
+        closes, which its owner does after this (a hang on two H200s, round 27). Where the engine cannot
+        leave (closed, a rank gone), the trainer leaves alone only over gloo, whose destroy is local; an NCCL
+        group is then left to the process's exit, with a warning."""
         from rollout.weights_dist import leave
 
-        if self.joined:
-            self.joined = False
-            leave()
+        if not self.joined:
+            return
+        self.joined = False
+        if self.engine.alive:
+            try:
+                together(leave, self.engine.leave_weight_group, self._join_timeout(), "leaving the weight group")
+                return
+            except Exception as exc:  # noqa: BLE001 - closing: reported, not raised
+                logger.warning("weight group: the engine could not leave it (%s)", exc)
+        if self.backend == "nccl":
+            logger.warning("weight group: the engine's ranks did not leave with the trainer; its NCCL group is "
+                           "left to the process's exit (a destroy now would wait for them)")
+            return
+        leave()
 
 
 def together(trainer_fn: Callable[[], Any], engine_fn: Callable[[], Any], timeout_s: float,

@@ -10,7 +10,7 @@ import torch
 
 from rollout.engine_core import bit_checksum
 from rollout.weights_push import cast_to, engine_param_dtypes, together
-from tests.rollout.engine_fixtures import TINY
+from tests.rollout.engine_fixtures import TINY, one_thread  # noqa: F401 - fixture
 
 
 def test_cast_to_engine_dtypes_rounds_like_the_receivers_copy():
@@ -65,3 +65,64 @@ def test_bit_checksum_is_exact_and_order_independent():
     assert bit_checksum(y) != bit_checksum(x)
     words = torch.tensor([1.0, -2.5]).view(torch.int32)
     assert bit_checksum(torch.tensor([1.0, -2.5])) == int(words[0]) + int(words[1])  # by hand: the two words
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_closing_a_broadcast_push_takes_the_engines_ranks_out_of_the_group_with_the_trainer(backend):
+    """NCCL's group destroy is collective: the trainer's close must make the ranks leave at the same time (gloo
+    here, whose destroy is local, so the test checks who left, not the hang a lone leave gives on NCCL)."""
+    import torch.distributed as dist
+
+    if backend == "ray":
+        pytest.importorskip("ray")
+    from rollout.config import RolloutConfig
+    from rollout.engine import PolicyEngine
+    from rollout.placement import plan_placement
+    from rollout.weights_push import BroadcastPush
+    from tests.rollout.engine_fixtures import perturbed_weights
+
+    rollout = RolloutConfig.from_mapping({
+        "engine": {"backend": backend, "num_ranks": 2, "devices": "cpu", "torch_threads": 1},
+        "weights": {"dist_backend": "gloo", "dist_timeout_s": 60, "transport": "broadcast"},
+    })
+    with PolicyEngine(rollout, TINY) as engine:
+        pusher = BroadcastPush(engine, plan_placement("cpu", "test trainer", rollout, 0), rollout.weights)
+        try:
+            pusher.push(perturbed_weights(TINY, 7), version=1)
+            assert [i["weight_group"] for i in engine.client.call("info")] == [True, True] and dist.is_initialized()
+        finally:
+            pusher.close()
+        assert [i["weight_group"] for i in engine.client.call("info")] == [False, False]
+        assert not dist.is_initialized()
+        pusher.close()  # idempotent
+
+
+class _Engine:
+    def __init__(self, alive: bool):
+        self.alive, self.left = alive, 0
+
+    def leave_weight_group(self):
+        self.left += 1
+        raise RuntimeError("rank 1 failed")
+
+
+@pytest.mark.parametrize("backend, trainer_leaves", [("gloo", True), ("nccl", False)])
+def test_a_push_whose_engine_cannot_leave_leaves_alone_only_over_gloo(monkeypatch, caplog, backend, trainer_leaves):
+    from rollout import weights_dist
+    from rollout.weights_push import BroadcastPush
+
+    left = []
+    monkeypatch.setattr(weights_dist, "leave", lambda: left.append(1))
+    for engine in (_Engine(alive=False), _Engine(alive=True)):
+        pusher = BroadcastPush.__new__(BroadcastPush)
+        pusher.engine, pusher.backend, pusher.joined, pusher.timeout_s = engine, backend, True, 5
+        pusher.engine.cfg = type("Cfg", (), {"rank_timeout_s": 5})()
+        left.clear()
+        pusher.close()
+        assert engine.left == int(engine.alive)  # a closed engine is not asked
+        # alive: the joint leave ran (the trainer's side too) and failed on the engine's side: warned, not raised
+        assert len(left) == int(engine.alive) + int(trainer_leaves)
+    assert "could not leave" in caplog.text
+    assert ("left to the process's exit" in caplog.text) == (backend == "nccl")
