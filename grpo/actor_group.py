@@ -26,6 +26,7 @@ resume. FSDP2 shards the optimiser state: checkpoints are refused (plan-time che
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import threading
@@ -45,6 +46,7 @@ from grpo.config import GRPOConfig
 from grpo.distributed import ActorPlan, RankSpec, cpu_state, init_group, leave_group, plan_actor, shard_rows
 from grpo.samples import Samples
 
+logger = logging.getLogger(__name__)
 CLOSE_GRACE_S = 10.0
 ERROR_GRACE_S = 5.0  # after rank 0 failed: how long to wait for a worker's (usually root-cause) error
 
@@ -264,14 +266,35 @@ class ActorGroup:
                 thread.join(0.2)
 
     def close(self) -> None:
-        """Stop every worker (close command, then terminate, then kill) and leave the group."""
-        # a broken group's ranks may sit in a collective: no close request, straight to the deadline
-        stop_processes([(w.process, w.conn) for w in self.workers], CLOSE_GRACE_S, ask=self.broken is None)
+        """Stop every worker (close command, then terminate, then kill) and leave the group. A healthy group is
+        left by every rank at once: each worker destroys it on its close command while rank 0 does here, since
+        NCCL's destroy is collective (a rank 0 that left only after the workers had exited would have them wait
+        in their destroy until they were killed). A broken group's ranks may sit in a collective: no close
+        request, straight to the deadline, and rank 0 leaves alone."""
+        handles = [(w.process, w.conn) for w in self.workers]
+        stuck = self._thread is not None and self._thread.is_alive()  # rank 0 in a collective: no leave here
+        together = self.joined and not stuck and self.broken is None
+        if together:
+            for process, conn in handles:
+                if process.is_alive():
+                    send_quietly(conn, ("close", None))
+            leave_within(CLOSE_GRACE_S)
+        stop_processes(handles, CLOSE_GRACE_S, ask=self.broken is None and not together)
         self.workers = []
-        stuck = self._thread is not None and self._thread.is_alive()
-        if self.joined and not stuck:  # a rank 0 thread stuck in a collective would hang the teardown
+        if self.joined and not stuck and not together:
             leave_group()
         self.joined = False
+
+
+def leave_within(timeout_s: float) -> None:
+    """leave_group in a helper thread, waited for `timeout_s` at most: a worker that never reaches its own
+    destroy must not hang the caller (the thread is then left behind, with a warning)."""
+    thread = threading.Thread(target=leave_group, name="actor-group-leave", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("actor group: rank 0 did not finish leaving the group within %.0f s (a worker did not "
+                       "leave with it)", timeout_s)
 
 
 # ---------------------------------------------------------------------- worker ranks

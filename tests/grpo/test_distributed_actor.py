@@ -58,8 +58,11 @@ def test_ddp_two_ranks_equal_the_single_process_update():
         metrics = group.train(rows)
         pushed = group.weights_for_push(full=False)
         everything = group.weights_for_push(full=True)
+        workers = [w.process for w in group.workers]
     finally:
         group.close()
+    # every rank left the group with the others (NCCL's destroy is collective) and the workers exited cleanly
+    assert not torch.distributed.is_initialized() and [p.exitcode for p in workers] == [0]
     assert metrics["train/actor_ranks"] == 2
     assert_same_update(single_policy, single_metrics, pushed, metrics)
     assert set(everything) == {n for n, _ in policy.model.named_parameters()}
