@@ -1,10 +1,12 @@
 """Worker-process plumbing shared by the env workers, the engine's rank processes and the
-data-parallel actor's ranks: messages to a pipe whose other end may be gone, and stopping."""
+data-parallel actor's ranks: messages to a pipe whose other end may be gone, stopping, and leaving a
+process group whose other members may never leave."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -15,6 +17,16 @@ def send_quietly(conn: Any, message: tuple) -> bool:
         return True
     except (OSError, EOFError):
         return False
+
+
+def finish_within(fn: Callable[[], Any], timeout_s: float, name: str) -> bool:
+    """Run `fn` in a daemon thread and wait for it at most `timeout_s`; False when it had not finished (it is left
+    running). For a process group's destroy, collective under NCCL: a member that never destroys its own must
+    not hang the caller's teardown."""
+    thread = threading.Thread(target=fn, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
 
 
 def end_process(process: Any, join_s: float) -> None:

@@ -40,7 +40,7 @@ import torch
 import torch.multiprocessing as tmp
 from torch import Tensor
 
-from common.processes import send_quietly, stop_processes
+from common.processes import finish_within, send_quietly, stop_processes
 from grpo.actor import Actor
 from grpo.config import GRPOConfig
 from grpo.distributed import ActorPlan, RankSpec, cpu_state, init_group, leave_group, plan_actor, shard_rows
@@ -278,23 +278,14 @@ class ActorGroup:
             for process, conn in handles:
                 if process.is_alive():
                     send_quietly(conn, ("close", None))
-            leave_within(CLOSE_GRACE_S)
+            if not finish_within(leave_group, CLOSE_GRACE_S, "actor-group-leave"):
+                logger.warning("actor group: rank 0 did not finish leaving the group within %.0f s (a worker did "
+                               "not leave with it)", CLOSE_GRACE_S)
         stop_processes(handles, CLOSE_GRACE_S, ask=self.broken is None and not together)
         self.workers = []
         if self.joined and not stuck and not together:
             leave_group()
         self.joined = False
-
-
-def leave_within(timeout_s: float) -> None:
-    """leave_group in a helper thread, waited for `timeout_s` at most: a worker that never reaches its own
-    destroy must not hang the caller (the thread is then left behind, with a warning)."""
-    thread = threading.Thread(target=leave_group, name="actor-group-leave", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        logger.warning("actor group: rank 0 did not finish leaving the group within %.0f s (a worker did not "
-                       "leave with it)", timeout_s)
 
 
 # ---------------------------------------------------------------------- worker ranks

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from common.processes import finish_within
 from policies import PolicyConfig
 from rollout.config import WeightSyncConfig
 from rollout.placement import Placement
@@ -141,8 +142,14 @@ class BroadcastPush:
             return
         self.joined = False
         if self.engine.alive:
+            timeout_s = self._join_timeout()
+
+            def trainer_leaves() -> None:
+                if not finish_within(leave, timeout_s, "weight-group-leave"):
+                    logger.warning("weight group: the trainer's destroy did not finish within %.0f s", timeout_s)
+
             try:
-                together(leave, self.engine.leave_weight_group, self._join_timeout(), "leaving the weight group")
+                together(trainer_leaves, self.engine.leave_weight_group, timeout_s, "leaving the weight group")
                 return
             except Exception as exc:  # noqa: BLE001 - closing: reported, not raised
                 logger.warning("weight group: the engine could not leave it (%s)", exc)
