@@ -90,13 +90,17 @@ def fingerprint(device: torch.device) -> dict:
 # FastConfig fields that do not change what a bucket runs (which buckets exist, where things are kept)
 CONTEXT_IGNORES = ("enabled", "batch_buckets", "prompt_buckets", "attention_profile_path", "compile_workers",
                    "tuning_cache", "consistent_recompute")
+# PolicyConfig fields that do not either: which weights and tokenizer (not their shapes), how env observations
+# map onto the inputs, and the fast path's own settings (taken from `fast_cfg` above, without CONTEXT_IGNORES)
+MODEL_IGNORES = ("name", "tokenizer_path", "checkpoint", "checkpoint_format", "seed", "init_scale", "inputs", "fast")
 
 
 def context(model_cfg, fast_cfg) -> str:
     """A digest of the model's configuration and the fast path's settings that a bucket's kernels and timings
-    depend on: part of every bucket's key."""
+    depend on: part of every bucket's key. Another seed, checkpoint or bucket list keeps the same answers."""
+    model = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in MODEL_IGNORES}
     fast = {k: v for k, v in dataclasses.asdict(fast_cfg).items() if k not in CONTEXT_IGNORES}
-    text = json.dumps({"model": dataclasses.asdict(model_cfg), "fast": fast}, sort_keys=True, default=str)
+    text = json.dumps({"model": model, "fast": fast}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

@@ -1,6 +1,7 @@
 """policies/fast/tuning.py: the timed choices kept on disk between processes (CPU; the sampler's use of them on
 CUDA is in test_fast_tuning_gpu.py)."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -132,6 +133,14 @@ def test_context_follows_what_a_bucket_runs_not_which_buckets_exist():
     assert tuning.context(model, FastConfig(precision="fp8")) != base
     assert tuning.context(model, FastConfig(pdl="off")) != base
     assert tuning.context(PolicyConfig.preset("pi05_small"), FastConfig()) != base
+    # the sampler passes the policy's whole config, whose own `fast` holds the bucket lists: other weights, seeds
+    # and bucket lists keep the answers; another chunk or step count does not
+    same = model.replace(seed=7, checkpoint="/ckpt/step_1000", init_scale=0.5,
+                         fast=FastConfig(batch_buckets=[4], tuning_cache="off"))
+    assert tuning.context(same, FastConfig()) == base
+    assert tuning.context(model.replace(chunk_size=model.chunk_size + 1), FastConfig()) != base
+    steps = dataclasses.replace(model.sampling, num_steps=model.sampling.num_steps + 1)
+    assert tuning.context(model.replace(sampling=steps), FastConfig()) != base
 
 
 @pytest.mark.parametrize("bad", ["", "  ", None])
