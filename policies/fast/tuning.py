@@ -19,8 +19,8 @@ backends that time within noise could otherwise flip between runs).
 The file is `<dir>/<device>-<fingerprint>.json`. The fingerprint hashes the device (name, capability, SMs,
 memory), the software (torch, CUDA, Triton, cuBLAS, flashinfer) and the sources of policies/fast, so that
 another card, library or kernel version starts a file of its own. Writes (once per bucket build: `deferred`)
-re-read the file under a lock (ranks of one host share it), merge and replace it atomically; an unreadable file is set aside with a
-warning, an unwritable directory turns writes off with one.
+re-read the file under a lock (ranks of one host share it), merge and replace it atomically; an unreadable
+file is set aside with a warning, an unwritable directory turns writes off with one.
 """
 
 from __future__ import annotations
