@@ -391,7 +391,8 @@ class Precompiler:
         if not self.workers:
             return 0
         with self.session():
-            if recall is not None and self._recalled(*recall):
+            kept = (recall[0].get("kernels", recall[1]) or []) if recall is not None else []
+            if kept and self._recalled(kept):
                 return 0
             started = time.perf_counter()
             specs: list[KernelSpec] = []
@@ -402,7 +403,7 @@ class Precompiler:
             missing = self._missing(specs)
             self._count(traces=1, specs=len(specs), trace_s=checked - started, check_s=time.perf_counter() - checked)
             if recall is not None and specs:
-                self._keep(*recall, specs)
+                self._keep(*recall, kept, specs)
             if self._pool is None and len(missing) < MIN_TO_SPAWN:
                 return 0  # they compile in-process at their launches
             self._count(submitted=len(missing))
@@ -413,11 +414,8 @@ class Precompiler:
                     self._wait(spec)
         return len(missing)
 
-    def _recalled(self, tuning, key: dict) -> bool:
-        """Whether the kept specializations of `key` are all in Triton's cache (then no trace is needed)."""
-        kept = tuning.get("kernels", key)
-        if not kept:
-            return False
+    def _recalled(self, kept: list[dict]) -> bool:
+        """Whether the kept specializations (KernelSpec fields) are all in Triton's cache (then no trace is needed)."""
         started = time.perf_counter()
         try:
             specs = [KernelSpec(d["module"], d["qualname"], d["data"], tuple(d["target"]), d["key"]) for d in kept]
@@ -428,10 +426,9 @@ class Precompiler:
         return complete
 
     @staticmethod
-    def _keep(tuning, key: dict, specs: list[KernelSpec]) -> None:
-        """Keep what a trace of `key` found, with what was kept before (a trace in a process that already
+    def _keep(tuning, key: dict, kept: list[dict], specs: list[KernelSpec]) -> None:
+        """Keep what a trace of `key` found, with what was `kept` before (a trace in a process that already
         loaded a kernel does not see it)."""
-        kept = tuning.get("kernels", key) or []
         merged = {json.dumps(d, sort_keys=True): d for d in [*kept, *(asdict(s) for s in dict.fromkeys(specs))]}
         if len(merged) > len(kept):
             tuning.put("kernels", key, list(merged.values()))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -61,6 +62,7 @@ def resolve_dir(setting: str) -> Path | None:
     return None if triton_dir is None else triton_dir.parent / DIR_NAME
 
 
+@functools.cache
 def sources_digest() -> str:
     """sha256 over policies/fast's sources: a kernel or a timing rule that changes starts a new file."""
     digest = hashlib.sha256()

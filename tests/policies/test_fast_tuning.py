@@ -112,8 +112,8 @@ def test_processes_writing_at_once_lose_nothing(tmp_path):
 def test_the_file_is_per_device_and_software(tmp_path):
     cache = tuning.TuningCache(tmp_path, CPU)
     assert cache.path.parent == tmp_path and cache.path.name.startswith("cpu-")
-    print_ = cache.fingerprint
-    assert print_["sources"] == tuning.sources_digest() and "torch" in print_["packages"]
+    kept_for = cache.fingerprint
+    assert kept_for["sources"] == tuning.sources_digest() and "torch" in kept_for["packages"]
 
 
 def test_where_auto_puts_it(monkeypatch, tmp_path):
