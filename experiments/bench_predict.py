@@ -62,6 +62,7 @@ class BenchPredictConfig:
     lerobot_compile_modes: list[str] = field(default_factory=lambda: ["reduce-overhead"])
     lerobot_compile_precision: str = "bf16"
     lerobot_compile_budget_s: float = 180.0
+    lerobot_compile_cache_dir: str | None = None  # inductor's cache for the compiled variant (None: its default)
     time_budget_s: float = 420.0
     gap_batch: int = 32
     gap_calls: int = 4
@@ -235,7 +236,8 @@ def run_compile_variants(results: dict, pending: dict, bench: BenchPredictConfig
             # all-bf16 weights only where the run is bf16 (as the eager "bf16" variant)
             precision = bench.lerobot_compile_precision if job["cfg"].dtype == "bfloat16" else "shipped"
             out = lerobot_side.run_compiled(job["cfg"], mode, precision, bench.batch_sizes, job["prompt_len"],
-                                            bench.warmup, bench.iters, timeout, device, job["checksum"])
+                                            bench.warmup, bench.iters, timeout, device, job["checksum"],
+                                            bench.lerobot_compile_cache_dir)
         rows = out.pop("rows")
         results[name]["lerobot"][variant] = out
         weights = (out.get("built") or {}).get("resident_mib") or (out.get("built") or {}).get("weights_mib")
@@ -291,6 +293,11 @@ def summarise(results: dict, budget: common.Budget) -> dict:
             if "speedup" in row:
                 summary[f"speedup_b{b}"] = row["speedup"]
                 summary[f"lerobot_variant_b{b}"] = row["lerobot_best_variant"]
+            # the "fastest LeRobot variant" is the fastest of those measured: say which were not
+            sides = row.get("sides", {})
+            unmeasured = sorted(v for v, m in sides.items() if v.startswith("lerobot_") and "ms" not in m)
+            if unmeasured:
+                summary[f"lerobot_unmeasured_b{b}"] = unmeasured
         best32 = rows.get(32, {}).get("lerobot_best_variant")
         if best32 and "parity_rel_l2" in rows[32]:
             summary["parity_rel_l2"] = rows[32]["parity_rel_l2"][best32]

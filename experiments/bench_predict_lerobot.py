@@ -131,11 +131,30 @@ def measure_lerobot(core, inputs, noise, steps: int, device: torch.device, warmu
 # --------------------------------------------------------------------------- compiled variant (worker)
 
 
+def compile_cache_env(cache_dir: str | None) -> tuple[dict | None, dict | None]:
+    """The compile worker's environment and the record of its torch.compile cache, for
+    bench.lerobot_compile_cache_dir: None keeps inductor's defaults (env None, record None); a
+    directory is made absolute, created, and holds inductor's FX-graph and AOTAutograd caches (and
+    the Triton kernels it compiles). `entries_before` = files in it before the run: 0 is a cold
+    compile, more means an earlier run's work is reused (dynamo's tracing is never cached)."""
+    if not cache_dir:
+        return None, None
+    path = Path(cache_dir).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(path), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+               TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+    env.pop("TRITON_CACHE_DIR", None)  # inductor's kernels then go under the cache dir too
+    return env, {"dir": str(path), "entries_before": sum(1 for p in path.rglob("*") if p.is_file())}
+
+
 def run_compiled(cfg: PolicyConfig, mode: str, precision: str, batches: list[int], prompt_len: int,
-                 warmup: int, iters: int, timeout_s: float, device: torch.device, checksum: float | None) -> dict:
+                 warmup: int, iters: int, timeout_s: float, device: torch.device, checksum: float | None,
+                 cache_dir: str | None = None) -> dict:
     """Run LeRobot with compile_model=True in a worker process killed at `timeout_s`; returns what
-    it reached: {"status": ok|timeout|error, "message", "wall_s", "built", "rows": {batch: ...}}."""
+    it reached: {"status": ok|timeout|error, "message", "wall_s", "built", "rows": {batch: ...},
+    "compile_cache"} (`compile_cache_env`)."""
     workdir = Path(tempfile.mkdtemp(prefix=f"bench_predict_compile_{mode}_"))
+    env, cache = compile_cache_env(cache_dir)
     try:
         policy = cfg.to_dict()
         spec = {"policy": policy, "device": str(device), "compile_mode": mode, "precision": precision,
@@ -143,7 +162,7 @@ def run_compiled(cfg: PolicyConfig, mode: str, precision: str, batches: list[int
                 "checksum": checksum, "workdir": str(workdir)}
         (workdir / "spec.json").write_text(json.dumps(spec))
         cmd = [sys.executable, "-m", "experiments.bench_predict_lerobot", str(workdir / "spec.json")]
-        run = common.run_bounded(cmd, timeout_s, log_path=str(workdir / "worker.log"), cwd=str(REPO_ROOT))
+        run = common.run_bounded(cmd, timeout_s, env=env, log_path=str(workdir / "worker.log"), cwd=str(REPO_ROOT))
         events = read_events(workdir / "events.jsonl")
         rows = {}
         for e in events:
@@ -162,7 +181,7 @@ def run_compiled(cfg: PolicyConfig, mode: str, precision: str, batches: list[int
             log = common.tail(workdir / "worker.log")
             message = error["message"] if error else f"exit code {run['returncode']}: {log}"
         return {"status": status, "message": message, "wall_s": run["wall_s"], "timeout_s": timeout_s,
-                "compile_mode": mode, "precision": precision, "built": built, "rows": rows,
+                "compile_mode": mode, "precision": precision, "built": built, "rows": rows, "compile_cache": cache,
                 "log_tail": common.tail(workdir / "worker.log", 3000) if status != "ok" else ""}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -1,6 +1,7 @@
 """The predict benchmark's own logic on CPU: gap metrics, the time budget, the bounded worker,
 picking the fastest LeRobot variant, the summary keys, and one tiny end-to-end configuration."""
 
+import os
 import sys
 import time
 
@@ -81,6 +82,23 @@ def test_finalize_quotes_the_fastest_lerobot_variant():
     assert summary["lerobot_variant_b32"] == "lerobot_bf16" and summary["speedup_b32"] == pytest.approx(4.0)
     assert summary["parity_rel_l2"] == 0.0 and summary["fp8_b32_sps"] == pytest.approx(400.0)
     assert summary["skipped_or_failed"] == 1
+    assert summary["lerobot_unmeasured_b32"] == ["lerobot_compiled_reduce-overhead"], "the speed-up says what it lacks"
+    assert "lerobot_unmeasured_b1" not in summary
+
+
+def test_compile_cache_env_points_inductor_at_the_directory(tmp_path, monkeypatch):
+    from experiments.bench_predict_lerobot import compile_cache_env
+
+    assert compile_cache_env(None) == (None, None), "no directory: inductor's own defaults"
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    cache = tmp_path / "inductor"
+    env, record = compile_cache_env(str(cache))
+    assert cache.is_dir() and record == {"dir": str(cache.resolve()), "entries_before": 0}, "cold: nothing in it yet"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(cache.resolve()) and env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "1"
+    assert "TRITON_CACHE_DIR" not in env and env["PATH"] == os.environ["PATH"]
+    (cache / "fxgraph").mkdir()
+    (cache / "fxgraph" / "entry").write_text("x")
+    assert compile_cache_env(str(cache))[1]["entries_before"] == 1, "warm: an earlier run's files are counted"
 
 
 def test_config_is_validated_and_full_sweep():
