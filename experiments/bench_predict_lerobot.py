@@ -174,8 +174,8 @@ def run_compiled(cfg: PolicyConfig, mode: str, precision: str, batches: list[int
         if any(e["event"] == "done" for e in events):
             status, message = "ok", ""
         elif run["timed_out"]:
-            reached = f"batch {max(rows)} done" if rows else ("built" if built else "not built")
-            status, message = "timeout", f"killed after {timeout_s:.0f} s ({reached}; the next step was compiling)"
+            reached = reached_when_killed(events, run["wall_s"])
+            status, message = "timeout", f"killed after {timeout_s:.0f} s ({reached})"
         else:
             status = "error"
             log = common.tail(workdir / "worker.log")
@@ -185,6 +185,18 @@ def run_compiled(cfg: PolicyConfig, mode: str, precision: str, batches: list[int
                 "log_tail": common.tail(workdir / "worker.log", 3000) if status != "ok" else ""}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def reached_when_killed(events: list[dict], wall_s: float) -> str:
+    """What a killed worker had done, from its events' `t` (seconds since its start): e.g. "built at 16 s;
+    batch 1 done at 390 s; batch 32 started at 391 s, 137 s before the kill" (the next run's budget)."""
+    done = [f"built at {e['t']:.0f} s" if e["event"] == "built" else f"batch {e['batch']} done at {e['t']:.0f} s"
+            for e in events if e["event"] in ("built", "batch") and "t" in e]
+    started = [e for e in events if e["event"] == "start_batch"]
+    if started and not any(e["event"] == "batch" and e["batch"] == started[-1]["batch"] for e in events):
+        last = started[-1]
+        done.append(f"batch {last['batch']} started at {last['t']:.0f} s, {wall_s - last['t']:.0f} s before the kill")
+    return "; ".join(done) if done else "not built"
 
 
 def read_events(path: Path) -> list[dict]:
@@ -205,11 +217,13 @@ def worker_main(spec_path: str) -> int:
     policy = dict(spec["policy"])
     cfg = PolicyConfig.preset(policy.pop("name"), **policy)
     with open(workdir / "events.jsonl", "a", buffering=1) as events:
+        start = time.perf_counter()
+
         def emit(**event) -> None:
-            events.write(json.dumps(event) + "\n")
+            events.write(json.dumps({**event, "t": time.perf_counter() - start}) + "\n")
 
         try:
-            start, mark = time.perf_counter(), common.memory_mark(device)
+            mark = common.memory_mark(device)
             core = build_lerobot(cfg, device, seed=spec["seed"], compile_mode=spec["compile_mode"])
             if core is None:
                 raise RuntimeError("LeRobot pi05 is not importable in the worker process")
@@ -222,6 +236,7 @@ def worker_main(spec_path: str) -> int:
                  weights_match=spec["checksum"] is None or abs(checksum - spec["checksum"]) <= 1e-9 * abs(checksum))
             steps = cfg.sampling.num_steps
             for batch in spec["batches"]:
+                emit(event="start_batch", batch=batch)  # its first call compiles: where a kill lands, mostly
                 inputs, noise = common.make_inputs(cfg, batch, spec["prompt_len"], device, seed=batch)
                 row = measure_lerobot(core, inputs, noise, steps, device, spec["warmup"], spec["iters"])
                 torch.save(row.pop("actions"), workdir / f"actions_b{batch}.pt")

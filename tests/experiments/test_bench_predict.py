@@ -57,6 +57,17 @@ def test_read_events_drops_a_line_cut_by_a_kill(tmp_path):
     assert read_events(tmp_path / "missing.jsonl") == []
 
 
+def test_a_kill_is_described_by_what_the_worker_reached():
+    from experiments.bench_predict_lerobot import reached_when_killed
+
+    events = [{"event": "built", "t": 16.2}, {"event": "start_batch", "batch": 1, "t": 16.3},
+              {"event": "batch", "batch": 1, "t": 390.4}, {"event": "start_batch", "batch": 32, "t": 390.9}]
+    assert reached_when_killed(events, 528.0) == ("built at 16 s; batch 1 done at 390 s; "
+                                                  "batch 32 started at 391 s, 137 s before the kill")
+    assert reached_when_killed(events[:2], 100.0) == "built at 16 s; batch 1 started at 16 s, 84 s before the kill"
+    assert reached_when_killed([], 5.0) == "not built"
+
+
 def _side(ms, actions):
     return {"ms": ms, "actions": actions, "stages": {}}
 
