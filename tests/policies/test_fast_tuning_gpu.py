@@ -96,3 +96,19 @@ def test_a_kept_attention_is_checked_and_one_not_offered_here_is_timed(tmp_path,
     third = attention.AttentionSelector(tuning=tuning.TuningCache(tmp_path, torch.device("cuda")))
     third.build(*args)
     assert third.records["expert/b2/q10/s310"]["why"] == "measured"
+
+
+@pytest.mark.skipif(not attention.flashinfer_available(), reason="flashinfer not importable")
+def test_a_kept_flashinfer_is_checked_against_fp32_and_used(tmp_path, monkeypatch):
+    """Where flashinfer is installed (setup.sh's [gpu] extra) "auto" may keep it: the kept answer must build a
+    planned flashinfer backend that passes the fp32 check, without timing anything."""
+    kept = tuning.TuningCache(tmp_path, torch.device("cuda"))
+    lengths = torch.tensor([300, 257], dtype=torch.int32)
+    args = ("expert", 2, 10, 310, 8, 1, 256, torch.bfloat16, torch.device("cuda"), lengths)
+    attention.AttentionSelector(tuning=kept).build(*args)
+    ((key, _),) = kept._entries["attention"].items()
+    kept.put("attention", json.loads(key), {"chosen": "flashinfer", "times_ms": {"flashinfer": 1.0}})
+    monkeypatch.setattr(attention, "graph_call_ms", lambda *a, **k: pytest.fail("a kept choice was timed"))
+    again = attention.AttentionSelector(tuning=tuning.TuningCache(tmp_path, torch.device("cuda")))
+    backend = again.build(*args)
+    assert backend.name == "flashinfer" and again.records["expert/b2/q10/s310"]["why"] == "kept"
