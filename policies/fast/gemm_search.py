@@ -49,11 +49,16 @@ def choose(mode: str, image_rows: int, device: torch.device) -> bool:
     return mode == "auto" and device.type == "cuda" and image_rows <= AUTO_MAX_ROWS
 
 
-@torch.no_grad()
 def search_linear(rows: int, layers: list, seed: int = 0, tuning=None) -> Pick | None:
     """The fastest bit-exact algorithm for F.linear(x (rows, K), W, b) over `layers` (LinearW with a bias,
     same shape), or None where torch's own call is as fast. `tuning` (tuning.TuningCache): an earlier
     process's answer for the shape is used where it still holds (`_kept`), and a new answer is kept."""
+    return _search_linear(rows, layers, seed, tuning)[0]
+
+
+@torch.no_grad()
+def _search_linear(rows: int, layers: list, seed: int, tuning) -> tuple[Pick | None, str]:
+    """search_linear's answer and how it was found: "kept" (an earlier process's, still holding) or "measured"."""
     weight, bias = layers[0].weight, layers[0].bias
     plan = LtGemm(GemmShape(rows, *weight.shape, "bias"), weight.dtype)
     g = torch.Generator(device=weight.device).manual_seed(seed)
@@ -66,13 +71,13 @@ def search_linear(rows: int, layers: list, seed: int = 0, tuning=None) -> Pick |
     if kept is not None:
         found = _kept(kept, plan, x, weight, bias, out, want)
         if found is not False:
-            return found
+            return found, "kept"
     pick = _timed(plan, x, layers, out, want)
     if tuning is not None:
         tuning.put("gemm_search", key, {"index": None} if pick is None else
                    {"index": pick.index, "algo": _algo_words(plan, pick.index), "torch_ms": pick.torch_ms,
                     "ms": pick.ms})
-    return pick
+    return pick, "measured"
 
 
 def _algo_words(plan: LtGemm, index: int) -> list[int]:
@@ -118,14 +123,18 @@ def _timed(plan: LtGemm, x: Tensor, layers: list, out: Tensor, want: Tensor) -> 
     return Pick(plan, best, torch_ms, timed[best])
 
 
-def search_vision(vision: dict, image_rows: int, tuning=None) -> dict[str, Pick | None]:
-    """search_linear for each of SigLIP's bf16 bias GEMMs at `image_rows` rows (FP8 ones keep fp8.project)."""
-    picks = {}
-    for name in VISION_GEMMS:
-        layers = [layer[name] for layer in vision["layers"]]
-        picks[name] = search_linear(image_rows, layers, tuning=tuning) if _searchable(layers[0]) else None
-    picks["proj"] = search_linear(image_rows, [vision["proj"]], tuning=tuning) if _searchable(vision["proj"]) else None
-    return picks
+def search_vision(vision: dict, image_rows: int, tuning=None) -> tuple[dict[str, Pick | None], str | None]:
+    """search_linear for each of SigLIP's bf16 bias GEMMs at `image_rows` rows (FP8 ones keep fp8.project):
+    (picks, "kept" where every searched GEMM took an earlier process's answer, "measured" where any was
+    timed here, None where none was searchable)."""
+    picks, hows = {}, set()
+    for name, layers in [*((n, [layer[n] for layer in vision["layers"]]) for n in VISION_GEMMS),
+                         ("proj", [vision["proj"]])]:
+        picks[name] = None
+        if _searchable(layers[0]):
+            picks[name], how = _search_linear(image_rows, layers, 0, tuning)
+            hows.add(how)
+    return picks, ("measured" if "measured" in hows else "kept" if hows else None)
 
 
 def _searchable(lw) -> bool:

@@ -337,10 +337,9 @@ class FastSampler:
         bucket.overlap = overlap.choose(self.fast.overlap, batch * h, self.use_graphs)
         image_rows = batch * cams * n
         if gemm_search.choose(self.fast.gemm_search, image_rows, dev):
-            hits = self.tuning.stats["gemm_search"]["hits"]
-            bucket.vision_gemms = gemm_search.search_vision(self.w.vision, image_rows, self.tuning)
-            kept = self.tuning.stats["gemm_search"]["hits"] - hits == len(bucket.vision_gemms)
-            bucket.tuned["gemm_search"] = "kept" if kept else "measured"
+            bucket.vision_gemms, how = gemm_search.search_vision(self.w.vision, image_rows, self.tuning)
+            if how is not None:
+                bucket.tuned["gemm_search"] = how
         gate_up = self.w.prefix[0]["gate_up"]
         if gate_up.fp8 is None and gate_up.bias is None:
             bucket.geglu_tile = geglu_gemm.choose_tile(self.fast.geglu, batch * p, *gate_up.weight.shape, dev,

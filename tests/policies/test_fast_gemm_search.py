@@ -37,6 +37,30 @@ def test_torch_call_where_nothing_was_kept():
     assert gemm_search.summary({"qkv": None}) == {}
 
 
+def test_search_vision_says_whether_every_searched_gemm_was_kept(monkeypatch):
+    """A bucket's `tuned["gemm_search"]`: "kept" only where every searched GEMM took a kept answer; an FP8 GEMM
+    is not searched and says nothing (CPU: the search itself stubbed)."""
+    class LinearW:
+        def __init__(self, fp8=None):
+            self.weight, self.bias, self.fp8 = torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2), fp8
+
+    def vision(fp8_names=()):
+        layer = {name: LinearW("fp8" if name in fp8_names else None) for name in gemm_search.VISION_GEMMS}
+        return {"layers": [layer], "proj": LinearW("fp8" if "proj" in fp8_names else None)}
+
+    hows = {}
+    monkeypatch.setattr(gemm_search, "_search_linear", lambda rows, layers, seed, tuning: (None, hows[id(layers[0])]))
+    every = vision()
+    for name in gemm_search.VISION_GEMMS:
+        hows[id(every["layers"][0][name])] = "kept"
+    hows[id(every["proj"])] = "kept"
+    assert gemm_search.search_vision(every, 8) == ({"qkv": None, "out": None, "fc2": None, "proj": None}, "kept")
+    hows[id(every["layers"][0]["fc2"])] = "measured"  # e.g. a kept algorithm that no longer holds
+    assert gemm_search.search_vision(every, 8)[1] == "measured"
+    none = vision(fp8_names=(*gemm_search.VISION_GEMMS, "proj"))
+    assert gemm_search.search_vision(none, 8) == ({"qkv": None, "out": None, "fc2": None, "proj": None}, None)
+
+
 @pytest.mark.gpu
 def test_kept_algorithm_is_bit_exact_on_fresh_inputs(monkeypatch):
     from types import SimpleNamespace
