@@ -94,6 +94,12 @@ class BenchPredictConfig:
         if self.time_budget_s <= 0 or self.lerobot_compile_budget_s <= 0:
             raise ValueError(f"bench.time_budget_s and bench.lerobot_compile_budget_s must be > 0, got "
                              f"{self.time_budget_s}, {self.lerobot_compile_budget_s}")
+        cache = self.lerobot_compile_cache_dir
+        if cache is not None and (not isinstance(cache, str) or not cache.strip()
+                                  or (Path(cache).expanduser().exists() and not Path(cache).expanduser().is_dir())):
+            # checked here: the compiled variant runs last, and a bad directory there would lose the whole run
+            raise ValueError(f"bench.lerobot_compile_cache_dir must be a directory (or null for inductor's "
+                             f"default), got {cache!r}")
         if not 0 < self.clip < 1:
             raise ValueError(f"bench.clip must be in (0, 1), got {self.clip}")
 

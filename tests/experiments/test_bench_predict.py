@@ -120,6 +120,15 @@ def test_config_is_validated_and_full_sweep():
         bench_mod.BenchPredictConfig(lerobot_variants=["fp16"])
 
 
+@pytest.mark.parametrize("bad", ["", "  ", "a_file"])
+def test_a_compile_cache_that_is_no_directory_is_refused_before_the_run(bad, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("not a directory")
+    with pytest.raises(ValueError, match="bench.lerobot_compile_cache_dir must be a directory"):
+        bench_mod.BenchPredictConfig(lerobot_compile_cache_dir=bad)
+    assert bench_mod.BenchPredictConfig(lerobot_compile_cache_dir=str(tmp_path / "new")).lerobot_compile_cache_dir
+
+
 def test_tiny_configuration_end_to_end():
     """One LIBERO-shaped configuration of the tiny policy: both precisions, the gap, the summary."""
     from policies.config import PolicyConfig
