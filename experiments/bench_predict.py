@@ -11,7 +11,7 @@ through our LeRobot loader, then per batch size every side on the same inputs an
 - ours: the fast path in bf16 ("ours") and with FP8 vision/prefix GEMMs ("ours_fp8");
 - LeRobot "shipped" (its bf16 mode: SigLIP fp32), "bf16" (every weight bf16) and, after all
   configurations, "compiled_<mode>" (its compile_model option, in a worker process killed at a
-  deadline: experiments/bench_predict_lerobot.py).
+  deadline: experiments/bench_predict_compiled.py; they compile side by side, then time one at a time).
 Every side gets the same warm-up and timed iterations (CUDA-event medians); speed-ups are quoted
 against the fastest LeRobot variant at that batch size; memory is each side's weights plus
 everything its measurement added (peak allocated, peak reserved, resident incl. CUDA graph
@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from experiments import bench_predict_common as common
+from experiments import bench_predict_compiled as compiled_side
 from experiments import bench_predict_lerobot as lerobot_side
 from experiments import bench_predict_ours as ours_side
 from experiments.bench_predict_common import timed_ms  # noqa: F401 - scripts/gpu_smoke.py imports it from here
@@ -47,6 +48,7 @@ from profiler.roofline import StageMeasurement, stage_roofline
 
 FULL_SWEEP = [1, 2, 4, 8, 16, 32, 64]
 MIN_COMPILE_S = 30.0  # a compile attempt with less time than this is skipped (recorded), not started
+TIMING_S_PER_BATCH = 30.0  # a compiled worker's timing phase per batch size (reserved from the budget, then its kill)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class BenchPredictConfig:
     lerobot_compile_precision: str = "bf16"
     lerobot_compile_budget_s: float = 180.0
     lerobot_compile_cache_dir: str | None = None  # inductor's cache for the compiled variant (None: its default)
+    lerobot_compile_static: bool = False  # torch's automatic dynamic shapes off: a static graph per batch size
     time_budget_s: float = 420.0
     gap_batch: int = 32
     gap_calls: int = 4
@@ -229,31 +232,55 @@ def guarded(measure) -> dict:
 
 def run_compile_variants(results: dict, pending: dict, bench: BenchPredictConfig, budget: common.Budget,
                          device: torch.device) -> None:
-    """LeRobot's compile option per configuration and mode, each in a worker process given an equal
-    share of the time left (at most bench.lerobot_compile_budget_s); merged into the rows."""
-    todo = [(name, mode) for name in results if pending[name]["lerobot"] for mode in bench.lerobot_compile_modes]
-    for i, (name, mode) in enumerate(todo):
-        variant, job = f"lerobot_compiled_{mode}", pending[name]
-        timeout = min(bench.lerobot_compile_budget_s, budget.left() / (len(todo) - i))
-        if timeout < MIN_COMPILE_S:
-            out = {"status": "skipped", "message": f"{timeout:.0f} s of the time budget left for it", "rows": {}}
-        else:
-            print(f"{name}: LeRobot compile_model=True, mode {mode} (worker, killed after {timeout:.0f} s)")
-            # all-bf16 weights only where the run is bf16 (as the eager "bf16" variant)
-            precision = bench.lerobot_compile_precision if job["cfg"].dtype == "bfloat16" else "shipped"
-            out = lerobot_side.run_compiled(job["cfg"], mode, precision, bench.batch_sizes, job["prompt_len"],
-                                            bench.warmup, bench.iters, timeout, device, job["checksum"],
-                                            bench.lerobot_compile_cache_dir)
-        rows = out.pop("rows")
-        results[name]["lerobot"][variant] = out
-        weights = (out.get("built") or {}).get("resident_mib") or (out.get("built") or {}).get("weights_mib")
-        for row in results[name]["rows"]:
-            measured = rows.get(row["batch"])
-            if measured is None:
-                row["sides"][variant] = {"skipped": f"{out['status']}: {out['message']}"}
-                continue
-            measured["memory"] = footprint(weights, measured.pop("memory_delta", None))
-            row["sides"][variant] = measured
+    """LeRobot's compile option for every configuration and mode (`bench_predict_compiled`): the
+    workers compile side by side until the time left less their timing shares (at most
+    bench.lerobot_compile_budget_s), then time one at a time; merged into the rows."""
+    jobs = [compiled_side.CompileJob(name, pending[name]["cfg"], mode, compile_precision(bench, pending[name]["cfg"]),
+                                     list(bench.batch_sizes), pending[name]["prompt_len"], pending[name]["checksum"])
+            for name in results if pending[name]["lerobot"] for mode in bench.lerobot_compile_modes]
+    if not jobs:
+        return
+    workers = compiled_side.split_jobs(jobs, bench.lerobot_compile_static)
+    compile_s = min(bench.lerobot_compile_budget_s,
+                    budget.left() - TIMING_S_PER_BATCH * sum(len(w.batches) for w in workers))
+    cache = None
+    if compile_s < MIN_COMPILE_S:
+        outs = [compiled_side.skipped_result(w, f"{compile_s:.0f} s of the time budget left to compile")
+                for w in workers]
+    else:
+        print(f"LeRobot compile_model=True: {len(workers)} worker(s) compiling side by side (killed after "
+              f"{compile_s:.0f} s), then time one at a time ({TIMING_S_PER_BATCH:.0f} s a batch size at most)")
+        outs, cache = compiled_side.run_compile_jobs(
+            jobs, compile_s=compile_s, timing_s_per_batch=TIMING_S_PER_BATCH, device=device, warmup=bench.warmup,
+            iters=bench.iters, static=bench.lerobot_compile_static, cache_dir=bench.lerobot_compile_cache_dir)
+    for job in jobs:
+        out = compiled_side.merge_results([o for o in outs if o["job"].same_variant(job)])
+        out.update(compile_mode=job.mode, precision=job.precision, static=bench.lerobot_compile_static,
+                   compile_budget_s=compile_s, compile_cache=cache)
+        record_compiled(results[job.configuration], compiled_variant(bench, job.mode), out)
+
+
+def compile_precision(bench: BenchPredictConfig, cfg: PolicyConfig) -> str:
+    # all-bf16 weights only where the run is bf16 (as the eager "bf16" variant)
+    return bench.lerobot_compile_precision if cfg.dtype == "bfloat16" else "shipped"
+
+
+def compiled_variant(bench: BenchPredictConfig, mode: str) -> str:
+    return f"lerobot_compiled_{mode}" + ("_static" if bench.lerobot_compile_static else "")
+
+
+def record_compiled(result: dict, variant: str, out: dict) -> None:
+    """One compiled variant's outcome into a configuration's record, its timed batch sizes into the rows."""
+    rows = out.pop("rows")
+    result["lerobot"][variant] = out
+    weights = (out.get("built") or {}).get("resident_mib") or (out.get("built") or {}).get("weights_mib")
+    for row in result["rows"]:
+        measured = rows.get(row["batch"])
+        if measured is None:
+            row["sides"][variant] = {"skipped": f"{out['status']}: {out['message']}"}
+            continue
+        measured["memory"] = footprint(weights, measured.pop("memory_delta", None))
+        row["sides"][variant] = measured
 
 
 def finalize(result: dict) -> None:

@@ -10,10 +10,8 @@ the very weights the parent measured (checked with a checksum):
   embedding; ours precomputes their output tables in fp32 too);
 - "compiled_<mode>": LeRobot's own compile option (PI05Config.compile_model=True with
   compile_mode=<mode>: torch.compile of sample_actions) over the weights of
-  `bench.lerobot_compile_precision`. It runs in a worker process
-  (`python -m experiments.bench_predict_lerobot SPEC.json`) that the parent kills at a deadline,
-  so compilation can never overrun the run's time budget; what it reached (build, each batch
-  size: compile = first call, then timing) is recorded, and so is the error or the timeout.
+  `bench.lerobot_compile_precision`, built here and run in worker processes that compile side by
+  side, then time one at a time, each killed at a deadline (`experiments.bench_predict_compiled`).
 
 On a CPU box without LeRobot (it needs Python >= 3.12), LEROBOT_SITE (tests/policies/lerobot_stub.py)
 loads LeRobot's own pi05 files for the smoke run; elsewhere the baseline is skipped and recorded.
@@ -22,14 +20,7 @@ loads LeRobot's own pi05 files for the smoke run; elsewhere the baseline is skip
 from __future__ import annotations
 
 import copy
-import json
 import os
-import shutil
-import sys
-import tempfile
-import time
-import traceback
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -38,7 +29,6 @@ from experiments import bench_predict_common as common
 from policies.config import PolicyConfig
 from policies.lerobot_bridge import build_lerobot_core, lerobot_config, lerobot_inputs
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 EAGER_VARIANTS = ("shipped", "bf16")
 
 
@@ -126,127 +116,3 @@ def measure_lerobot(core, inputs, noise, steps: int, device: torch.device, warmu
         memory = common.memory_since(mark, device)
     return {"ms": timing["ms"], "first_call_s": timing["first_call_s"], "ms_all": timing["ms_all"],
             "memory_delta": memory, "actions": timing["output"].float().cpu()}
-
-
-# --------------------------------------------------------------------------- compiled variant (worker)
-
-
-def compile_cache_env(cache_dir: str | None) -> tuple[dict | None, dict | None]:
-    """The compile worker's environment and the record of its torch.compile cache, for
-    bench.lerobot_compile_cache_dir: None keeps inductor's defaults (env None, record None); a
-    directory is made absolute, created, and holds inductor's FX-graph and AOTAutograd caches (and
-    the Triton kernels it compiles). `entries_before` = files in it before the run: 0 is a cold
-    compile, more means an earlier run's work is reused (dynamo's tracing is never cached)."""
-    if not cache_dir:
-        return None, None
-    path = Path(cache_dir).expanduser().resolve()
-    path.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(path), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
-               TORCHINDUCTOR_AUTOGRAD_CACHE="1")
-    env.pop("TRITON_CACHE_DIR", None)  # inductor's kernels then go under the cache dir too
-    return env, {"dir": str(path), "entries_before": sum(1 for p in path.rglob("*") if p.is_file())}
-
-
-def run_compiled(cfg: PolicyConfig, mode: str, precision: str, batches: list[int], prompt_len: int,
-                 warmup: int, iters: int, timeout_s: float, device: torch.device, checksum: float | None,
-                 cache_dir: str | None = None) -> dict:
-    """Run LeRobot with compile_model=True in a worker process killed at `timeout_s`; returns what
-    it reached: {"status": ok|timeout|error, "message", "wall_s", "built", "rows": {batch: ...},
-    "compile_cache"} (`compile_cache_env`)."""
-    workdir = Path(tempfile.mkdtemp(prefix=f"bench_predict_compile_{mode}_"))
-    env, cache = compile_cache_env(cache_dir)
-    try:
-        policy = cfg.to_dict()
-        spec = {"policy": policy, "device": str(device), "compile_mode": mode, "precision": precision,
-                "batches": batches, "prompt_len": prompt_len, "warmup": warmup, "iters": iters, "seed": 1,
-                "checksum": checksum, "workdir": str(workdir)}
-        (workdir / "spec.json").write_text(json.dumps(spec))
-        cmd = [sys.executable, "-m", "experiments.bench_predict_lerobot", str(workdir / "spec.json")]
-        run = common.run_bounded(cmd, timeout_s, env=env, log_path=str(workdir / "worker.log"), cwd=str(REPO_ROOT))
-        events = read_events(workdir / "events.jsonl")
-        rows = {}
-        for e in events:
-            if e["event"] == "batch":
-                e["actions"] = torch.load(workdir / f"actions_b{e['batch']}.pt")
-                rows[e["batch"]] = e
-        built = next((e for e in events if e["event"] == "built"), None)
-        error = next((e for e in events if e["event"] == "error"), None)
-        if any(e["event"] == "done" for e in events):
-            status, message = "ok", ""
-        elif run["timed_out"]:
-            reached = reached_when_killed(events, run["wall_s"])
-            status, message = "timeout", f"killed after {timeout_s:.0f} s ({reached})"
-        else:
-            status = "error"
-            log = common.tail(workdir / "worker.log")
-            message = error["message"] if error else f"exit code {run['returncode']}: {log}"
-        return {"status": status, "message": message, "wall_s": run["wall_s"], "timeout_s": timeout_s,
-                "compile_mode": mode, "precision": precision, "built": built, "rows": rows, "compile_cache": cache,
-                "log_tail": common.tail(workdir / "worker.log", 3000) if status != "ok" else ""}
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def reached_when_killed(events: list[dict], wall_s: float) -> str:
-    """What a killed worker had done, from its events' `t` (seconds since its start): e.g. "built at 16 s;
-    batch 1 done at 390 s; batch 32 started at 391 s, 137 s before the kill" (the next run's budget)."""
-    done = [f"built at {e['t']:.0f} s" if e["event"] == "built" else f"batch {e['batch']} done at {e['t']:.0f} s"
-            for e in events if e["event"] in ("built", "batch") and "t" in e]
-    started = [e for e in events if e["event"] == "start_batch"]
-    if started and not any(e["event"] == "batch" and e["batch"] == started[-1]["batch"] for e in events):
-        last = started[-1]
-        done.append(f"batch {last['batch']} started at {last['t']:.0f} s, {wall_s - last['t']:.0f} s before the kill")
-    return "; ".join(done) if done else "not built"
-
-
-def read_events(path: Path) -> list[dict]:
-    """The worker's JSON lines; a line cut short by a kill is dropped."""
-    events = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return events
-
-
-def worker_main(spec_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
-    workdir, device = Path(spec["workdir"]), torch.device(spec["device"])
-    policy = dict(spec["policy"])
-    cfg = PolicyConfig.preset(policy.pop("name"), **policy)
-    with open(workdir / "events.jsonl", "a", buffering=1) as events:
-        start = time.perf_counter()
-
-        def emit(**event) -> None:
-            events.write(json.dumps({**event, "t": time.perf_counter() - start}) + "\n")
-
-        try:
-            mark = common.memory_mark(device)
-            core = build_lerobot(cfg, device, seed=spec["seed"], compile_mode=spec["compile_mode"])
-            if core is None:
-                raise RuntimeError("LeRobot pi05 is not importable in the worker process")
-            checksum = weights_checksum(core)
-            if spec["precision"] == "bf16":
-                to_all_bf16(core)
-            built = common.memory_since(mark, device)
-            emit(event="built", build_s=time.perf_counter() - start, weights_mib=param_mib(core),
-                 resident_mib=built["resident_mib"] if built else None, checksum=checksum,
-                 weights_match=spec["checksum"] is None or abs(checksum - spec["checksum"]) <= 1e-9 * abs(checksum))
-            steps = cfg.sampling.num_steps
-            for batch in spec["batches"]:
-                emit(event="start_batch", batch=batch)  # its first call compiles: where a kill lands, mostly
-                inputs, noise = common.make_inputs(cfg, batch, spec["prompt_len"], device, seed=batch)
-                row = measure_lerobot(core, inputs, noise, steps, device, spec["warmup"], spec["iters"])
-                torch.save(row.pop("actions"), workdir / f"actions_b{batch}.pt")
-                emit(event="batch", batch=batch, **row)
-            emit(event="done")
-            return 0
-        except Exception as exc:  # noqa: BLE001 - forwarded to the parent, which records it
-            emit(event="error", message=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc()[-4000:])
-            return 1
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1]))

@@ -1,7 +1,6 @@
 """The predict benchmark's own logic on CPU: gap metrics, the time budget, the bounded worker,
 picking the fastest LeRobot variant, the summary keys, and one tiny end-to-end configuration."""
 
-import os
 import sys
 import time
 
@@ -10,7 +9,6 @@ import torch
 
 from experiments import bench_predict as bench_mod
 from experiments.bench_predict_common import Budget, BudgetExceeded, run_bounded, time_calls
-from experiments.bench_predict_lerobot import read_events
 from experiments.bench_predict_ours import gap_metrics
 
 
@@ -50,24 +48,6 @@ def test_run_bounded_kills_the_process_group_at_the_deadline(tmp_path):
     assert done == {"returncode": 3, "timed_out": False, "wall_s": done["wall_s"]}
 
 
-def test_read_events_drops_a_line_cut_by_a_kill(tmp_path):
-    path = tmp_path / "events.jsonl"
-    path.write_text('{"event": "built"}\n{"event": "batch", "batch": 1}\n{"event": "bat')
-    assert [e["event"] for e in read_events(path)] == ["built", "batch"]
-    assert read_events(tmp_path / "missing.jsonl") == []
-
-
-def test_a_kill_is_described_by_what_the_worker_reached():
-    from experiments.bench_predict_lerobot import reached_when_killed
-
-    events = [{"event": "built", "t": 16.2}, {"event": "start_batch", "batch": 1, "t": 16.3},
-              {"event": "batch", "batch": 1, "t": 390.4}, {"event": "start_batch", "batch": 32, "t": 390.9}]
-    assert reached_when_killed(events, 528.0) == ("built at 16 s; batch 1 done at 390 s; "
-                                                  "batch 32 started at 391 s, 137 s before the kill")
-    assert reached_when_killed(events[:2], 100.0) == "built at 16 s; batch 1 started at 16 s, 84 s before the kill"
-    assert reached_when_killed([], 5.0) == "not built"
-
-
 def _side(ms, actions):
     return {"ms": ms, "actions": actions, "stages": {}}
 
@@ -95,21 +75,6 @@ def test_finalize_quotes_the_fastest_lerobot_variant():
     assert summary["skipped_or_failed"] == 1
     assert summary["lerobot_unmeasured_b32"] == ["lerobot_compiled_reduce-overhead"], "the speed-up says what it lacks"
     assert "lerobot_unmeasured_b1" not in summary
-
-
-def test_compile_cache_env_points_inductor_at_the_directory(tmp_path, monkeypatch):
-    from experiments.bench_predict_lerobot import compile_cache_env
-
-    assert compile_cache_env(None) == (None, None), "no directory: inductor's own defaults"
-    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
-    cache = tmp_path / "inductor"
-    env, record = compile_cache_env(str(cache))
-    assert cache.is_dir() and record == {"dir": str(cache.resolve()), "entries_before": 0}, "cold: nothing in it yet"
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(cache.resolve()) and env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "1"
-    assert "TRITON_CACHE_DIR" not in env and env["PATH"] == os.environ["PATH"]
-    (cache / "fxgraph").mkdir()
-    (cache / "fxgraph" / "entry").write_text("x")
-    assert compile_cache_env(str(cache))[1]["entries_before"] == 1, "warm: an earlier run's files are counted"
 
 
 def test_config_is_validated_and_full_sweep():

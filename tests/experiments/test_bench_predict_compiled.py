@@ -1,0 +1,150 @@
+"""The compiled LeRobot variant's workers on CPU: their events, the cache environment, how jobs split,
+how results merge, and the parent's two phases (compile side by side, then time one at a time, each
+bounded) driven against stand-in workers that follow the real worker's event protocol."""
+
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from experiments import bench_predict_compiled as compiled
+from policies.config import PolicyConfig
+
+
+def test_read_events_drops_a_line_cut_by_a_kill(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"event": "built"}\n{"event": "batch", "batch": 1}\n{"event": "bat')
+    assert [e["event"] for e in compiled.read_events(path)] == ["built", "batch"]
+    assert compiled.read_events(tmp_path / "missing.jsonl") == []
+
+
+def test_a_kill_is_described_by_what_the_worker_reached():
+    events = [{"event": "built", "t": 16.2}, {"event": "start_batch", "batch": 1, "t": 16.3},
+              {"event": "compiled", "batch": 1, "t": 390.4}, {"event": "start_batch", "batch": 32, "t": 390.9}]
+    assert compiled.reached_when_killed(events, 528.0) == (
+        "built at 16 s; batch 1 compiled at 390 s; batch 32 started at 391 s, 137 s before the kill")
+    assert compiled.reached_when_killed(events[:2], 100.0) == ("built at 16 s; batch 1 started at 16 s, "
+                                                              "84 s before the kill")
+    timed = events[:3] + [{"event": "ready", "t": 391.0}, {"event": "batch", "batch": 1, "t": 400.2}]
+    assert compiled.reached_when_killed(timed, 401.0) == ("built at 16 s; batch 1 compiled at 390 s; "
+                                                          "batch 1 done at 400 s")
+    assert compiled.reached_when_killed([], 5.0) == "not built"
+
+
+def test_compile_cache_env_points_inductor_at_the_directory(tmp_path, monkeypatch):
+    assert compiled.compile_cache_env(None) == (None, None), "no directory: inductor's own defaults"
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    cache = tmp_path / "inductor"
+    env, record = compiled.compile_cache_env(str(cache))
+    assert cache.is_dir() and record == {"dir": str(cache.resolve()), "entries_before": 0}, "cold: nothing in it yet"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(cache.resolve()) and env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "1"
+    assert "TRITON_CACHE_DIR" not in env and env["PATH"] == os.environ["PATH"]
+    (cache / "fxgraph").mkdir()
+    (cache / "fxgraph" / "entry").write_text("x")
+    assert compiled.compile_cache_env(str(cache))[1]["entries_before"] == 1, "warm: an earlier run's files are counted"
+
+
+def _job(batches, configuration="phyai", mode="reduce-overhead"):
+    return compiled.CompileJob(configuration, PolicyConfig.preset("tiny"), mode, "bf16", list(batches), 8)
+
+
+def test_static_jobs_split_one_worker_per_batch_size_and_dynamic_ones_do_not():
+    jobs = [_job([1, 32]), _job([1, 32], configuration="libero_rl")]
+    static = compiled.split_jobs(jobs, static=True)
+    assert [(j.configuration, j.batches) for j in static] == [("phyai", [1]), ("phyai", [32]),
+                                                             ("libero_rl", [1]), ("libero_rl", [32])]
+    assert jobs[0].batches == [1, 32], "the caller's jobs are not changed"
+    assert [j.batches for j in compiled.split_jobs(jobs, static=False)] == [[1, 32], [1, 32]]
+    assert static[1].same_variant(jobs[0]) and not static[2].same_variant(jobs[0])
+
+
+def _out(status, batches, message="", rows=None):
+    return {**compiled.skipped_result(_job(batches), message), "status": status, "wall_s": 1.0 * batches[0],
+            "rows": rows or {}}
+
+
+def test_merged_results_keep_every_timed_row_and_the_worst_status():
+    merged = compiled.merge_results([_out("ok", [1], rows={1: {"ms": 3.0}}),
+                                     _out("timeout", [32], "killed in its compile phase")])
+    assert merged["status"] == "timeout" and merged["rows"] == {1: {"ms": 3.0}}
+    assert merged["message"] == "batches [32]: killed in its compile phase" and merged["wall_s"] == 32.0
+    assert compiled.merge_results([_out("ok", [1]), _out("error", [2], "x"), _out("timeout", [3], "y")])["status"] \
+        == "error"
+    assert compiled.merge_results([_out("ok", [1]), _out("ok", [2])])["status"] == "ok"
+
+
+# A stand-in for `python -m experiments.bench_predict_compiled SPEC`: the real worker's events and files,
+# with each batch size's compile and timing replaced by sleeps (batch b: COMPILE_S[b], then TIME_S[b]).
+FAKE_WORKER = textwrap.dedent("""
+    import json, pathlib, sys, time
+    import torch
+    COMPILE_S = {1: 0.3, 2: 0.3, 3: 120.0, 4: 0.3}
+    TIME_S = {1: 0.4, 2: 0.4, 3: 0.0, 4: 120.0}
+    spec = json.loads(pathlib.Path(sys.argv[1]).read_text())
+    workdir, t0 = pathlib.Path(spec["workdir"]), time.perf_counter()
+    def emit(**event):
+        with open(workdir / "events.jsonl", "a") as f:
+            f.write(json.dumps({**event, "t": time.perf_counter() - t0}) + "\\n")
+    emit(event="built", build_s=0.0)
+    for b in spec["batches"]:
+        emit(event="start_batch", batch=b)
+        time.sleep(COMPILE_S[b])
+        emit(event="compiled", batch=b, first_call_s=COMPILE_S[b])
+    emit(event="ready")
+    if spec["timed"]:
+        while not (workdir / "go").exists():
+            time.sleep(0.01)
+        for b in spec["batches"]:
+            start = time.time()
+            time.sleep(TIME_S[b])
+            torch.save(torch.full((b, 2), float(b)), workdir / f"actions_b{b}.pt")
+            emit(event="batch", batch=b, ms=1.0, first_call_s=0.01, start=start, end=time.time())
+    emit(event="done")
+""")
+
+
+@pytest.fixture
+def fake_workers(tmp_path, monkeypatch):
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    monkeypatch.setattr(compiled, "worker_command", lambda spec: [sys.executable, str(script), spec])
+
+
+def test_workers_compile_side_by_side_then_time_one_at_a_time_each_bounded(fake_workers):
+    start = time.perf_counter()
+    outs, cache = compiled.run_compile_jobs([_job([1, 2, 3, 4])], compile_s=8.0, timing_s_per_batch=4.0,
+                                            device=torch.device("cpu"), warmup=1, iters=1, static=True,
+                                            progress=lambda _: None)
+    wall = time.perf_counter() - start
+    assert cache is None and [o["job"].batches for o in outs] == [[1], [2], [3], [4]]
+    by_batch = {o["job"].batches[0]: o for o in outs}
+    for b in (1, 2):
+        assert by_batch[b]["status"] == "ok", by_batch[b]
+        row = by_batch[b]["rows"][b]
+        assert row["first_call_s"] == pytest.approx(0.3), "the compile's first call, not the timing phase's"
+        assert row["first_call_after_compile_s"] == pytest.approx(0.01)
+        assert torch.equal(row["actions"], torch.full((b, 2), float(b)))
+    one, two = by_batch[1]["rows"][1], by_batch[2]["rows"][2]
+    assert one["end"] <= two["start"], "timing phases never overlap"
+    three = by_batch[3]
+    assert three["status"] == "timeout" and three["rows"] == {}
+    assert "killed in its compile phase" in three["message"] and "batch 3 started" in three["message"], three
+    four = by_batch[4]
+    assert four["status"] == "timeout" and "killed in its timing phase" in four["message"]
+    assert four["compiled_s"] == {4: 0.3} and "batch 4 compiled" in four["message"]
+    # the compile deadline (8 s) once, both quick timings, the slow one's 4 s: not 120 s anywhere
+    assert wall < 8.0 + 4.0 + 15.0, wall
+    merged = compiled.merge_results(outs)
+    assert merged["status"] == "timeout" and sorted(merged["rows"]) == [1, 2]
+
+
+def test_a_compile_only_run_waits_for_no_gate(fake_workers, tmp_path):
+    outs, cache = compiled.run_compile_jobs([_job([1, 2])], compile_s=30.0, timing_s_per_batch=10.0,
+                                            device=torch.device("cpu"), warmup=1, iters=1, static=False,
+                                            timed=False, cache_dir=str(tmp_path / "cache"), progress=lambda _: None)
+    (out,) = outs
+    assert out["status"] == "ok" and out["rows"] == {} and out["compiled_s"] == {1: 0.3, 2: 0.3}
+    assert cache["entries_before"] == 0
