@@ -15,6 +15,10 @@ one batch size per worker (`experiments.warm_lerobot_compile`) serves the timed 
 default (`static=False`) the second batch size is a recompile with a dynamic batch dimension, which
 only follows the first in one process: one worker per configuration and mode.
 
+Memory is counted from the worker's build, so a row's peak includes its compile's first call (as an
+eager variant's includes its first call); with one worker per batch size that is each batch size's
+own, and where a worker runs several batch sizes a later one's peak also holds the earlier ones'.
+
 Worker: `python -m experiments.bench_predict_compiled SPEC.json` (spec keys: `WorkerSpec`).
 """
 
@@ -315,6 +319,7 @@ def worker_main(spec_path: str) -> int:
              weights_mib=lerobot_side.param_mib(core), resident_mib=built["resident_mib"] if built else None,
              checksum=checksum,
              weights_match=spec.checksum is None or abs(checksum - spec.checksum) <= 1e-9 * abs(checksum))
+        since_build = common.memory_mark(device)  # the compile's allocations count, as an eager first call's do
         made = compile_batches(core, spec, cfg, device, emit)
         emit(event="ready")
         if spec.timed:
@@ -322,7 +327,7 @@ def worker_main(spec_path: str) -> int:
                 wait_for_gate(workdir)
             for batch, (inputs, noise) in made.items():
                 row = lerobot_side.measure_lerobot(core, inputs, noise, cfg.sampling.num_steps, device,
-                                                   spec.warmup, spec.iters)
+                                                   spec.warmup, spec.iters, mark=since_build)
                 torch.save(row.pop("actions"), workdir / f"actions_b{batch}.pt")
                 emit(event="batch", batch=batch, **row)
         emit(event="done")

@@ -106,11 +106,14 @@ def weights_checksum(module) -> float:
 
 
 def measure_lerobot(core, inputs, noise, steps: int, device: torch.device, warmup: int, iters: int,
-                    budget: common.Budget | None = None, what: str = "lerobot") -> dict:
-    """One variant at one batch size: timing, memory beyond its weights, and its actions (fp32, CPU)."""
+                    budget: common.Budget | None = None, what: str = "lerobot",
+                    mark: common.MemoryMark | None = None) -> dict:
+    """One variant at one batch size: timing, memory beyond its weights, and its actions (fp32, CPU).
+    Memory counts from `mark` where given (a compile worker's: its compile's first call included),
+    else from the start of this measurement."""
     args = lerobot_inputs(inputs)
     with torch.no_grad():
-        mark = common.memory_mark(device)
+        mark = mark or common.memory_mark(device)
         call = lambda: core.sample_actions(*args, noise=noise, num_steps=steps)  # noqa: E731
         timing = common.time_calls(call, device, warmup, iters, budget, what)
         memory = common.memory_since(mark, device)
