@@ -148,3 +148,42 @@ def test_a_compile_only_run_waits_for_no_gate(fake_workers, tmp_path):
     (out,) = outs
     assert out["status"] == "ok" and out["rows"] == {} and out["compiled_s"] == {1: 0.3, 2: 0.3}
     assert cache["entries_before"] == 0
+
+
+def _pending_run(batches):
+    results = {"phyai": {"rows": [{"batch": b, "sides": {}} for b in batches], "lerobot": {}}}
+    pending = {"phyai": {"cfg": PolicyConfig.preset("tiny"), "prompt_len": 8, "lerobot": True, "checksum": None}}
+    return results, pending
+
+
+def test_the_bench_records_compiled_rows_and_a_compile_it_had_no_time_for(fake_workers):
+    from experiments import bench_predict as bench_mod
+    from experiments.bench_predict_common import Budget
+
+    bench = bench_mod.BenchPredictConfig(batch_sizes=[1, 2], lerobot_compile_static=True, lerobot_compile_budget_s=30)
+    results, pending = _pending_run([1, 2])
+    bench_mod.run_compile_variants(results, pending, bench, Budget(10.0), torch.device("cpu"))
+    record = results["phyai"]["lerobot"]["lerobot_compiled_reduce-overhead_static"]
+    assert record["status"] == "skipped" and "left to compile" in record["message"], record
+    assert all(r["sides"]["lerobot_compiled_reduce-overhead_static"]["skipped"].startswith("skipped")
+               for r in results["phyai"]["rows"])
+
+    results, pending = _pending_run([1, 2])
+    bench_mod.run_compile_variants(results, pending, bench, Budget(200.0), torch.device("cpu"))
+    record = results["phyai"]["lerobot"]["lerobot_compiled_reduce-overhead_static"]
+    assert record["status"] == "ok" and record["static"] and record["compiled_s"] == {1: 0.3, 2: 0.3}
+    for row in results["phyai"]["rows"]:
+        side = row["sides"]["lerobot_compiled_reduce-overhead_static"]
+        assert side["ms"] == 1.0 and side["first_call_s"] == pytest.approx(0.3) and side["memory"] is None
+
+
+def test_the_warm_up_compiles_every_configuration_and_batch_size_apart():
+    from experiments import bench_predict as bench_mod
+    from experiments.warm_lerobot_compile import warm_jobs
+
+    bench = bench_mod.BenchPredictConfig(batch_sizes=[1, 32], lerobot_compile_modes=["reduce-overhead", "default"])
+    jobs = warm_jobs(bench, PolicyConfig.preset("tiny"), torch.device("cpu"))
+    assert [(j.configuration, j.mode) for j in jobs] == [("phyai", "reduce-overhead"), ("phyai", "default"),
+                                                        ("libero_rl", "reduce-overhead"), ("libero_rl", "default")]
+    assert all(j.precision == "shipped" for j in jobs), "a float32 (CPU) run compiles the shipped weights"
+    assert len(compiled.split_jobs(jobs, static=True)) == 8
