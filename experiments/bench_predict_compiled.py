@@ -122,6 +122,7 @@ class CompileWorker:
         (self.workdir / "spec.json").write_text(json.dumps(asdict(spec)))
         self.start = time.perf_counter()
         self.killed_in: str | None = None  # "compile" or "timing": the phase the deadline stopped
+        self.ended_s: float | None = None  # seconds from its start to its exit (or kill), once seen
         self.log = open(self.workdir / "worker.log", "w")
         cmd = worker_command(str(self.workdir / "spec.json"))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT),
@@ -130,9 +131,16 @@ class CompileWorker:
     def events(self) -> list[dict]:
         return read_events(self.workdir / "events.jsonl")
 
+    def exited(self) -> bool:
+        if self.proc.poll() is None:
+            return False
+        if self.ended_s is None:
+            self.ended_s = time.perf_counter() - self.start
+        return True
+
     def compiling(self) -> bool:
         """Alive and not yet waiting at the gate (nor done)."""
-        return self.proc.poll() is None and not any(e["event"] in ("ready", "done") for e in self.events())
+        return not self.exited() and not any(e["event"] in ("ready", "done") for e in self.events())
 
     def release(self) -> None:
         (self.workdir / "go").write_text("")
@@ -140,20 +148,22 @@ class CompileWorker:
     def wait(self, timeout_s: float) -> bool:
         try:
             self.proc.wait(timeout=max(timeout_s, 0.0))
-            return True
         except subprocess.TimeoutExpired:
             return False
+        return self.exited()
 
     def kill(self, phase: str) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
             self.killed_in = phase
+        self.exited()
 
     def result(self) -> dict:
         """{"status": ok|timeout|error, "message", "wall_s", "built", "rows": {batch: ...}, "compiled":
         {batch: first-call s}}; rows carry the first call's time (the compile) as `first_call_s`."""
-        events, wall_s = self.events(), time.perf_counter() - self.start
+        events = self.events()
+        wall_s = self.ended_s if self.ended_s is not None else time.perf_counter() - self.start
         compiled = {e["batch"]: e["first_call_s"] for e in events if e["event"] == "compiled"}
         rows = {}
         for e in (e for e in events if e["event"] == "batch"):
@@ -207,7 +217,7 @@ def run_compile_jobs(jobs: list[CompileJob], *, compile_s: float, timing_s_per_b
             if w.compiling():
                 w.kill("compile")
         for w in workers:
-            if timed and w.proc.poll() is None:
+            if timed and not w.exited():
                 progress(f"timing LeRobot compiled ({w.job.configuration}, {w.job.mode}, batches {w.job.batches})")
                 w.release()
             if not w.wait(timing_s_per_batch * len(w.job.batches)):

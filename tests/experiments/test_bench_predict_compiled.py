@@ -132,6 +132,7 @@ def test_workers_compile_side_by_side_then_time_one_at_a_time_each_bounded(fake_
     three = by_batch[3]
     assert three["status"] == "timeout" and three["rows"] == {}
     assert "killed in its compile phase" in three["message"] and "batch 3 started" in three["message"], three
+    assert 8.0 <= three["wall_s"] < 10.0, "its time is where the deadline killed it, not when the run ended"
     four = by_batch[4]
     assert four["status"] == "timeout" and "killed in its timing phase" in four["message"]
     assert four["compiled_s"] == {4: 0.3} and "batch 4 compiled" in four["message"]
