@@ -154,8 +154,12 @@ class BroadcastPush:
             except Exception as exc:  # noqa: BLE001 - closing: reported, not raised
                 logger.warning("weight group: the engine could not leave it (%s)", exc)
         if self.backend == "nccl":
-            logger.warning("weight group: the engine's ranks did not leave with the trainer; its NCCL group is "
-                           "left to the process's exit (a destroy now would wait for them)")
+            if self.engine.alive:  # the trainer's bounded destroy already ran beside the failed engine side
+                logger.warning("weight group: the engine's ranks did not leave with the trainer, whose own destroy "
+                               "was tried beside them; what remains of the NCCL group is left to the process's exit")
+            else:
+                logger.warning("weight group: the engine is closed, its ranks never left; the trainer's NCCL group "
+                               "is left to the process's exit (a destroy now would wait for them)")
             return
         leave()
 

@@ -120,9 +120,13 @@ def test_a_push_whose_engine_cannot_leave_leaves_alone_only_over_gloo(monkeypatc
         pusher.engine, pusher.backend, pusher.joined, pusher.timeout_s = engine, backend, True, 5
         pusher.engine.cfg = type("Cfg", (), {"rank_timeout_s": 5})()
         left.clear()
+        caplog.clear()
         pusher.close()
         assert engine.left == int(engine.alive)  # a closed engine is not asked
         # alive: the joint leave ran (the trainer's side too) and failed on the engine's side: warned, not raised
         assert len(left) == int(engine.alive) + int(trainer_leaves)
-    assert "could not leave" in caplog.text
-    assert ("left to the process's exit" in caplog.text) == (backend == "nccl")
+        assert ("could not leave" in caplog.text) == engine.alive
+        assert ("left to the process's exit" in caplog.text) == (backend == "nccl")
+        # the warning says whether the trainer's destroy was already tried
+        assert ("was tried beside them" in caplog.text) == (backend == "nccl" and engine.alive)
+        assert ("the engine is closed" in caplog.text) == (backend == "nccl" and not engine.alive)
