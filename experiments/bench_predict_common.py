@@ -10,7 +10,6 @@
   pools included, see `memory_since`);
 - `Budget`: the run's wall-time budget; a measurement that would overrun it is skipped and
   recorded, never shortened;
-- `run_bounded`: a subprocess killed (its whole process group) at a deadline;
 - `kernel_table`: device time per kernel name of one call under torch.profiler (profile_denoise,
   profile_stages).
 """
@@ -19,9 +18,7 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import statistics
-import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -212,23 +209,6 @@ def reset_peaks(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- subprocesses
-
-
-def run_bounded(cmd: list[str], timeout_s: float, env: dict | None = None, log_path: str | None = None,
-                cwd: str | None = None) -> dict:
-    """Run `cmd` in its own process group; kill the group (SIGKILL) at `timeout_s`. Returns
-    {"returncode" (None when killed), "timed_out", "wall_s"}; stdout+stderr go to `log_path`."""
-    start = time.perf_counter()
-    with open(log_path or os.devnull, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=max(timeout_s, 0.0))
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the worker and its compile workers
-            proc.wait()
-            returncode, timed_out = None, True
-    return {"returncode": returncode, "timed_out": timed_out, "wall_s": time.perf_counter() - start}
 
 
 def tail(path: str | os.PathLike, chars: int = 2000) -> str:

@@ -188,3 +188,21 @@ def test_the_warm_up_compiles_every_configuration_and_batch_size_apart():
                                                         ("libero_rl", "reduce-overhead"), ("libero_rl", "default")]
     assert all(j.precision == "shipped" for j in jobs), "a float32 (CPU) run compiles the shipped weights"
     assert len(compiled.split_jobs(jobs, static=True)) == 8
+
+
+def test_a_killed_worker_takes_its_children_and_an_exit_code_is_reported(tmp_path, monkeypatch):
+    marker = tmp_path / "child_alive"
+    script = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+              f"'import time; time.sleep(3); open(r\"{marker}\", \"w\")']); time.sleep(30)")
+    monkeypatch.setattr(compiled, "worker_command", lambda spec: [sys.executable, "-c", script])
+    (out,), _ = compiled.run_compile_jobs([_job([1])], compile_s=1.0, timing_s_per_batch=1.0,
+                                          device=torch.device("cpu"), warmup=1, iters=1, static=False,
+                                          progress=lambda _: None)
+    assert out["status"] == "timeout" and "killed in its compile phase" in out["message"] and out["wall_s"] < 10
+    time.sleep(3.5)
+    assert not marker.exists(), "the worker's children (inductor's compile pool) die with it"
+    monkeypatch.setattr(compiled, "worker_command", lambda spec: [sys.executable, "-c", "raise SystemExit(3)"])
+    (out,), _ = compiled.run_compile_jobs([_job([1])], compile_s=30.0, timing_s_per_batch=1.0,
+                                          device=torch.device("cpu"), warmup=1, iters=1, static=False,
+                                          progress=lambda _: None)
+    assert out["status"] == "error" and out["message"].startswith("exit code 3"), out
