@@ -236,9 +236,7 @@ def run_compile_variants(results: dict, pending: dict, bench: BenchPredictConfig
     """LeRobot's compile option for every configuration and mode (`bench_predict_compiled`): the
     workers compile side by side until the time left less their timing shares (at most
     bench.lerobot_compile_budget_s), then time one at a time; merged into the rows."""
-    jobs = [compiled_side.CompileJob(name, pending[name]["cfg"], mode, compile_precision(bench, pending[name]["cfg"]),
-                                     list(bench.batch_sizes), pending[name]["prompt_len"], pending[name]["checksum"])
-            for name in results if pending[name]["lerobot"] for mode in bench.lerobot_compile_modes]
+    jobs = compile_jobs(bench, {name: pending[name] for name in results if pending[name]["lerobot"]})
     if not jobs:
         return
     workers = compiled_side.split_jobs(jobs, bench.lerobot_compile_static)
@@ -259,6 +257,15 @@ def run_compile_variants(results: dict, pending: dict, bench: BenchPredictConfig
         out.update(compile_mode=job.mode, precision=job.precision, static=bench.lerobot_compile_static,
                    compile_budget_s=compile_s, compile_cache=cache)
         record_compiled(results[job.configuration], compiled_variant(bench, job.mode), out)
+
+
+def compile_jobs(bench: BenchPredictConfig, configured: dict[str, dict]) -> list[compiled_side.CompileJob]:
+    """One compile job per configuration x mode, at every batch size. `configured`: {name: {"cfg",
+    "prompt_len", "checksum" (optional: the parent's LeRobot weights, checked by the worker)}}. The
+    warm-up (`warm_lerobot_compile`) builds its jobs here too, so it compiles the graphs this run asks for."""
+    return [compiled_side.CompileJob(name, c["cfg"], mode, compile_precision(bench, c["cfg"]), list(bench.batch_sizes),
+                                     c["prompt_len"], c.get("checksum"))
+            for name, c in configured.items() for mode in bench.lerobot_compile_modes]
 
 
 def compile_precision(bench: BenchPredictConfig, cfg: PolicyConfig) -> str:

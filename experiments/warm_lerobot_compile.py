@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments import bench_predict_common as common
 from experiments import bench_predict_compiled as compiled_side
-from experiments.bench_predict import BenchPredictConfig, compile_precision
+from experiments.bench_predict import BenchPredictConfig, compile_jobs
 from experiments.results import write_result
 from policies.config import PolicyConfig
 
@@ -35,13 +35,11 @@ FINISH_S = 60.0  # after its last compile a worker only writes its events and ex
 
 def warm_jobs(bench: BenchPredictConfig, base: PolicyConfig, device: torch.device) -> list[compiled_side.CompileJob]:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    jobs = []
+    configured = {}
     for name in bench.configurations:
         spec = common.CONFIGURATIONS[name]
-        cfg = common.configuration_policy_cfg(base, spec, dtype)
-        jobs += [compiled_side.CompileJob(name, cfg, mode, compile_precision(bench, cfg), list(bench.batch_sizes),
-                                          spec["prompt_len"]) for mode in bench.lerobot_compile_modes]
-    return jobs
+        configured[name] = {"cfg": common.configuration_policy_cfg(base, spec, dtype), "prompt_len": spec["prompt_len"]}
+    return compile_jobs(bench, configured)
 
 
 def cache_files(cache: dict | None) -> int | None:
