@@ -11,7 +11,8 @@ through our LeRobot loader, then per batch size every side on the same inputs an
 - ours: the fast path in bf16 ("ours") and with FP8 vision/prefix GEMMs ("ours_fp8");
 - LeRobot "shipped" (its bf16 mode: SigLIP fp32), "bf16" (every weight bf16) and, after all
   configurations, "compiled_<mode>" (its compile_model option, in a worker process killed at a
-  deadline: experiments/bench_predict_compiled.py; they compile side by side, then time one at a time).
+  deadline: experiments/bench_predict_compiled.py; they compile side by side, then time one at a time;
+  `bench.lerobot_compile_shapes`: torch's dynamic-batch recompile, a static graph per batch size, or both).
 Every side gets the same warm-up and timed iterations (CUDA-event medians); speed-ups are quoted
 against the fastest LeRobot variant at that batch size; memory is each side's weights plus
 everything its measurement added (peak allocated, peak reserved, resident incl. CUDA graph
@@ -50,6 +51,7 @@ FULL_SWEEP = [1, 2, 4, 8, 16, 32, 64]
 MIN_COMPILE_S = 30.0  # a compile attempt with less time than this is skipped (recorded), not started
 # a compiled worker's timing phase per batch size: reserved from the budget, then its kill (~7 s used on the H200)
 TIMING_S_PER_BATCH = 20.0
+COMPILE_SHAPES = ("dynamic", "static")
 
 
 @dataclass
@@ -66,7 +68,9 @@ class BenchPredictConfig:
     lerobot_compile_precision: str = "bf16"
     lerobot_compile_budget_s: float = 180.0
     lerobot_compile_cache_dir: str | None = None  # inductor's cache for the compiled variant (None: its default)
-    lerobot_compile_static: bool = False  # torch's automatic dynamic shapes off: a static graph per batch size
+    # "dynamic": torch's default (a batch size after the first recompiles with a symbolic batch, as LeRobot ships);
+    # "static": automatic dynamic shapes off, a static graph per batch size (variant name ..._static)
+    lerobot_compile_shapes: list[str] = field(default_factory=lambda: ["dynamic"])
     time_budget_s: float = 420.0
     gap_batch: int = 32
     gap_calls: int = 4
@@ -95,6 +99,9 @@ class BenchPredictConfig:
         if self.lerobot_compile_precision not in ("shipped", "bf16"):
             raise ValueError(f"bench.lerobot_compile_precision must be 'shipped' or 'bf16', "
                              f"got {self.lerobot_compile_precision!r}")
+        if not self.lerobot_compile_shapes or not set(self.lerobot_compile_shapes) <= set(COMPILE_SHAPES):
+            raise ValueError(f"bench.lerobot_compile_shapes must list one or both of {list(COMPILE_SHAPES)}, "
+                             f"got {self.lerobot_compile_shapes}")
         if self.time_budget_s <= 0 or self.lerobot_compile_budget_s <= 0:
             raise ValueError(f"bench.time_budget_s and bench.lerobot_compile_budget_s must be > 0, got "
                              f"{self.time_budget_s}, {self.lerobot_compile_budget_s}")
@@ -239,7 +246,7 @@ def run_compile_variants(results: dict, pending: dict, bench: BenchPredictConfig
     jobs = compile_jobs(bench, {name: pending[name] for name in results if pending[name]["lerobot"]})
     if not jobs:
         return
-    workers = compiled_side.split_jobs(jobs, bench.lerobot_compile_static)
+    workers = compiled_side.split_jobs(jobs)
     compile_s = min(bench.lerobot_compile_budget_s,
                     budget.left() - TIMING_S_PER_BATCH * sum(len(w.batches) for w in workers))
     cache = None
@@ -251,30 +258,27 @@ def run_compile_variants(results: dict, pending: dict, bench: BenchPredictConfig
               f"{compile_s:.0f} s), then time one at a time ({TIMING_S_PER_BATCH:.0f} s a batch size at most)")
         outs, cache = compiled_side.run_compile_jobs(
             jobs, compile_s=compile_s, timing_s_per_batch=TIMING_S_PER_BATCH, device=device, warmup=bench.warmup,
-            iters=bench.iters, static=bench.lerobot_compile_static, cache_dir=bench.lerobot_compile_cache_dir)
+            iters=bench.iters, cache_dir=bench.lerobot_compile_cache_dir)
     for job in jobs:
         out = compiled_side.merge_results([o for o in outs if o["job"].same_variant(job)])
-        out.update(compile_mode=job.mode, precision=job.precision, static=bench.lerobot_compile_static,
+        out.update(compile_mode=job.mode, precision=job.precision, static=job.static,
                    compile_budget_s=compile_s, compile_cache=cache)
-        record_compiled(results[job.configuration], compiled_variant(bench, job.mode), out)
+        record_compiled(results[job.configuration], job.variant, out)
 
 
 def compile_jobs(bench: BenchPredictConfig, configured: dict[str, dict]) -> list[compiled_side.CompileJob]:
-    """One compile job per configuration x mode, at every batch size. `configured`: {name: {"cfg",
+    """One compile job per configuration x mode x shapes, at every batch size. `configured`: {name: {"cfg",
     "prompt_len", "checksum" (optional: the parent's LeRobot weights, checked by the worker)}}. The
     warm-up (`warm_lerobot_compile`) builds its jobs here too, so it compiles the graphs this run asks for."""
     return [compiled_side.CompileJob(name, c["cfg"], mode, compile_precision(bench, c["cfg"]), list(bench.batch_sizes),
-                                     c["prompt_len"], c.get("checksum"))
-            for name, c in configured.items() for mode in bench.lerobot_compile_modes]
+                                     c["prompt_len"], c.get("checksum"), static=shapes == "static")
+            for name, c in configured.items() for mode in bench.lerobot_compile_modes
+            for shapes in bench.lerobot_compile_shapes]
 
 
 def compile_precision(bench: BenchPredictConfig, cfg: PolicyConfig) -> str:
     # all-bf16 weights only where the run is bf16 (as the eager "bf16" variant)
     return bench.lerobot_compile_precision if cfg.dtype == "bfloat16" else "shipped"
-
-
-def compiled_variant(bench: BenchPredictConfig, mode: str) -> str:
-    return f"lerobot_compiled_{mode}" + ("_static" if bench.lerobot_compile_static else "")
 
 
 def record_compiled(result: dict, variant: str, out: dict) -> None:

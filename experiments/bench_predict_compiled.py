@@ -9,11 +9,12 @@ torch.compile of LeRobot's `sample_actions` takes minutes per graph on the H200 
 A worker still compiling at the compile deadline is killed, and so is one whose timing overruns
 its share; what each reached is recorded from its events (`reached_when_killed`).
 
-`static=True` turns torch's automatic dynamic shapes off: each batch size is then a static graph of
-its own (as our engine's per-bucket graphs), compiled in a worker of its own, so a cache warmed
-one batch size per worker (`experiments.warm_lerobot_compile`) serves the timed run. With torch's
-default (`static=False`) the second batch size is a recompile with a dynamic batch dimension, which
-only follows the first in one process: one worker per configuration and mode.
+A job's `static=True` turns torch's automatic dynamic shapes off: each batch size is then a static
+graph of its own (as our engine's per-bucket graphs), compiled in a worker of its own. With torch's
+default (`static=False`, what LeRobot's option does as shipped) the second batch size is a recompile
+with a dynamic batch dimension, which only follows the first in one process: one worker per
+configuration and mode, its batch sizes in order. Either way a cache warmed by the same jobs
+(`experiments.warm_lerobot_compile`) serves the timed run. A run may time both kinds side by side.
 
 Memory is counted from the worker's build, so a row's peak includes its compile's first call (as an
 eager variant's includes its first call); with one worker per batch size that is each batch size's
@@ -48,7 +49,8 @@ POLL_S = 0.2
 
 @dataclass
 class CompileJob:
-    """One worker's work: LeRobot compiled in `mode` over `precision` weights at `batches`."""
+    """One worker's work: LeRobot compiled in `mode` over `precision` weights at `batches`, with a
+    static graph per batch size (`static`) or torch's automatic dynamic shapes."""
     configuration: str
     cfg: PolicyConfig
     mode: str
@@ -56,9 +58,15 @@ class CompileJob:
     batches: list[int]
     prompt_len: int
     checksum: float | None = None
+    static: bool = False
 
     def same_variant(self, other: CompileJob) -> bool:
-        return (self.configuration, self.mode) == (other.configuration, other.mode)
+        return (self.configuration, self.mode, self.static) == (other.configuration, other.mode, other.static)
+
+    @property
+    def variant(self) -> str:
+        """The variant's name in the bench's rows."""
+        return f"lerobot_compiled_{self.mode}" + ("_static" if self.static else "")
 
 
 @dataclass
@@ -95,12 +103,13 @@ def compile_cache_env(cache_dir: str | None) -> tuple[dict | None, dict | None]:
     return env, {"dir": str(path), "entries_before": sum(1 for p in path.rglob("*") if p.is_file())}
 
 
-def split_jobs(jobs: list[CompileJob], static: bool) -> list[CompileJob]:
+def split_jobs(jobs: list[CompileJob]) -> list[CompileJob]:
     """Static graphs are independent: one worker per batch size, so they compile side by side. A
     dynamic recompile needs the batch sizes in order in one process: one worker per job."""
-    if not static:
-        return list(jobs)
-    return [CompileJob(**{**vars(job), "batches": [b]}) for job in jobs for b in job.batches]
+    workers = []
+    for job in jobs:
+        workers += [CompileJob(**{**vars(job), "batches": [b]}) for b in job.batches] if job.static else [job]
+    return workers
 
 
 # --------------------------------------------------------------------------- the parent's side
@@ -118,7 +127,7 @@ class CompileWorker:
         self.workdir = Path(tempfile.mkdtemp(prefix=f"bench_predict_compile_{job.configuration}_"))
         spec = WorkerSpec(policy=job.cfg.to_dict(), compile_mode=job.mode, precision=job.precision,
                           batches=job.batches, prompt_len=job.prompt_len, checksum=job.checksum,
-                          workdir=str(self.workdir), **spec)
+                          workdir=str(self.workdir), static=job.static, **spec)
         (self.workdir / "spec.json").write_text(json.dumps(asdict(spec)))
         self.start = time.perf_counter()
         self.killed_in: str | None = None  # "compile" or "timing": the phase the deadline stopped
@@ -192,18 +201,17 @@ class CompileWorker:
 
 
 def run_compile_jobs(jobs: list[CompileJob], *, compile_s: float, timing_s_per_batch: float, device: torch.device,
-                     warmup: int, iters: int, static: bool, timed: bool = True, cache_dir: str | None = None,
+                     warmup: int, iters: int, timed: bool = True, cache_dir: str | None = None,
                      progress=print) -> tuple[list[dict], dict | None]:
     """Phase 1 for every worker at once (killed at `compile_s`), then phase 2 one worker at a time
     (each killed after `timing_s_per_batch` per batch size of its own). Returns one result per worker
-    of `split_jobs(jobs, static)`, in that order (each with its `job`), and the cache record
+    of `split_jobs(jobs)`, in that order (each with its `job`), and the cache record
     (`compile_cache_env`)."""
     env, cache = compile_cache_env(cache_dir)
-    spec = {"device": str(device), "warmup": warmup, "iters": iters, "static": static, "gate": timed,
-            "timed": timed}
+    spec = {"device": str(device), "warmup": warmup, "iters": iters, "gate": timed, "timed": timed}
     workers = []
     try:
-        for job in split_jobs(jobs, static):
+        for job in split_jobs(jobs):
             workers.append(CompileWorker(job, spec, env))
         deadline, waiting = time.perf_counter() + compile_s, set(range(len(workers)))
         while waiting and time.perf_counter() < deadline:
@@ -211,14 +219,14 @@ def run_compile_jobs(jobs: list[CompileJob], *, compile_s: float, timing_s_per_b
             for i in [i for i in waiting if not workers[i].compiling()]:
                 waiting.discard(i)
                 w = workers[i]
-                progress(f"LeRobot compiled {w.job.configuration}/{w.job.mode} batches {w.job.batches}: "
+                progress(f"LeRobot {w.job.variant} ({w.job.configuration}) batches {w.job.batches}: "
                          f"{reached_when_killed(w.events(), time.perf_counter() - w.start)}")
         for w in workers:
             if w.compiling():
                 w.kill("compile")
         for w in workers:
             if timed and not w.exited():
-                progress(f"timing LeRobot compiled ({w.job.configuration}, {w.job.mode}, batches {w.job.batches})")
+                progress(f"timing LeRobot {w.job.variant} ({w.job.configuration}, batches {w.job.batches})")
                 w.release()
             if not w.wait(timing_s_per_batch * len(w.job.batches)):
                 w.kill("timing")
@@ -235,7 +243,7 @@ def skipped_result(job: CompileJob, why: str) -> dict:
 
 
 def merge_results(results: list[dict]) -> dict:
-    """The results of one configuration and mode's workers (one per batch size when static) as one."""
+    """The results of one variant's workers in one configuration (one per batch size when static) as one."""
     statuses = [r["status"] for r in results]
     status = next((s for s in ("error", "timeout", "skipped") if s in statuses), "ok")
     return {"status": status,
@@ -325,9 +333,8 @@ def worker_main(spec_path: str) -> int:
         if spec.precision == "bf16":
             lerobot_side.to_all_bf16(core)
         built = common.memory_since(mark, device)
-        emit(event="built", build_s=time.perf_counter() - emit.start,
-             weights_mib=lerobot_side.param_mib(core), resident_mib=built["resident_mib"] if built else None,
-             checksum=checksum,
+        emit(event="built", weights_mib=lerobot_side.param_mib(core),
+             resident_mib=built["resident_mib"] if built else None, checksum=checksum,
              weights_match=spec.checksum is None or abs(checksum - spec.checksum) <= 1e-9 * abs(checksum))
         since_build = common.memory_mark(device)  # the compile's allocations count, as an eager first call's do
         made = compile_batches(core, spec, cfg, device, emit)

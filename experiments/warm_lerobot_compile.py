@@ -2,15 +2,16 @@
 
 A cold torch.compile of LeRobot's sample_actions takes ~6 minutes per graph on the H200 (PhyAI b1:
 372 s), so a full `experiments.bench_predict` run cannot compile all its graphs within one device
-call. This entry point reads the same config (conf/bench_predict.yaml) and compiles every
-configuration x mode x batch size side by side, one worker each, with static shapes
-(`bench.lerobot_compile_static`, forced on: a worker compiles one batch size, and only static graphs
-are the same graphs whichever batch size a process compiled first). The timed run then finds them:
+call. This entry point reads the same config (conf/bench_predict.yaml) and runs the bench's own
+compile jobs (`bench_predict.compile_jobs`) side by side, compiling only: a static graph per
+configuration x mode x batch size in a worker each, and for torch's dynamic shapes one worker per
+configuration x mode that calls the batch sizes in the bench's order (its recompile with a symbolic
+batch follows the first batch size, as in the bench's worker). The timed run then finds them:
 
     python -m experiments.warm_lerobot_compile bench.lerobot_compile_cache_dir=.jit/inductor \
-        bench.lerobot_compile_budget_s=560
+        bench.lerobot_compile_budget_s=560 bench.lerobot_compile_shapes=[static]
     python -m experiments.bench_predict bench.lerobot_compile_cache_dir=.jit/inductor \
-        bench.lerobot_compile_static=true
+        bench.lerobot_compile_shapes=[static]
 
 The JSON (runs/warm_lerobot_compile/) records each worker's build and compile time (its first call),
 what a killed worker reached, and the cache's files before and after.
@@ -48,15 +49,15 @@ def cache_files(cache: dict | None) -> int | None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_predict")
 def main(cfg: DictConfig) -> None:
-    bench = BenchPredictConfig(**{**OmegaConf.to_container(cfg.bench, resolve=True), "lerobot_compile_static": True})
+    bench = BenchPredictConfig(**OmegaConf.to_container(cfg.bench, resolve=True))
     if not bench.lerobot_compile_cache_dir:
         raise ValueError("bench.lerobot_compile_cache_dir is null: a warm-up needs a cache directory to fill")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if bench.device == "auto" else bench.device)
     jobs = warm_jobs(bench, PolicyConfig.from_mapping(cfg.policy), device)
     outs, cache = compiled_side.run_compile_jobs(
         jobs, compile_s=bench.lerobot_compile_budget_s, timing_s_per_batch=FINISH_S, device=device,
-        warmup=bench.warmup, iters=bench.iters, static=True, timed=False, cache_dir=bench.lerobot_compile_cache_dir)
-    workers = [{"configuration": o["job"].configuration, "mode": o["job"].mode, "precision": o["job"].precision,
+        warmup=bench.warmup, iters=bench.iters, timed=False, cache_dir=bench.lerobot_compile_cache_dir)
+    workers = [{"configuration": o["job"].configuration, "variant": o["job"].variant, "precision": o["job"].precision,
                 **{k: v for k, v in o.items() if k not in ("job", "rows")}} for o in outs]
     compiled = [s for o in outs for s in o["compiled_s"].values()]
     summary = {"workers": len(outs), "ok": sum(o["status"] == "ok" for o in outs),

@@ -70,6 +70,9 @@ def test_config_is_validated_and_full_sweep():
         bench_mod.BenchPredictConfig(precisions=["fp8"])
     with pytest.raises(ValueError, match="bench.lerobot_variants"):
         bench_mod.BenchPredictConfig(lerobot_variants=["fp16"])
+    for bad in ([], ["static", "symbolic"]):
+        with pytest.raises(ValueError, match=r"bench.lerobot_compile_shapes must list one or both of .*got"):
+            bench_mod.BenchPredictConfig(lerobot_compile_shapes=bad)
 
 
 @pytest.mark.parametrize("bad", ["", "  ", "a_file"])

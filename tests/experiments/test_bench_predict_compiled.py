@@ -47,18 +47,22 @@ def test_compile_cache_env_points_inductor_at_the_directory(tmp_path, monkeypatc
     assert compiled.compile_cache_env(str(cache))[1]["entries_before"] == 1, "warm: an earlier run's files are counted"
 
 
-def _job(batches, configuration="phyai", mode="reduce-overhead"):
-    return compiled.CompileJob(configuration, PolicyConfig.preset("tiny"), mode, "bf16", list(batches), 8)
+def _job(batches, configuration="phyai", mode="reduce-overhead", static=True):
+    return compiled.CompileJob(configuration, PolicyConfig.preset("tiny"), mode, "bf16", list(batches), 8,
+                               static=static)
 
 
 def test_static_jobs_split_one_worker_per_batch_size_and_dynamic_ones_do_not():
-    jobs = [_job([1, 32]), _job([1, 32], configuration="libero_rl")]
-    static = compiled.split_jobs(jobs, static=True)
-    assert [(j.configuration, j.batches) for j in static] == [("phyai", [1]), ("phyai", [32]),
-                                                             ("libero_rl", [1]), ("libero_rl", [32])]
+    jobs = [_job([1, 32]), _job([1, 32], configuration="libero_rl"), _job([1, 32], static=False)]
+    workers = compiled.split_jobs(jobs)
+    assert [(j.configuration, j.batches, j.static) for j in workers] == [
+        ("phyai", [1], True), ("phyai", [32], True), ("libero_rl", [1], True), ("libero_rl", [32], True),
+        ("phyai", [1, 32], False)]
     assert jobs[0].batches == [1, 32], "the caller's jobs are not changed"
-    assert [j.batches for j in compiled.split_jobs(jobs, static=False)] == [[1, 32], [1, 32]]
-    assert static[1].same_variant(jobs[0]) and not static[2].same_variant(jobs[0])
+    assert workers[1].same_variant(jobs[0]) and not workers[2].same_variant(jobs[0])
+    assert not workers[4].same_variant(jobs[0]), "static and dynamic graphs of one mode are two variants"
+    assert (jobs[0].variant, jobs[2].variant) == ("lerobot_compiled_reduce-overhead_static",
+                                                  "lerobot_compiled_reduce-overhead")
 
 
 def _out(status, batches, message="", rows=None):
@@ -88,7 +92,7 @@ FAKE_WORKER = textwrap.dedent("""
     def emit(**event):
         with open(workdir / "events.jsonl", "a") as f:
             f.write(json.dumps({**event, "t": time.perf_counter() - t0}) + "\\n")
-    emit(event="built", build_s=0.0)
+    emit(event="built", static=spec["static"])
     for b in spec["batches"]:
         emit(event="start_batch", batch=b)
         time.sleep(COMPILE_S[b])
@@ -116,7 +120,7 @@ def fake_workers(tmp_path, monkeypatch):
 def test_workers_compile_side_by_side_then_time_one_at_a_time_each_bounded(fake_workers):
     start = time.perf_counter()
     outs, cache = compiled.run_compile_jobs([_job([1, 2, 3, 4])], compile_s=8.0, timing_s_per_batch=4.0,
-                                            device=torch.device("cpu"), warmup=1, iters=1, static=True,
+                                            device=torch.device("cpu"), warmup=1, iters=1,
                                             progress=lambda _: None)
     wall = time.perf_counter() - start
     assert cache is None and [o["job"].batches for o in outs] == [[1], [2], [3], [4]]
@@ -143,9 +147,9 @@ def test_workers_compile_side_by_side_then_time_one_at_a_time_each_bounded(fake_
 
 
 def test_a_compile_only_run_waits_for_no_gate(fake_workers, tmp_path):
-    outs, cache = compiled.run_compile_jobs([_job([1, 2])], compile_s=30.0, timing_s_per_batch=10.0,
-                                            device=torch.device("cpu"), warmup=1, iters=1, static=False,
-                                            timed=False, cache_dir=str(tmp_path / "cache"), progress=lambda _: None)
+    outs, cache = compiled.run_compile_jobs([_job([1, 2], static=False)], compile_s=30.0, timing_s_per_batch=10.0,
+                                            device=torch.device("cpu"), warmup=1, iters=1, timed=False,
+                                            cache_dir=str(tmp_path / "cache"), progress=lambda _: None)
     (out,) = outs
     assert out["status"] == "ok" and out["rows"] == {} and out["compiled_s"] == {1: 0.3, 2: 0.3}
     assert cache["entries_before"] == 0
@@ -161,7 +165,8 @@ def test_the_bench_records_compiled_rows_and_a_compile_it_had_no_time_for(fake_w
     from experiments import bench_predict as bench_mod
     from experiments.bench_predict_common import Budget
 
-    bench = bench_mod.BenchPredictConfig(batch_sizes=[1, 2], lerobot_compile_static=True, lerobot_compile_budget_s=30)
+    bench = bench_mod.BenchPredictConfig(batch_sizes=[1, 2], lerobot_compile_shapes=["static"],
+                                         lerobot_compile_budget_s=30)
     results, pending = _pending_run([1, 2])
     bench_mod.run_compile_variants(results, pending, bench, Budget(10.0), torch.device("cpu"))
     record = results["phyai"]["lerobot"]["lerobot_compiled_reduce-overhead_static"]
@@ -178,6 +183,25 @@ def test_the_bench_records_compiled_rows_and_a_compile_it_had_no_time_for(fake_w
         assert side["ms"] == 1.0 and side["first_call_s"] == pytest.approx(0.3) and side["memory"] is None
 
 
+def test_one_run_times_static_and_dynamic_graphs_as_two_variants(fake_workers):
+    from experiments import bench_predict as bench_mod
+    from experiments.bench_predict_common import Budget
+
+    bench = bench_mod.BenchPredictConfig(batch_sizes=[1, 2], lerobot_compile_shapes=["static", "dynamic"],
+                                         lerobot_compile_budget_s=30)
+    results, pending = _pending_run([1, 2])
+    bench_mod.run_compile_variants(results, pending, bench, Budget(200.0), torch.device("cpu"))
+    records = results["phyai"]["lerobot"]
+    static, dynamic = records["lerobot_compiled_reduce-overhead_static"], records["lerobot_compiled_reduce-overhead"]
+    assert static["status"] == dynamic["status"] == "ok", records
+    assert (static["static"], dynamic["static"]) == (True, False)
+    assert static["built"]["static"] and not dynamic["built"]["static"], "each worker got its job's shapes"
+    assert dynamic["compiled_s"] == {1: 0.3, 2: 0.3}, "one dynamic worker compiled both batch sizes in order"
+    for row in results["phyai"]["rows"]:
+        assert row["sides"]["lerobot_compiled_reduce-overhead"]["ms"] == 1.0
+        assert row["sides"]["lerobot_compiled_reduce-overhead_static"]["ms"] == 1.0
+
+
 def test_the_warm_up_compiles_every_configuration_and_batch_size_apart():
     from experiments import bench_predict as bench_mod
     from experiments.warm_lerobot_compile import warm_jobs
@@ -187,7 +211,13 @@ def test_the_warm_up_compiles_every_configuration_and_batch_size_apart():
     assert [(j.configuration, j.mode) for j in jobs] == [("phyai", "reduce-overhead"), ("phyai", "default"),
                                                         ("libero_rl", "reduce-overhead"), ("libero_rl", "default")]
     assert all(j.precision == "shipped" for j in jobs), "a float32 (CPU) run compiles the shipped weights"
-    assert len(compiled.split_jobs(jobs, static=True)) == 8
+    assert not any(j.static for j in jobs), "the bench's default: torch's dynamic shapes, one worker per job"
+    assert len(compiled.split_jobs(jobs)) == 4
+    bench = bench_mod.BenchPredictConfig(batch_sizes=[1, 32], lerobot_compile_shapes=["static", "dynamic"])
+    jobs = warm_jobs(bench, PolicyConfig.preset("tiny"), torch.device("cpu"))
+    assert [(j.configuration, j.static) for j in jobs] == [("phyai", True), ("phyai", False), ("libero_rl", True),
+                                                          ("libero_rl", False)]
+    assert [len(w.batches) for w in compiled.split_jobs(jobs)] == [1, 1, 2, 1, 1, 2]
 
 
 def test_a_killed_worker_takes_its_children_and_an_exit_code_is_reported(tmp_path, monkeypatch):
@@ -196,13 +226,13 @@ def test_a_killed_worker_takes_its_children_and_an_exit_code_is_reported(tmp_pat
               f"'import time; time.sleep(3); open(r\"{marker}\", \"w\")']); time.sleep(30)")
     monkeypatch.setattr(compiled, "worker_command", lambda spec: [sys.executable, "-c", script])
     (out,), _ = compiled.run_compile_jobs([_job([1])], compile_s=1.0, timing_s_per_batch=1.0,
-                                          device=torch.device("cpu"), warmup=1, iters=1, static=False,
+                                          device=torch.device("cpu"), warmup=1, iters=1,
                                           progress=lambda _: None)
     assert out["status"] == "timeout" and "killed in its compile phase" in out["message"] and out["wall_s"] < 10
     time.sleep(3.5)
     assert not marker.exists(), "the worker's children (inductor's compile pool) die with it"
     monkeypatch.setattr(compiled, "worker_command", lambda spec: [sys.executable, "-c", "raise SystemExit(3)"])
     (out,), _ = compiled.run_compile_jobs([_job([1])], compile_s=30.0, timing_s_per_batch=1.0,
-                                          device=torch.device("cpu"), warmup=1, iters=1, static=False,
+                                          device=torch.device("cpu"), warmup=1, iters=1,
                                           progress=lambda _: None)
     assert out["status"] == "error" and out["message"].startswith("exit code 3"), out
