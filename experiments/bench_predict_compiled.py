@@ -18,7 +18,8 @@ configuration and mode, its batch sizes in order. Either way a cache warmed by t
 
 Memory is counted from the worker's build, so a row's peak includes its compile's first call (as an
 eager variant's includes its first call); with one worker per batch size that is each batch size's
-own, and where a worker runs several batch sizes a later one's peak also holds the earlier ones'.
+own, and where a worker runs several batch sizes (dynamic shapes) every row's peak holds all of their
+compiles, since all compile before any is timed.
 
 Worker: `python -m experiments.bench_predict_compiled SPEC.json` (spec keys: `WorkerSpec`).
 """
