@@ -71,6 +71,9 @@ class BenchPredictConfig:
     # "dynamic": torch's default (a batch size after the first recompiles with a symbolic batch, as LeRobot ships);
     # "static": automatic dynamic shapes off, a static graph per batch size (variant name ..._static)
     lerobot_compile_shapes: list[str] = field(default_factory=lambda: ["dynamic"])
+    # compile workers alive at once (0: all); each holds a LeRobot copy (9-14 GB on the H200), so a smaller card
+    # runs them in waves, each compiled and timed before the next (the waves share lerobot_compile_budget_s)
+    lerobot_compile_parallel: int = 0
     time_budget_s: float = 420.0
     gap_batch: int = 32
     gap_calls: int = 4
@@ -102,6 +105,9 @@ class BenchPredictConfig:
         if not self.lerobot_compile_shapes or not set(self.lerobot_compile_shapes) <= set(COMPILE_SHAPES):
             raise ValueError(f"bench.lerobot_compile_shapes must list one or both of {list(COMPILE_SHAPES)}, "
                              f"got {self.lerobot_compile_shapes}")
+        if self.lerobot_compile_parallel < 0:
+            raise ValueError(f"bench.lerobot_compile_parallel must be >= 0 (0: every worker at once), "
+                             f"got {self.lerobot_compile_parallel}")
         if self.time_budget_s <= 0 or self.lerobot_compile_budget_s <= 0:
             raise ValueError(f"bench.time_budget_s and bench.lerobot_compile_budget_s must be > 0, got "
                              f"{self.time_budget_s}, {self.lerobot_compile_budget_s}")
@@ -254,11 +260,14 @@ def run_compile_variants(results: dict, pending: dict, bench: BenchPredictConfig
         outs = [compiled_side.skipped_result(w, f"{compile_s:.0f} s of the time budget left to compile")
                 for w in workers]
     else:
-        print(f"LeRobot compile_model=True: {len(workers)} worker(s) compiling side by side (killed after "
-              f"{compile_s:.0f} s), then time one at a time ({TIMING_S_PER_BATCH:.0f} s a batch size at most)")
+        waves = f" in waves of {bench.lerobot_compile_parallel}" if 0 < bench.lerobot_compile_parallel < len(workers) \
+            else ""
+        print(f"LeRobot compile_model=True: {len(workers)} worker(s) compiling side by side{waves} (killed after "
+              f"{compile_s:.0f} s of compiling), then time one at a time ({TIMING_S_PER_BATCH:.0f} s a batch size "
+              f"at most)")
         outs, cache = compiled_side.run_compile_jobs(
             jobs, compile_s=compile_s, timing_s_per_batch=TIMING_S_PER_BATCH, device=device, warmup=bench.warmup,
-            iters=bench.iters, cache_dir=bench.lerobot_compile_cache_dir)
+            iters=bench.iters, cache_dir=bench.lerobot_compile_cache_dir, parallel=bench.lerobot_compile_parallel)
     for job in jobs:
         out = compiled_side.merge_results([o for o in outs if o["job"].same_variant(job)])
         out.update(compile_mode=job.mode, precision=job.precision, static=job.static,

@@ -8,6 +8,8 @@ torch.compile of LeRobot's `sample_actions` takes minutes per graph on the H200 
   sizes (warm-up and timed calls, as every other side), then exits.
 A worker still compiling at the compile deadline is killed, and so is one whose timing overruns
 its share; what each reached is recorded from its events (`reached_when_killed`).
+Each worker holds a LeRobot copy (9-14 GB on the H200 with its compile), so `parallel` > 0 runs them
+in waves of that many, each wave compiled, timed and gone before the next starts.
 
 A job's `static=True` turns torch's automatic dynamic shapes off: each batch size is then a static
 graph of its own (as our engine's per-bucket graphs), compiled in a worker of its own. With torch's
@@ -202,17 +204,36 @@ class CompileWorker:
 
 
 def run_compile_jobs(jobs: list[CompileJob], *, compile_s: float, timing_s_per_batch: float, device: torch.device,
-                     warmup: int, iters: int, timed: bool = True, cache_dir: str | None = None,
+                     warmup: int, iters: int, timed: bool = True, cache_dir: str | None = None, parallel: int = 0,
                      progress=print) -> tuple[list[dict], dict | None]:
     """Phase 1 for every worker at once (killed at `compile_s`), then phase 2 one worker at a time
-    (each killed after `timing_s_per_batch` per batch size of its own). Returns one result per worker
-    of `split_jobs(jobs)`, in that order (each with its `job`), and the cache record
-    (`compile_cache_env`)."""
+    (each killed after `timing_s_per_batch` per batch size of its own). `parallel` > 0 runs the workers
+    in waves of that many, each compiled, timed and gone before the next starts (a smaller card holds
+    `parallel` LeRobot copies, not all); the waves share `compile_s`, each getting the part left over
+    divided by the waves left. Returns one result per worker of `split_jobs(jobs)`, in that order (each
+    with its `job`), and the cache record (`compile_cache_env`)."""
     env, cache = compile_cache_env(cache_dir)
     spec = {"device": str(device), "warmup": warmup, "iters": iters, "gate": timed, "timed": timed}
+    todo = split_jobs(jobs)
+    size = parallel if parallel > 0 else max(len(todo), 1)
+    waves = [todo[i:i + size] for i in range(0, len(todo), size)]
+    outs, compile_left = [], compile_s
+    for n, wave in enumerate(waves):
+        started = time.perf_counter()
+        wave_outs, compiled_at = run_wave(wave, spec, env, compile_s=compile_left / (len(waves) - n),
+                                          timing_s_per_batch=timing_s_per_batch, timed=timed, progress=progress)
+        outs += wave_outs
+        compile_left -= compiled_at - started
+    return outs, cache
+
+
+def run_wave(jobs: list[CompileJob], spec: dict, env: dict | None, *, compile_s: float, timing_s_per_batch: float,
+             timed: bool, progress) -> tuple[list[dict], float]:
+    """One wave of workers: all compile at once until `compile_s`, then each is timed alone. Returns their
+    results and when the compile phase ended (perf_counter)."""
     workers = []
     try:
-        for job in split_jobs(jobs):
+        for job in jobs:
             workers.append(CompileWorker(job, spec, env))
         deadline, waiting = time.perf_counter() + compile_s, set(range(len(workers)))
         while waiting and time.perf_counter() < deadline:
@@ -225,13 +246,14 @@ def run_compile_jobs(jobs: list[CompileJob], *, compile_s: float, timing_s_per_b
         for w in workers:
             if w.compiling():
                 w.kill("compile")
+        compiled_at = time.perf_counter()
         for w in workers:
             if timed and not w.exited():
                 progress(f"timing LeRobot {w.job.variant} ({w.job.configuration}, batches {w.job.batches})")
                 w.release()
             if not w.wait(timing_s_per_batch * len(w.job.batches)):
                 w.kill("timing")
-        return [{"job": w.job, **w.result()} for w in workers], cache
+        return [{"job": w.job, **w.result()} for w in workers], compiled_at
     finally:
         for w in workers:
             w.close()

@@ -56,7 +56,8 @@ def main(cfg: DictConfig) -> None:
     jobs = warm_jobs(bench, PolicyConfig.from_mapping(cfg.policy), device)
     outs, cache = compiled_side.run_compile_jobs(
         jobs, compile_s=bench.lerobot_compile_budget_s, timing_s_per_batch=FINISH_S, device=device,
-        warmup=bench.warmup, iters=bench.iters, timed=False, cache_dir=bench.lerobot_compile_cache_dir)
+        warmup=bench.warmup, iters=bench.iters, timed=False, cache_dir=bench.lerobot_compile_cache_dir,
+        parallel=bench.lerobot_compile_parallel)
     workers = [{"configuration": o["job"].configuration, "variant": o["job"].variant, "precision": o["job"].precision,
                 **{k: v for k, v in o.items() if k not in ("job", "rows")}} for o in outs]
     compiled = [s for o in outs for s in o["compiled_s"].values()]

@@ -73,6 +73,8 @@ def test_config_is_validated_and_full_sweep():
     for bad in ([], ["static", "symbolic"]):
         with pytest.raises(ValueError, match=r"bench.lerobot_compile_shapes must list one or both of .*got"):
             bench_mod.BenchPredictConfig(lerobot_compile_shapes=bad)
+    with pytest.raises(ValueError, match="bench.lerobot_compile_parallel must be >= 0"):
+        bench_mod.BenchPredictConfig(lerobot_compile_parallel=-1)
 
 
 @pytest.mark.parametrize("bad", ["", "  ", "a_file"])

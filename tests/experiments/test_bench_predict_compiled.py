@@ -85,14 +85,14 @@ def test_merged_results_keep_every_timed_row_and_the_worst_status():
 FAKE_WORKER = textwrap.dedent("""
     import json, pathlib, sys, time
     import torch
-    COMPILE_S = {1: 0.3, 2: 0.3, 3: 120.0, 4: 0.3}
-    TIME_S = {1: 0.4, 2: 0.4, 3: 0.0, 4: 120.0}
+    COMPILE_S = {1: 0.3, 2: 0.3, 3: 120.0, 4: 0.3, 5: 0.3, 6: 120.0}
+    TIME_S = {1: 0.4, 2: 0.4, 3: 0.0, 4: 120.0, 5: 0.4, 6: 0.0}
     spec = json.loads(pathlib.Path(sys.argv[1]).read_text())
     workdir, t0 = pathlib.Path(spec["workdir"]), time.perf_counter()
     def emit(**event):
         with open(workdir / "events.jsonl", "a") as f:
             f.write(json.dumps({**event, "t": time.perf_counter() - t0}) + "\\n")
-    emit(event="built", static=spec["static"])
+    emit(event="built", static=spec["static"], wall=time.time())
     for b in spec["batches"]:
         emit(event="start_batch", batch=b)
         time.sleep(COMPILE_S[b])
@@ -144,6 +144,21 @@ def test_workers_compile_side_by_side_then_time_one_at_a_time_each_bounded(fake_
     assert wall < 8.0 + 4.0 + 15.0, wall
     merged = compiled.merge_results(outs)
     assert merged["status"] == "timeout" and sorted(merged["rows"]) == [1, 2]
+
+
+def test_waves_start_after_the_last_wave_is_gone_and_share_the_compile_budget(fake_workers):
+    outs, _ = compiled.run_compile_jobs([_job([1, 2, 5, 6])], compile_s=16.0, timing_s_per_batch=4.0,
+                                        device=torch.device("cpu"), warmup=1, iters=1, parallel=2,
+                                        progress=lambda _: None)
+    by_batch = {o["job"].batches[0]: o for o in outs}
+    assert [by_batch[b]["status"] for b in (1, 2, 5)] == ["ok"] * 3
+    first_wave_end = max(by_batch[b]["rows"][b]["end"] for b in (1, 2))
+    assert min(by_batch[b]["built"]["wall"] for b in (5, 6)) >= first_wave_end, "never more than 2 alive at once"
+    six = by_batch[6]
+    assert six["status"] == "timeout" and "killed in its compile phase" in six["message"]
+    # the first wave's compile phase (its workers' start-up and 0.3 s compiles: a few s) used part of its 8 s share;
+    # the second gets what is left of the 16 s, more than an even split's 8 s
+    assert 10.0 <= six["wall_s"] < 16.0, six["wall_s"]
 
 
 def test_a_compile_only_run_waits_for_no_gate(fake_workers, tmp_path):
