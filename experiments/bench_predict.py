@@ -180,11 +180,23 @@ def add_bf16_variant(variants: dict, core, cfg: PolicyConfig, bench: BenchPredic
     result["weights_mib"]["lerobot_bf16"] = lerobot_side.param_mib(clone)
 
 
+def run_device(bench: BenchPredictConfig) -> torch.device:
+    """bench.device, "auto" being the GPU where there is one."""
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if bench.device == "auto" else bench.device)
+
+
+def configuration_cfg(name: str, base: PolicyConfig, device: torch.device) -> PolicyConfig:
+    """One configuration's policy: bf16 on a GPU, fp32 elsewhere (the CPU smoke runs). The warm-up
+    (`warm_lerobot_compile`) builds its jobs' policies here too, so it compiles this run's graphs."""
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    return common.configuration_policy_cfg(base, common.CONFIGURATIONS[name], dtype)
+
+
 def bench_configuration(name: str, base: PolicyConfig, bench: BenchPredictConfig, device: torch.device,
                         ceilings: dict, budget: common.Budget) -> tuple[dict, dict]:
     spec = common.CONFIGURATIONS[name]
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-    cfg = common.configuration_policy_cfg(base, spec, dtype)
+    cfg = configuration_cfg(name, base, device)
+    dtype = cfg.dtype
     result = {"spec": spec, "policy": cfg.to_dict(), "dtype": dtype, "rows": [], "lerobot": {}, "weights_mib": {}}
     variants, core = build_lerobot_variants(cfg, bench, device, result)
     mark = common.memory_mark(device)
@@ -294,7 +306,8 @@ def record_compiled(result: dict, variant: str, out: dict) -> None:
     """One compiled variant's outcome into a configuration's record, its timed batch sizes into the rows."""
     rows = out.pop("rows")
     result["lerobot"][variant] = out
-    weights = (out.get("built") or {}).get("resident_mib") or (out.get("built") or {}).get("weights_mib")
+    built = out.get("built") or {}
+    weights = built.get("resident_mib") or built.get("weights_mib")
     for row in result["rows"]:
         measured = rows.get(row["batch"])
         if measured is None:
@@ -422,7 +435,7 @@ def main(cfg: DictConfig) -> None:
     bench = BenchPredictConfig(**OmegaConf.to_container(cfg.bench, resolve=True))
     budget = common.Budget(bench.time_budget_s)
     base = PolicyConfig.from_mapping(cfg.policy)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if bench.device == "auto" else bench.device)
+    device = run_device(bench)
     ceilings = measure_ceilings(device)
     print(f"device {device}; ceilings {ceilings}")
     results, pending = {}, {}

@@ -103,7 +103,12 @@ def compile_cache_env(cache_dir: str | None) -> tuple[dict | None, dict | None]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(path), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
                TORCHINDUCTOR_AUTOGRAD_CACHE="1")
     env.pop("TRITON_CACHE_DIR", None)  # inductor's kernels then go under the cache dir too
-    return env, {"dir": str(path), "entries_before": sum(1 for p in path.rglob("*") if p.is_file())}
+    return env, {"dir": str(path), "entries_before": count_files(path)}
+
+
+def count_files(path: Path) -> int:
+    """Files under `path` (a compile cache's entries)."""
+    return sum(1 for p in path.rglob("*") if p.is_file())
 
 
 def split_jobs(jobs: list[CompileJob]) -> list[CompileJob]:

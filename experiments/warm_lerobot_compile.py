@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments import bench_predict_common as common
 from experiments import bench_predict_compiled as compiled_side
-from experiments.bench_predict import BenchPredictConfig, compile_jobs
+from experiments.bench_predict import BenchPredictConfig, compile_jobs, configuration_cfg, run_device
 from experiments.results import write_result
 from policies.config import PolicyConfig
 
@@ -35,16 +35,9 @@ FINISH_S = 60.0  # after its last compile a worker only writes its events and ex
 
 
 def warm_jobs(bench: BenchPredictConfig, base: PolicyConfig, device: torch.device) -> list[compiled_side.CompileJob]:
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-    configured = {}
-    for name in bench.configurations:
-        spec = common.CONFIGURATIONS[name]
-        configured[name] = {"cfg": common.configuration_policy_cfg(base, spec, dtype), "prompt_len": spec["prompt_len"]}
+    configured = {name: {"cfg": configuration_cfg(name, base, device),
+                         "prompt_len": common.CONFIGURATIONS[name]["prompt_len"]} for name in bench.configurations}
     return compile_jobs(bench, configured)
-
-
-def cache_files(cache: dict | None) -> int | None:
-    return None if cache is None else sum(1 for p in Path(cache["dir"]).rglob("*") if p.is_file())
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_predict")
@@ -52,7 +45,7 @@ def main(cfg: DictConfig) -> None:
     bench = BenchPredictConfig(**OmegaConf.to_container(cfg.bench, resolve=True))
     if not bench.lerobot_compile_cache_dir:
         raise ValueError("bench.lerobot_compile_cache_dir is null: a warm-up needs a cache directory to fill")
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if bench.device == "auto" else bench.device)
+    device = run_device(bench)
     jobs = warm_jobs(bench, PolicyConfig.from_mapping(cfg.policy), device)
     outs, cache = compiled_side.run_compile_jobs(
         jobs, compile_s=bench.lerobot_compile_budget_s, timing_s_per_batch=FINISH_S, device=device,
@@ -63,7 +56,7 @@ def main(cfg: DictConfig) -> None:
     compiled = [s for o in outs for s in o["compiled_s"].values()]
     summary = {"workers": len(outs), "ok": sum(o["status"] == "ok" for o in outs),
                "max_compile_s": max(compiled) if compiled else None, "cache_entries_before": cache["entries_before"],
-               "cache_entries_after": cache_files(cache)}
+               "cache_entries_after": compiled_side.count_files(Path(cache["dir"]))}
     write_result("warm_lerobot_compile", {"bench": vars(bench), "compile_cache": cache, "workers": workers},
                  summary, bench.out_dir, commit=bench.commit)
 
