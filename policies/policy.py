@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from common.devices import on_own_device
 from policies import sampling
 from policies.config import PolicyConfig
 from policies.models import reference
@@ -85,6 +86,7 @@ class Policy(nn.Module):
 
     # ----- sampling -----
     @torch.no_grad()
+    @on_own_device
     def sample(
         self,
         batch: Observation | ModelInputs,
@@ -170,6 +172,7 @@ class Policy(nn.Module):
         [] before the fast path's first call."""
         return [] if self._fast is None else self._fast.bucket_report()
 
+    @on_own_device
     def refresh_weights(self) -> None:
         """Call after updating the model's weights in place: refreshes the fast path's bf16
         shadows and weight-derived tables (its CUDA graphs stay valid)."""
@@ -197,6 +200,7 @@ class Policy(nn.Module):
         return [step == index for step in range(k)]
 
     # ----- trainer-side recompute -----
+    @on_own_device
     def log_prob(
         self,
         batch: Observation | ModelInputs,

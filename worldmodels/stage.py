@@ -13,12 +13,12 @@ the smallest bucket that holds it, the pad rows read the sentinel page and write
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
+from common.devices import device_context
 from worldmodels.kvpool import SENTINEL, KVPool
 from worldmodels.model import CausalWanDiT
 
@@ -127,18 +127,15 @@ class StageRunner:
         if self._pool_handle is None:
             self._pool_handle = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool_handle):
+        # on this runner's own stream: torch.cuda.graph's default capture stream is made once per process, on
+        # whichever device was current then (cuda:0), and a capture there of cuda:1's kernels fails
+        with torch.cuda.graph(graph, pool=self._pool_handle, stream=side):
             out = self.forward(static)
         return graph, out
 
     @property
     def captured(self) -> list[tuple[int, bool]]:
         return sorted(k for k, (g, _, _) in self._graphs.items() if g is not None)
-
-
-def device_context(device: torch.device):
-    """Make `device` current (kernels, streams, graph capture) for a CUDA device; nothing on the CPU."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _static_batch(like: StageBatch, bucket: int, masked: bool, device: torch.device) -> StageBatch:

@@ -277,7 +277,7 @@ def cycled_graph_ms(fn, calls: int, replays: int = 10) -> float:
             fn(i % calls)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # the current device's stream (common/devices.py)
         for i in range(calls):
             fn(i)
     graph.replay()

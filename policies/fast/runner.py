@@ -1,18 +1,17 @@
 """The fast pi0.5 sampler: bucketed static buffers, three stages, one CUDA graph per stage.
 
-Stages of one call (each a CUDA graph per (batch bucket, prompt bucket) on CUDA, eager
-elsewhere), all reading and writing fixed buffers of a `Bucket`:
-1. vision: every camera of the whole batch through SigLIP in one batched call, into the bucket's
-   image tokens; it reads only the images, so a call launches it before laying out the rest.
-2. prefix: the prompt embedded and the prefix tokens permuted so the valid ones come first
-   (attention.py's layout), then the Gemma prefix once, writing RoPE'd K/V of every layer into
-   the slot caches (the last layer stops after its K/V: nothing reads the rest).
-3. denoise: all K steps (AdaRMS rows from the precomputed table, the expert attending to the
-   cached prefix K/V, ODE/SDE update with the step noise and the per-sample stochastic mask,
-   log-probs) with no host synchronisation.
-The host work per call is small: pick the bucket, copy the images, launch vision, copy the other
-inputs and plan the attention while vision runs, replay the rest. The plain model
-(`policies.models.pi05` / `reference.py`) stays the reference the tests compare this against.
+Stages of one call (each a CUDA graph per (batch bucket, prompt bucket) on CUDA, eager elsewhere), all reading and
+writing fixed buffers of a `Bucket`:
+1. vision: every camera of the whole batch through SigLIP in one batched call, into the bucket's image tokens; it
+   reads only the images, so a call launches it before laying out the rest.
+2. prefix: the prompt embedded and the prefix tokens permuted so the valid ones come first (attention.py's
+   layout), then the Gemma prefix once, writing RoPE'd K/V of every layer into the slot caches (the last layer
+   stops after its K/V: nothing reads the rest).
+3. denoise: all K steps (AdaRMS rows from the precomputed table, the expert attending to the cached prefix K/V,
+   ODE/SDE update with the step noise and the per-sample stochastic mask, log-probs) with no host synchronisation.
+The host work per call is small: pick the bucket, copy the images, launch vision, copy the other inputs and plan
+the attention while vision runs, replay the rest. The plain model (`policies.models.pi05` / `reference.py`) stays
+the reference the tests compare this against. Entry points make the sampler's device current (common/devices.py).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from common.devices import on_own_device
 from policies import flow
 from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, gemm_search, overlap, pdl, skinny, tuning
 from policies.fast import kernels as K
@@ -85,8 +85,7 @@ class FastSampler:
                                           precompiler=self.precompiler, tuning=self.tuning)
         self.buckets: dict[tuple[int, int], Bucket] = {}
         self.use_graphs = fast_cfg.cuda_graphs and self.device.type == "cuda"
-        # PDL (pdl.py) only inside graphs: eager launches are host-bound anyway, and the denoise
-        # graph is where ~1300 dependent kernels run back to back
+        # PDL (pdl.py) only inside graphs: eager launches are host-bound; the denoise graph runs ~1300 kernels in a row
         self.pdl = pdl.mode_code(fast_cfg.pdl, self.device) if self.use_graphs else 0
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._side_stream = None  # overlap.py's stream for denoise step 0, made on first use
@@ -103,6 +102,7 @@ class FastSampler:
         self._versions = self._weight_versions()
 
     # ------------------------------------------------------------------ public
+    @on_own_device
     def refresh_weights(self) -> None:
         """Call after the model's weights changed in place (no graph re-capture needed)."""
         self.w.refresh()
@@ -126,6 +126,7 @@ class FastSampler:
         return [p._version for p in self.model.parameters()]
 
     @torch.no_grad()
+    @on_own_device
     def sample_chains(self, inputs, noise: Tensor, step_noise: Tensor | None,
                       stochastic: Tensor, mark=None) -> tuple[Tensor, Tensor]:
         """inputs: ModelInputs; noise (B, H, D); step_noise (B, K, H, D) or None (drawn here);
@@ -256,13 +257,13 @@ class FastSampler:
         if not self.use_graphs:
             fn(bucket)
             return
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             fn(bucket)  # warm-up on a side stream (allocator, cuBLAS handles, Triton compile)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()  # captured on this device's stream (common/devices.py)
+        with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
             fn(bucket)
         bucket.graphs[stage] = graph
         graph.replay()

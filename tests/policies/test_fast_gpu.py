@@ -119,3 +119,25 @@ def test_tma_attention_in_the_fast_path_matches_sdpa():
         assert relative_l2(got, want) < 2e-2 and relative_l2(got_lp, want_lp) < 2e-2
     (bucket,) = triton.buckets.values()
     assert bucket.prefix_attn.tma, "the prefix at batch 32 should run the TMA kernel"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a policy on the second of 2 GPUs")
+def test_a_policy_on_the_second_gpu_samples_through_graphs_while_the_first_is_current():
+    """Streams, graph captures and Triton launches act on the current device: the policy makes its own current
+    (common/devices.py; the world model's stage ring failed its capture on cuda:1 without it, round 31)."""
+    cfg = gpu_cfg("bfloat16").replace(fast={"enabled": True, "attention": "sdpa", "overlap": "off"})
+    policies = {d: build_policy(cfg, device=d) for d in ("cuda:0", "cuda:1")}
+    policies["cuda:1"].model.load_state_dict(policies["cuda:0"].model.state_dict())
+    inputs, noise, step_noise, _ = inputs_for(cfg, 3, 21)
+    inds = torch.full((3, cfg.sampling.num_steps), 1)
+    chains = {}
+    for device, pol in policies.items():
+        torch.cuda.set_device(0)
+        moved = ModelInputs(*(getattr(inputs, f).to(device) for f in ("images", "image_masks", "tokens", "token_mask")))
+        out = pol.sample(moved, mode="sde", noise=noise.to(device), step_noise=step_noise.to(device),
+                         denoise_inds=inds.to(device))
+        assert out.chains.device == torch.device(device) and torch.cuda.current_device() == 0
+        (bucket,) = pol.fast_sampler().buckets.values()
+        assert bucket.graphs, f"no graphs captured on {device}"
+        chains[device] = out.chains.cpu()
+    assert relative_l2(chains["cuda:1"], chains["cuda:0"]) < 1e-2  # timed choices (cuBLASLt algorithms) may differ

@@ -50,7 +50,12 @@ def test_graphs_match_eager_bf16(preset):
             assert _rel(g, e) < 3e-2  # bf16 with other GEMM shapes
 
 
-@pytest.mark.parametrize("rings", [[["cuda:0"]], [["cuda:0", "cuda:0"]]])
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a stage on each of 2 GPUs")
+
+
+# the stage ring over two GPUs: the first two-GPU run failed its capture on cuda:1 (round 31, common/devices.py)
+@pytest.mark.parametrize("rings", [[["cuda:0"]], [["cuda:0", "cuda:0"]],
+                                   pytest.param([["cuda:0", "cuda:1"]], marks=TWO_GPUS)])
 def test_fp32_server_with_graphs_matches_the_sequential_loop(rings):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
