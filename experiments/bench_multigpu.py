@@ -313,7 +313,8 @@ def summarise(results: dict[str, Any], policy_cfg: PolicyConfig) -> dict[str, An
     for e in results.get("actor", []):
         tag = f"{e['mode']}_{e['ranks']}"
         s[f"actor_rows_per_s_{tag}"] = e.get("rows_per_s")
-        for key in ("efficiency", "grad_norm_rel_diff", "update_rel_diff", "gather_s"):
+        for key in ("efficiency", "grad_norm_rel_diff", "update_rel_diff", "update_rel_l2", "update_disagree_frac",
+                    "gather_s"):
             if key in e:
                 s[f"actor_{key}_{tag}"] = e[key]
     return s
@@ -357,7 +358,9 @@ def print_table(results: dict[str, Any]) -> None:
         else:
             print(f"actor {e['mode']} x{e['ranks']}: {e['rows_per_s']:8.1f} rows/s, efficiency "
                   f"{e.get('efficiency', float('nan')):.2f}, gather {e['gather_s'] * 1e3:.1f} ms, grad norm / update "
-                  f"rel diff {e.get('grad_norm_rel_diff', 0.0):.1e} / {e.get('update_rel_diff', 0.0):.1e}")
+                  f"rel diff {e.get('grad_norm_rel_diff', 0.0):.1e} / {e.get('update_rel_diff', 0.0):.1e}, update "
+                  f"rel L2 {e.get('update_rel_l2', 0.0):.1e}, elements stepping apart "
+                  f"{e.get('update_disagree_frac', 0.0):.1e}")
     for e in results.get("sync", []):
         if "skipped" in e or "error" in e:
             why = _not_measured(e)

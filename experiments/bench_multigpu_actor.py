@@ -12,10 +12,10 @@ K = 1, then bench.actor_modes x bench.actor_ranks):
   free for DDP, an all-gather of the trainable parameters for FSDP2);
 - against the single-process update from the same initial weights on this device (bf16 autocast
   on GPU, so not bit-equal): grad_norm_rel_diff, the first call's global gradient norm (before
-  clipping; a wrong sum/average or row weighting shows here), and update_rel_diff = max |delta(K) -
-  delta(1)| / max |delta(1)| over the trainable parameters, delta = the first call's change (AdamW's
-  first step moves each element by about +-lr, so this mostly checks the gradient's signs; its floor
-  is the parameters' fp32 spacing / lr);
+  clipping; a wrong sum/average or row weighting shows here), and the first call's change of the
+  trainable parameters against the single process's (update_agreement: the max and L2 relative
+  differences and the fraction of elements stepping apart; AdamW's first step moves each element by
+  about +-lr, so these check the gradient's signs);
 - rank 0's peak GPU memory. Efficiency = rows/s(K) / (K x rows/s(single process)).
 """
 
@@ -105,9 +105,7 @@ def measure_actor(bench: Any, policy_cfg: PolicyConfig, mode: str, devices: list
         delta = {n: t.detach().float().cpu() - initial[n] for n, t in pushed.items()}
         out["grad_norm"] = metrics["train/grad_norm"]
         if single is not None:
-            ref = single["_delta"]
-            scale = max(float(d.abs().max()) for d in ref.values())
-            out["update_rel_diff"] = max(float((delta[n] - ref[n]).abs().max()) for n in delta) / scale
+            out.update(update_agreement(delta, single["_delta"]))
             out["grad_norm_rel_diff"] = abs(out["grad_norm"] - single["grad_norm"]) / single["grad_norm"]
         times = [timed(lambda: actor.train(samples), devices[0])[0] for _ in range(bench.actor_iters)]
     finally:
@@ -119,6 +117,27 @@ def measure_actor(bench: Any, policy_cfg: PolicyConfig, mode: str, devices: list
         out["rank0_peak_gib"] = torch.cuda.max_memory_allocated(devices[0]) / 2**30
     out["_delta"] = delta  # the single-process run's is the others' reference (not in the JSON)
     return out
+
+
+def update_agreement(delta: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """How far the K-rank update `delta` is from the single-process one `ref` (name -> change of each trainable
+    parameter): update_rel_diff = max |delta - ref| / max |ref| (one element decides it); update_rel_l2 =
+    ||delta - ref|| / ||ref|| over all elements; update_disagree_frac = the fraction of elements whose two changes
+    differ by more than half the largest single-process step. AdamW's first step moves each element by about +-lr
+    whatever its gradient's size, so an element whose gradient is at bf16 noise level may step the other way in
+    one run (a difference of 2 lr: the max metric reads ~1-2 on the GPU); a wrong split of the rows or a wrong
+    reduction turns many gradients, so the fraction is the telling number there."""
+    scale = max(float(d.abs().max()) for d in ref.values())
+    diff_max, diff_sq, ref_sq, disagree, count = 0.0, 0.0, 0.0, 0, 0
+    for name, r in ref.items():
+        d = delta[name] - r
+        diff_max = max(diff_max, float(d.abs().max()))
+        diff_sq += float(d.double().square().sum())
+        ref_sq += float(r.double().square().sum())
+        disagree += int((d.abs() > scale / 2).sum())
+        count += r.numel()
+    return {"update_rel_diff": diff_max / scale, "update_rel_l2": (diff_sq / ref_sq) ** 0.5,
+            "update_disagree_frac": disagree / count}
 
 
 def timed(fn, device: str) -> tuple[float, Any]:
@@ -161,8 +180,9 @@ def run_actor(bench: Any, policy_cfg: PolicyConfig, cuda_count: int, clock: Any)
             torch.cuda.empty_cache()
         if "error" not in entry:
             log(f"  {entry['rows_per_s']:.1f} rows/s, start {entry['start_s']:.1f} s, gather {entry['gather_s']:.3f} s"
-                + (f", grad norm rel diff {entry['grad_norm_rel_diff']:.1e}, update rel diff "
-                   f"{entry['update_rel_diff']:.1e}" if "update_rel_diff" in entry else ""))
+                + (f", grad norm rel diff {entry['grad_norm_rel_diff']:.1e}, update rel diff max "
+                   f"{entry['update_rel_diff']:.1e} / L2 {entry['update_rel_l2']:.1e}, elements stepping apart "
+                   f"{entry['update_disagree_frac']:.1e}" if "update_rel_diff" in entry else ""))
     for e in entries:
         if single is not None and "rows_per_s" in e:
             e["efficiency"] = e["rows_per_s"] / (e["ranks"] * single["rows_per_s"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from experiments.bench_multigpu import BenchMultiGPUConfig, observation_batches, report, run
-from experiments.bench_multigpu_actor import actor_devices, synthetic_samples
+from experiments.bench_multigpu_actor import actor_devices, synthetic_samples, update_agreement
 from grpo.trainer import trainer_policy_config
 from policies import build_policy
 from tests.rollout.engine_fixtures import TINY, one_thread  # noqa: F401 - fixture used by pytestmark
@@ -54,7 +54,19 @@ def test_cpu_smoke_run_of_the_actor_part(tmp_path):
         assert entry["backend"] == "gloo" and entry["devices"] == ["cpu", "cpu"] and entry["rows"] == 32
         assert entry["grad_norm_rel_diff"] < 1e-5  # fp32 on CPU: the same global gradient
         assert entry["update_rel_diff"] < 1e-2  # AdamW's first step is about +-lr per element
+        assert entry["update_rel_l2"] < 1e-2 and entry["update_disagree_frac"] == 0.0
         assert entry["efficiency"] == entry["rows_per_s"] / (2 * single["rows_per_s"])
     summary = json.loads(report(bench, POLICY, results).read_text())["summary"]
     assert summary["actor_rows_per_s_ddp_2"] == ddp2["rows_per_s"] and summary["actor_rows_per_s_ddp_4"] is None
     assert summary["actor_gather_s_fsdp2_2"] == fsdp2["gather_s"]
+
+
+def test_update_agreement_by_hand():
+    lr = 1e-4
+    ref = {"a": torch.tensor([lr, -lr, lr, 0.0]), "b": torch.tensor([[-lr, lr]])}
+    delta = {"a": torch.tensor([lr, lr, lr, 0.0]), "b": torch.tensor([[-lr, 0.8 * lr]])}  # one element stepped apart
+    got = update_agreement(delta, ref)
+    assert got["update_rel_diff"] == pytest.approx(2.0)  # 2 lr / lr
+    assert got["update_rel_l2"] == pytest.approx(((2 * lr) ** 2 + (0.2 * lr) ** 2) ** 0.5 / (5 * lr**2) ** 0.5)
+    assert got["update_disagree_frac"] == pytest.approx(1 / 6)  # 0.2 lr is under half a step: not counted
+    assert update_agreement(ref, ref) == {"update_rel_diff": 0.0, "update_rel_l2": 0.0, "update_disagree_frac": 0.0}
