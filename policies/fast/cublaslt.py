@@ -121,9 +121,12 @@ def _check(status: int, call: str) -> None:
 
 
 @functools.cache
-def _handle() -> ctypes.c_void_p:
+def _handle(device_index: int) -> ctypes.c_void_p:
+    """One handle per GPU, made with that GPU current: a handle is bound to the device it was made on, and a
+    matmul through cuda:0's handle on cuda:1's tensors fails (cublasStatus_t 13 on two H200s, round 31)."""
     handle = ctypes.c_void_p()
-    _check(_lib().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+    with torch.cuda.device(device_index):
+        _check(_lib().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
     return handle
 
 
@@ -154,14 +157,16 @@ class LtGemm:
         _set(lib.cublasLtMatmulPreferenceSetAttribute, pref, PREF_MAX_WORKSPACE_BYTES,
              ctypes.c_uint64(WORKSPACE_BYTES), "MatmulPreferenceSetAttribute")
         results, count = (HeuristicResult * max_algorithms)(), ctypes.c_int(0)
-        _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(), self.desc, self.a_layout, self.b_layout, self.d_layout,
-                                                  self.d_layout, pref, max_algorithms, results, ctypes.byref(count)),
+        self.device = torch.device("cuda", torch.cuda.current_device())  # its workspace's; its calls' tensors'
+        _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(self.device.index), self.desc, self.a_layout, self.b_layout,
+                                                  self.d_layout, self.d_layout, pref, max_algorithms, results,
+                                                  ctypes.byref(count)),
                f"cublasLtMatmulAlgoGetHeuristic for {shape}")
         self.results = [results[j] for j in range(count.value) if results[j].state == 0]
         if not self.results:
             raise RuntimeError(f"cublaslt: the heuristic offered no algorithm for {shape}")
         self.workspace = torch.empty(max(r.workspace_size for r in self.results) or 1, dtype=torch.uint8,
-                                     device="cuda")
+                                     device=self.device)
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(1.0 if shape.accumulate else 0.0)
 
     def _create(self, create, destroy, *args) -> ctypes.c_void_p:
@@ -205,11 +210,15 @@ class LtGemm:
             _expect(bias, (s.cols,), self.dtype, "bias")
             _set(_lib().cublasLtMatmulDescSetAttribute, self.desc, DESC_BIAS_POINTER,
                  ctypes.c_void_p(bias.data_ptr()), "MatmulDescSetAttribute")
+        if x.device != self.device:
+            raise ValueError(f"LtGemm: x is on {x.device}, but this plan (its handle and workspace) is on "
+                             f"{self.device}: make a plan with that device current")
         result = self.results[index]
         stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
         a, b, d = (ctypes.c_void_p(t.data_ptr()) for t in (weight, x, out))
-        _check(_lib().cublasLtMatmul(_handle(), self.desc, ctypes.byref(self._alpha), a, self.a_layout, b,
-                                     self.b_layout, ctypes.byref(self._beta), d, self.d_layout, d, self.d_layout,
+        _check(_lib().cublasLtMatmul(_handle(self.device.index), self.desc, ctypes.byref(self._alpha), a,
+                                     self.a_layout, b, self.b_layout, ctypes.byref(self._beta), d, self.d_layout, d,
+                                     self.d_layout,
                                      ctypes.byref(result.algo), ctypes.c_void_p(self.workspace.data_ptr()),
                                      result.workspace_size, stream), f"cublasLtMatmul (algorithm {index})")
         return out
