@@ -336,11 +336,14 @@ class WorldModelServer:
     @locked
     def calibrate(self, batch_sizes: tuple[int, ...] = (1, 2, 4), repeats: int = 2) -> dict[int, tuple[float, float]]:
         """Time every stage on synthetic batches (sentinel pages only) to fit the tick models
-        before admitting streams with SLOs; returns {rank: (a, b) seconds}."""
+        before admitting streams with SLOs; returns {rank: (a, b) seconds}. Each batch size runs once untimed
+        first: its first run captures the bucket's CUDA graph, which no later tick pays."""
         for r in self.placement.ranks:
             runner = self.runners[r.rank]
             for n in batch_sizes:
                 batch = self._synthetic_batch(runner, n)
+                runner.run(batch)
+                self._synchronize()
                 for _ in range(repeats):
                     timer = Timer(runner.device)
                     runner.run(batch)

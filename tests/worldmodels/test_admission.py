@@ -106,6 +106,14 @@ def test_tick_time_model_fits_measurements():
     assert model.predict(0) == 0.0
 
 
+def test_tick_time_model_ignores_a_slow_first_tick_of_two():
+    model = TickTimeModel()
+    for n in (1, 8):
+        model.observe(n, 0.2)  # the bucket's first tick: a graph capture
+        model.observe(n, 0.01 + 0.001 * n)  # its replays
+    assert (model.a, model.b) == pytest.approx((0.01, 0.001))
+
+
 def test_balanced_split_matches_brute_force():
     times = [1.0, 1.0, 3.0, 1.0, 2.0, 2.0, 1.0, 1.0]
     extra = [0.5, 0.0, 1.5]

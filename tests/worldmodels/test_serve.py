@@ -5,6 +5,7 @@ order, stage count, ring count, lookahead or padding; admission with real pools.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -122,6 +123,24 @@ def test_slo_admission_uses_measured_ticks(models):
     assert server.try_open_stream(_context(0), slo_ms=generous)[0] is not None
     sid, reason = server.try_open_stream(_context(1), slo_ms=1e-6)
     assert sid is None and "SLO 0.0 ms for the new stream" in reason
+
+
+def test_calibration_does_not_time_a_batch_sizes_first_run(models, monkeypatch):
+    """A bucket's first run captures its CUDA graph (hundreds of ms on the H200s); no later tick pays it."""
+    model = models["noisy"]
+    server = WorldModelServer(model.cfg, ServeConfig(max_streams=8), model=model)
+    runner, seen = server.runners[0], set()
+    plain = runner.run
+
+    def first_run_slow(batch):
+        if batch.size not in seen:
+            seen.add(batch.size)
+            time.sleep(0.5)
+        return plain(batch)
+
+    monkeypatch.setattr(runner, "run", first_run_slow)
+    a, b = server.calibrate(batch_sizes=(1, 4), repeats=1)[0]
+    assert a + 4 * b < 0.5
 
 
 def test_outputs_frames_reward_and_state(models):
