@@ -8,7 +8,8 @@ when it opens: its K/V pages are reserved on every stage of that ring and it nev
 Admission: a stream is admitted only when all its stages fit, i.e. every stage of some ring
 has the pages it needs, the ring's stage batches stay within `max_batch`, and the predicted
 output interval of every stream (the new one included) stays within its SLO. The prediction
-uses per-stage tick models t_r(n) = a_r + b_r n fitted on measured ticks, in the lockstep
+uses per-stage tick models t_r(n) = a_r + b_r m(n) (m: the rows the stage runs, a graph's padded
+bucket) fitted on measured ticks, in the lockstep
 execution the server uses: a tick lasts as long as the busiest device (the sum of its stages'
 times); a closed-loop stream (one chunk in flight: the policy needs chunk n's frames to act on
 chunk n+1) needs passes x stages ticks per chunk; S streams spread over the phases of a ring of
@@ -22,6 +23,7 @@ Refusals say which ring and stage failed and by how much.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worldmodels.kvpool import PageAllocator
@@ -79,16 +81,18 @@ class Placement:
 
 
 class TickTimeModel:
-    """Seconds one stage needs for a batch of n items: a + b n, least squares on measurements
-    (the prior until two distinct batch sizes were measured)."""
+    """Seconds one stage needs for a batch of n items: a + b m, m = rows_run(n), the rows the stage really runs
+    (a CUDA graph's padded bucket: 13 items cost what 16 do; n without padding), least squares on measurements
+    (the prior until two distinct sizes were measured)."""
 
-    def __init__(self, prior_a: float = 0.0, prior_b: float = 0.0):
+    def __init__(self, prior_a: float = 0.0, prior_b: float = 0.0, rows_run: Callable[[int], int] | None = None):
         self.a, self.b = float(prior_a), float(prior_b)
+        self.rows_run = rows_run or (lambda n: n)
         self._samples: dict[int, list[float]] = defaultdict(list)
 
     def observe(self, n: int, seconds: float) -> None:
         if n > 0:
-            self._samples[n].append(float(seconds))
+            self._samples[self.rows_run(n)].append(float(seconds))
             self._fit()
 
     def _fit(self) -> None:
@@ -111,7 +115,7 @@ class TickTimeModel:
         self.a, self.b = max(mean_t - b * mean_n, 0.0), b
 
     def predict(self, n: int) -> float:
-        return self.a + self.b * n if n > 0 else 0.0
+        return self.a + self.b * self.rows_run(n) if n > 0 else 0.0
 
 
 @dataclass

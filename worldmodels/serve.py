@@ -94,7 +94,7 @@ class WorldModelServer:
         self.scheduler = StageScheduler(self.placement.ring_sizes, cfg.num_denoise_steps, cfg.kv_schedule,
                                         self.serve.max_batch, inflight)
         a, b = (v / 1e3 for v in self.serve.tick_prior_ms)
-        self.tick_models = {r.rank: TickTimeModel(a, b) for r in self.placement.ranks}
+        self.tick_models = {r.rank: TickTimeModel(a, b, self.runners[r.rank].rows_run) for r in self.placement.ranks}
         self.admission = AdmissionController(
             self.placement, {r: p.allocator for r, p in self.pools.items()}, cfg.kv_pages_per_stream(),
             self.tick_models, passes, self.serve.max_batch)

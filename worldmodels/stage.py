@@ -67,6 +67,12 @@ class StageRunner:
     def device(self) -> torch.device:
         return self.model.device
 
+    def rows_run(self, n: int) -> int:
+        """The rows a batch of n items really runs: its bucket when padded (graphs), else n."""
+        if not self.pad or n > self.buckets[-1]:
+            return n
+        return next(size for size in self.buckets if size >= n)
+
     # ------------------------------------------------------------------ the math
     def forward(self, b: StageBatch) -> Tensor:
         """Eager stage forward (also what a graph captures). Returns the new latents (last
@@ -100,7 +106,7 @@ class StageRunner:
         n = b.size
         if not self.pad or n > self.buckets[-1]:
             return self.forward(b)
-        bucket = next(size for size in self.buckets if size >= n)
+        bucket = self.rows_run(n)
         masked = b.page_mask is not None
         graph, static, out = self._entry(bucket, masked, b)
         _fill(static, b, n)

@@ -114,6 +114,16 @@ def test_tick_time_model_ignores_a_slow_first_tick_of_two():
     assert (model.a, model.b) == pytest.approx((0.01, 0.001))
 
 
+def test_tick_time_model_fits_and_predicts_the_rows_a_padded_stage_runs():
+    bucket = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 8: 8, 13: 16, 16: 16}.__getitem__
+    model = TickTimeModel(rows_run=bucket)
+    model.observe(3, 0.01 + 0.002 * 4)  # 3 items ran the 4-row graph
+    model.observe(13, 0.01 + 0.002 * 16)
+    assert (model.a, model.b) == pytest.approx((0.01, 0.002))
+    assert model.predict(5) == pytest.approx(0.01 + 0.002 * 8)  # 5 items will run 8 rows
+    assert TickTimeModel(0.01, 0.002).predict(5) == pytest.approx(0.01 + 0.002 * 5)  # unpadded: the items
+
+
 def test_balanced_split_matches_brute_force():
     times = [1.0, 1.0, 3.0, 1.0, 2.0, 2.0, 1.0, 1.0]
     extra = [0.5, 0.0, 1.5]

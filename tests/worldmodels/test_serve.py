@@ -143,6 +143,18 @@ def test_calibration_does_not_time_a_batch_sizes_first_run(models, monkeypatch):
     assert a + 4 * b < 0.5
 
 
+@pytest.mark.parametrize("pad", [True, False])
+def test_tick_models_count_the_rows_a_padded_stage_runs(models, pad):
+    model = models["noisy"]
+    server = WorldModelServer(model.cfg, ServeConfig(max_streams=8, pad_to_bucket=pad, batch_buckets=[1, 2, 4, 8]),
+                              model=model)
+    tick = server.tick_models[0]
+    tick.observe(1, 0.011)
+    tick.observe(4, 0.014)  # measured times are noisy on a shared CPU: these are the server's wiring's inputs
+    assert (tick.predict(3) == tick.predict(4)) == pad  # 3 items run the 4-row bucket when padded
+    assert server.runners[0].rows_run(3) == (4 if pad else 3) and server.runners[0].rows_run(9) == 9
+
+
 def test_outputs_frames_reward_and_state(models):
     model = models["noisy"]
     calls = []
