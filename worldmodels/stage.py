@@ -67,11 +67,15 @@ class StageRunner:
     def device(self) -> torch.device:
         return self.model.device
 
+    def bucket_for(self, n: int) -> int | None:
+        """The padded batch (graph bucket) a batch of n items runs as; None: it runs unpadded."""
+        if not self.pad or n > self.buckets[-1]:
+            return None
+        return next(size for size in self.buckets if size >= n)
+
     def rows_run(self, n: int) -> int:
         """The rows a batch of n items really runs: its bucket when padded (graphs), else n."""
-        if not self.pad or n > self.buckets[-1]:
-            return n
-        return next(size for size in self.buckets if size >= n)
+        return self.bucket_for(n) or n
 
     # ------------------------------------------------------------------ the math
     def forward(self, b: StageBatch) -> Tensor:
@@ -104,9 +108,9 @@ class StageRunner:
 
     def _run(self, b: StageBatch) -> Tensor:
         n = b.size
-        if not self.pad or n > self.buckets[-1]:
+        bucket = self.bucket_for(n)
+        if bucket is None:
             return self.forward(b)
-        bucket = self.rows_run(n)
         masked = b.page_mask is not None
         graph, static, out = self._entry(bucket, masked, b)
         _fill(static, b, n)
