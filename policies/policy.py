@@ -172,7 +172,6 @@ class Policy(nn.Module):
         [] before the fast path's first call."""
         return [] if self._fast is None else self._fast.bucket_report()
 
-    @on_own_device
     def refresh_weights(self) -> None:
         """Call after updating the model's weights in place: refreshes the fast path's bf16
         shadows and weight-derived tables (its CUDA graphs stay valid)."""
