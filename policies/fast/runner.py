@@ -28,6 +28,7 @@ from common.devices import on_own_device
 from policies import flow
 from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, gemm_search, overlap, pdl, skinny, tuning
 from policies.fast import kernels as K
+from policies.fast import layer_ops as ops
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig, triton_cache_dir, triton_interpreting
 from policies.fast.precompile import Precompiler, resolve_workers, shared
@@ -431,7 +432,7 @@ class FastSampler:
     def _stage_vision(self, bk: Bucket) -> None:
         t, w, cfg = bk.tensors, self.w.vision, self.cfg.vision
         imgs = t["images"].flatten(0, 1)
-        h = _patch_embed(imgs, w["patch"], w["pos"], cfg.patch_size)  # residual stream, updated in place
+        h = ops.patch_embed(imgs, w["patch"], w["pos"], cfg.patch_size)  # residual stream, updated in place
         n, (tok, width) = imgs.shape[0], w["pos"].shape
         layers, eps = w["layers"], cfg.layer_norm_eps
         picks = bk.vision_gemms  # FP8 (fp8.py), bf16 through torch, or a searched cuBLASLt algorithm
@@ -467,7 +468,7 @@ class FastSampler:
         last = len(self.w.prefix) - 1
         for i, lw in enumerate(self.w.prefix):
             heads = 0 if i == last and lw["qkv"].fp8 is None else pcfg.num_heads  # nothing reads the last q
-            qkv = _project_tail(normed, lw["qkv"], (pcfg.num_heads - heads) * pcfg.head_dim).view(b, p, -1)
+            qkv = ops.project_tail(normed, lw["qkv"], (pcfg.num_heads - heads) * pcfg.head_dim).view(b, p, -1)
             K.rope_scatter_qkv(qkv, cos, sin, heads, pcfg.num_kv_heads, q[:, :, :heads], bk.k_cache[i],
                                bk.v_cache[i], t["prefix_slots"])
             if kv_ready is not None:
@@ -475,12 +476,12 @@ class FastSampler:
             if i == last:
                 break
             attn = bk.prefix_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * p, -1)
-            h, normed = _add_projection_norm(h, attn, lw["o"], self.w.prefix_post_norms[i], pcfg.rms_norm_eps)
+            h, normed = ops.add_projection_norm(h, attn, lw["o"], self.w.prefix_post_norms[i], pcfg.rms_norm_eps)
             if bk.geglu_tile is not None:  # gate/up and GeGLU in one GEMM (geglu_gemm.py)
                 act, act_fn = geglu_gemm.geglu_linear(normed, lw["gate_up"].weight, bk.geglu_tile), "none"
             else:  # GeGLU'd on the way into down (fp8.mlp's order)
                 act, act_fn = fp8.project(normed, lw["gate_up"]), "gelu_tanh_mul"
-            h, normed = _add_projection_norm(h, act, lw["down"], self.w.prefix_norms[i + 1], pcfg.rms_norm_eps,
+            h, normed = ops.add_projection_norm(h, act, lw["down"], self.w.prefix_norms[i + 1], pcfg.rms_norm_eps,
                                              act_fn)
 
     def _stage_denoise(self, bk: Bucket) -> None:
@@ -523,15 +524,15 @@ class FastSampler:
                                              ecfg.rms_norm_eps, pdl_code)
         last = len(w.expert) - 1
         for i, lw in enumerate(w.expert):
-            qkv = _project(normed, lw["qkv"], tiles["qkv"], pdl_code)
+            qkv = ops.project(normed, lw["qkv"], tiles["qkv"], pdl_code)
             if kv_ready is not None:  # the prefix's scatter of this layer comes first (overlap.py)
                 torch.cuda.current_stream(self.device).wait_event(kv_ready[i])
             K.rope_scatter_qkv(qkv.view(*qkv.shape[:-2], b, hlen, -1), cos, sin, ecfg.num_heads, ecfg.num_kv_heads,
                                q, bk.k_cache[i], bk.v_cache[i], bk.tensors["suffix_slots"], pdl_code)
             attn = bk.expert_attn(q, bk.k_cache[i], bk.v_cache[i]).reshape(b * hlen, -1)
-            o = _project(attn, lw["o"], tiles["o"], pdl_code)
+            o = ops.project(attn, lw["o"], tiles["o"], pdl_code)
             scale, shift, post_gate = w.modulation(step, 2 * i + 1)
-            h, normed = _add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
+            h, normed = ops.add_norm(h, o, gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
             if bk.mlp_sync is not None and fuse_mlp:  # gate/up + GeGLU and down in one launch (fused_mlp.py)
                 mlp = fused_mlp.fused_mlp(normed, lw["gate_up"].weight, lw["down"].weight, tiles["gate_up"],
                                           tiles["down"], bk.mlp_sync[step, i], pdl_code)
@@ -541,60 +542,11 @@ class FastSampler:
                                                pdl=pdl_code)
                 else:
                     act = K.gelu_tanh_mul(F.linear(normed, lw["gate_up"].weight))
-                mlp = _project(act, lw["down"], tiles["down"], pdl_code)
+                mlp = ops.project(act, lw["down"], tiles["down"], pdl_code)
             scale, shift, gate = w.modulation(step, 2 * i + 2)  # next input norm, or the final norm
             if i < last:
-                h, normed = _add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
+                h, normed = ops.add_norm(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, pdl_code)
         # the final norm feeds only the fp32 action_out_proj: one kernel for both (action_io.py)
         out = action_io.add_norm_action_out(h, mlp, post_gate, scale, shift, ecfg.rms_norm_eps, w.action_out.weight,
                                             w.action_out.bias, pdl_code)
         return out.view(b, hlen, d)
-
-
-def _patch_embed(images: Tensor, patch, pos: Tensor, size: int) -> Tensor:
-    """SigLIP's patch embedding, (N, 3, R, R) -> (N * R*R/size^2, width) with the position embedding
-    added: the stride-`size` convolution as one GEMM over the unfolded patches (on the H200 cuDNN's
-    convolution plus its NCHW/NHWC layout kernels took ~2 ms at 128 images; the GEMM ~0.1 ms)."""
-    n, c, res, _ = images.shape
-    side = res // size
-    patches = images.view(n, c, side, size, side, size).permute(0, 2, 4, 1, 3, 5).reshape(n * side * side, -1)
-    x = F.linear(patches, patch.weight.view(patch.weight.shape[0], -1), patch.bias)
-    return x.view(n, side * side, -1).add_(pos).view(n * side * side, -1)
-
-
-def _project(x: Tensor, lw, tile, pdl_code: int = 0) -> Tensor:
-    """x (M, K) @ W^T: cuBLAS (M, N) in x's dtype, or the skinny kernel's (splits, M, N) fp32 partials,
-    which the consumer (rope_scatter_qkv, _add_norm) sums."""
-    if tile is None:
-        return F.linear(x, lw.weight)
-    return skinny.skinny_linear(x, lw.weight, tile, pdl=pdl_code)
-
-
-def _project_tail(x: Tensor, lw, skip: int) -> Tensor:
-    """The projection's output columns from `skip` on (the last prefix layer's K/V without its q:
-    ~80% of that layer's qkv GEMM); FP8 shadows only project whole (skip 0)."""
-    if skip == 0:
-        return fp8.project(x, lw)
-    bias = lw.bias[skip:] if lw.bias is not None else None
-    return F.linear(x, lw.weight[skip:], bias)
-
-
-def _add_projection_norm(h: Tensor, x: Tensor, lw, norm_weight: Tensor, eps: float,
-                         act: str = "none") -> tuple[Tensor, Tensor]:
-    """h += act(x) W^T in place, then Gemma's RMSNorm of h: (h, normed). A bias-free bf16 projection adds
-    into h in cuBLAS's GEMM epilogue (addmm, beta 1), so the norm kernel reads h once instead of
-    reading h and the projection and writing h back (H200, experiments/sweep_large_batch.py: prefix
-    o 589 -> 555 us and down 3.44 -> 3.39 ms per layer at LIBERO b64). On the H200 the actions at
-    batch 32 and 64 came out bit-identical to the separate add's (cuBLAS's beta-add epilogue rounds
-    the product to bf16 before adding there); at batch 1 they moved within the parity tolerance.
-    An FP8 projection keeps the add in the norm kernel (torch._scaled_mm has no beta)."""
-    if lw.fp8 is None and lw.bias is None:
-        h.addmm_(fp8.activated(x, act), lw.weight.t())
-        return K.add_rms_norm(h, None, None, norm_weight, None, eps)
-    return K.add_rms_norm(h, fp8.project(x, lw, act), None, norm_weight, None, eps)
-
-
-def _add_norm(h: Tensor, y: Tensor, gate, scale, shift, eps, pdl_code: int = 0):
-    if y.dim() == 3:  # split-K partials
-        return K.add_rms_norm_partials(h, y, gate, scale, shift, eps, pdl_code)
-    return K.add_rms_norm(h, y, gate, scale, shift, eps, pdl_code)

@@ -180,14 +180,14 @@ def test_camera_masked_in_every_row_is_skipped_exactly(dropped):
 
 def test_patch_embed_gemm_equals_the_convolution():
     """The fast path's patch embedding (one GEMM over unfolded patches) is SigLIP's strided conv."""
-    from policies.fast.runner import _patch_embed
+    from policies.fast.layer_ops import patch_embed
 
     g = torch.Generator().manual_seed(2)
     conv = torch.nn.Conv2d(3, 24, kernel_size=7, stride=7)
     images = torch.randn(5, 3, 28, 28, generator=g)
     pos = torch.randn(16, 24, generator=g)
     want = (conv(images).flatten(2).transpose(1, 2) + pos).reshape(5 * 16, 24)
-    got = _patch_embed(images, conv, pos, 7)
+    got = patch_embed(images, conv, pos, 7)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
