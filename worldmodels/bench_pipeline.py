@@ -143,6 +143,8 @@ def run_pipeline(cfg: WorldModelConfig, bench, device: torch.device) -> tuple[di
             if slo is None and g == counts[0] and s == bench.pipeline_streams[0] and result.interval_ms_p50:
                 slo = 1.5 * result.interval_ms_p50  # SLO for the rest: 1.5 x the first interval measured
                 run["slo_ms_set_here"] = slo
+        host = server.admission.host_model
+        run["host_model_ms"] = (host.a * 1e3, host.b * 1e3)  # per tick + per item, learnt from the ticks above
         run["parity"] = parity(server, model)
         payload["runs"][str(g)] = run
         print(f"G={g}: split {split}, single-stream interval p50 {single.interval_ms_p50:.1f} ms, "
@@ -176,6 +178,7 @@ def summarize(p: dict) -> dict:
             out[f"chunks_per_s_g{g}_s{s}"] = r["chunks_per_s"]
             out[f"interval_ms_g{g}_s{s}"] = r["interval_ms_p50"]
             out[f"refused_g{g}_s{s}"] = len(r["refused"])
+            out[f"interval_pred_ms_g{g}_s{s}"] = r.get("predicted_interval_ms")
         out[f"parity_rel_l2_g{g}"] = max(c["rel_l2"] for c in run["parity"]["chunks"])
     if "1" in runs and runs:
         top = str(max(int(g) for g in runs))

@@ -49,6 +49,8 @@ class StreamRun:
     tick_ms_median: float | None
     items_per_tick_median: float | None
     refused: list[str]
+    # the admission's output interval for the admitted load, the ring's worst, when the last stream was let in
+    predicted_interval_ms: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +74,7 @@ def run_closed_loop(server: WorldModelServer, num_streams: int, warmup_chunks: i
     actions = torch.rand(total, cfg.chunk_actions, cfg.dit.action_dim, generator=gen) * 2 - 1
     ids, refused, sent, times = [], [], {}, {}
     tick_ms, items = [], []
-    ticks = 0
+    ticks, predicted = 0, None
     while len(ids) + len(refused) < num_streams or any(len(times[sid]) < total for sid in ids):
         for i in range(len(ids) + len(refused), num_streams):
             if opens[i] > ticks:
@@ -83,6 +85,8 @@ def run_closed_loop(server: WorldModelServer, num_streams: int, warmup_chunks: i
             else:
                 ids.append(sid)
                 sent[sid], times[sid] = 0, []
+                predicted = max(server.admission.predicted_interval(g)
+                                for g in range(len(server.placement.ring_sizes))) * 1e3
         for sid in ids:
             while sent[sid] < total and sent[sid] - len(times[sid]) < lookahead:
                 server.submit(sid, actions[sent[sid]])
@@ -98,7 +102,9 @@ def run_closed_loop(server: WorldModelServer, num_streams: int, warmup_chunks: i
             on_tick()
     for sid in ids:
         server.close_stream(sid)
-    return summarize(num_streams, times, warmup_chunks, ticks, tick_ms, items, refused)
+    run = summarize(num_streams, times, warmup_chunks, ticks, tick_ms, items, refused)
+    run.predicted_interval_ms = predicted
+    return run
 
 
 def summarize(num_streams, times, warmup_chunks, ticks, tick_ms, items, refused) -> StreamRun:

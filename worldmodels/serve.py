@@ -102,6 +102,7 @@ class WorldModelServer:
         self._next_id = 0
         self.tick_count = 0
         self.last_tick_items = 0
+        self._submit_s = 0.0
         self.timeline: list[TickRecord] = []
 
     # ------------------------------------------------------------------ construction
@@ -184,6 +185,7 @@ class WorldModelServer:
     @locked
     def submit(self, sid: int, actions, noise: Tensor | None = None) -> int:
         """Queue the action chunk (H, action_dim) of the stream's next chunk; returns its index."""
+        started = now()
         st = self._stream(sid)
         actions = torch.as_tensor(np.asarray(actions, dtype=np.float32))
         if actions.ndim != 2 or actions.shape[1] != self.cfg.dit.action_dim:
@@ -202,6 +204,7 @@ class WorldModelServer:
         st.submitted_at[chunk] = now()
         st.submitted += 1
         self.scheduler.submit(sid)
+        self._submit_s += now() - started  # the chunk's host work (noise, action framing): the next tick's share
         return chunk
 
     @locked
@@ -223,14 +226,17 @@ class WorldModelServer:
         if not plan:
             return []
         tick_start = now()
+        graphs_before = self._graph_count()
         timers = []
         for (ring, stage), items in plan.items():
             rank = self.placement.rank_of(ring, stage)
             timers.append((rank, items, self._run_stage(rank, items)))
         self._synchronize()
+        busy: dict[str, float] = {}
         for rank, items, timer in timers:
             start, end = timer.result()
             self.tick_models[rank.rank].observe(len(items), end - start)
+            busy[rank.device] = busy.get(rank.device, 0.0) + end - start
             if self.serve.record_timeline:
                 self.timeline.append(TickRecord(self.tick_count, rank.rank, rank.device,
                                                 [(i.stream, i.chunk, i.step) for i in items],
@@ -240,6 +246,12 @@ class WorldModelServer:
         finished = self.scheduler.complete(executed)
         outputs = self._deliver(finished)
         self._retire(executed)
+        # what the tick took beyond its busiest device's stages is host work the admission must count too
+        # (not a tick that captured a new bucket's graph: its capture is host time no later tick pays)
+        if self._graph_count() == graphs_before:
+            host = now() - tick_start - max(busy.values()) + self._submit_s
+            self.admission.host_model.observe(len(executed), max(host, 0.0))
+        self._submit_s = 0.0
         self.tick_count += 1
         return outputs
 
@@ -279,6 +291,9 @@ class WorldModelServer:
                     table = self.streams[item.stream].pages[rank.rank].table
                     for slot in table[1:]:
                         pool.copy_page(table[0][0], slot[0])
+
+    def _graph_count(self) -> int:
+        return sum(len(runner.captured) for runner in self.runners.values())
 
     def _synchronize(self) -> None:
         for device in self.placement.devices:

@@ -67,6 +67,23 @@ def test_slo_refusal_uses_the_tick_model_and_names_the_victim():
     assert "for the new stream" in tight.reason
 
 
+def test_the_hosts_share_of_a_tick_counts_every_stages_items():
+    host = TickTimeModel(0.002, 0.001)  # 2 ms a tick + 1 ms an item, on top of the stages
+    single = controller(Placement([[StageSpec("cpu", (0, 8))]], 8), capacity=100, pages=1, a=0.010, b=0.005)
+    single.host_model = host
+    assert single.predicted_tick({0: 2}) == pytest.approx(0.010 + 0.005 * 2 + 0.002 + 0.001 * 2)
+    ctl = controller(two_rings(), a=0.001, b=0.002)
+    ctl.host_model = host
+    # ring 0: 3 streams over 2 stages = 2 items on each of its ranks; ring 1: 1 stream = 1 item on each
+    assert ctl.predicted_host({0: 3, 1: 1}) == pytest.approx(0.002 + 0.001 * (2 + 2 + 1 + 1))
+    assert ctl.predicted_tick({0: 3, 1: 1}) == pytest.approx(0.001 + 0.002 * 2 + 0.002 + 0.001 * 6)
+    # an SLO that the stages alone would meet is refused once the host's share is counted
+    single.try_admit(0, slo_s=1.0)
+    refused = single.try_admit(1, slo_s=4 * (0.010 + 0.005 * 2) + 1e-4)
+    assert not refused.admitted
+    assert "tick 24.00 ms x 4 passes x 1 stages, 2 streams on the ring; host 4.00 ms of the tick" in refused.reason
+
+
 def test_devices_shared_by_virtual_ranks_add_up():
     shared = Placement([[StageSpec("cpu:0", (0, 4)), StageSpec("cpu:0", (4, 8))]], 8)
     split = Placement([[StageSpec("cpu:0", (0, 4)), StageSpec("cpu:1", (4, 8))]], 8)

@@ -143,6 +143,36 @@ def test_calibration_does_not_time_a_batch_sizes_first_run(models, monkeypatch):
     assert a + 4 * b < 0.5
 
 
+def test_ticks_teach_the_admission_the_hosts_share(models, monkeypatch):
+    """What a tick takes beyond its stages (batch building, routing, delivery) is learnt from the ticks, except
+    a tick that captured a new CUDA graph: no later tick pays for the capture."""
+    model = models["noisy"]
+    server = WorldModelServer(model.cfg, ServeConfig(max_streams=8), model=model)
+    host = server.admission.host_model
+    seen = []
+    monkeypatch.setattr(host, "observe", lambda n, seconds: seen.append((n, seconds)))
+    sid = server.open_stream(_context(0))
+    server.submit(sid, _actions(0, 0))
+    plain = server._deliver
+
+    def slow_delivery(finished):
+        time.sleep(0.05)  # host work after the stages ran
+        return plain(finished)
+
+    monkeypatch.setattr(server, "_deliver", slow_delivery)
+    server.tick()
+    assert len(seen) == 1 and seen[0][0] == server.last_tick_items and seen[0][1] >= 0.05
+    counts = iter([0, 1])  # the next tick captures a graph
+    monkeypatch.setattr(server, "_graph_count", lambda: next(counts))
+    assert not server.scheduler.idle()
+    server.tick()
+    assert len(seen) == 1
+    monkeypatch.undo()
+    host.observe(1, 0.004)
+    host.observe(3, 0.008)
+    assert server.admission.predicted_host({0: 2}) == pytest.approx(0.006)
+
+
 @pytest.mark.parametrize("pad", [True, False])
 def test_tick_models_count_the_rows_a_padded_stage_runs(models, pad):
     model = models["noisy"]
