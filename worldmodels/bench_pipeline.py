@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from worldmodels.admission import TickTimeModel
 from worldmodels.bench_tools import block_times, run_closed_loop, synchronize
 from worldmodels.config import WorldModelConfig
 from worldmodels.functional import frame_actions
@@ -109,6 +110,11 @@ def parity(server: WorldModelServer, model, chunks: int = 3, seed: int = 11) -> 
     return {"chunks": diffs, "dtype": cfg.dtype}
 
 
+def model_ms(model: TickTimeModel) -> dict:
+    """A tick-time model in ms: its least-squares line and the measured points it predicts through."""
+    return {"line": [model.a * 1e3, model.b * 1e3], "points": [[n, t * 1e3] for n, t in model.points]}
+
+
 def run_pipeline(cfg: WorldModelConfig, bench, device: torch.device) -> tuple[dict, dict]:
     graphs = device.type == "cuda" if bench.cuda_graphs is None else bench.cuda_graphs
     started = time.perf_counter()
@@ -134,7 +140,7 @@ def run_pipeline(cfg: WorldModelConfig, bench, device: torch.device) -> tuple[di
         single = run_closed_loop(server, 1, bench.warmup_chunks, bench.chunks_per_stream * 2, passes * g)
         run["single_stream"] = single.to_dict()
         server.calibrate(batch_sizes=(1, 8, 32), repeats=2)
-        run["tick_models_ms"] = {r: (m.a * 1e3, m.b * 1e3) for r, m in server.tick_models.items()}
+        run["tick_models_ms"] = {r: model_ms(m) for r, m in server.tick_models.items()}
         run["streams"] = {}
         for s in bench.pipeline_streams:
             result = run_closed_loop(server, s, bench.warmup_chunks, bench.chunks_per_stream, 1, slo_ms=slo,
@@ -143,8 +149,8 @@ def run_pipeline(cfg: WorldModelConfig, bench, device: torch.device) -> tuple[di
             if slo is None and g == counts[0] and s == bench.pipeline_streams[0] and result.interval_ms_p50:
                 slo = 1.5 * result.interval_ms_p50  # SLO for the rest: 1.5 x the first interval measured
                 run["slo_ms_set_here"] = slo
-        host = server.admission.host_model
-        run["host_model_ms"] = (host.a * 1e3, host.b * 1e3)  # per tick + per item, learnt from the ticks above
+        run["tick_models_end_ms"] = {r: model_ms(m) for r, m in server.tick_models.items()}
+        run["host_model_ms"] = model_ms(server.admission.host_model)  # by items a tick, learnt from the ticks above
         run["parity"] = parity(server, model)
         payload["runs"][str(g)] = run
         print(f"G={g}: split {split}, single-stream interval p50 {single.interval_ms_p50:.1f} ms, "

@@ -123,6 +123,20 @@ def test_tick_time_model_fits_measurements():
     assert model.predict(0) == 0.0
 
 
+def test_tick_time_model_goes_through_each_measured_size():
+    """A stage's time is flat at small batches and linear at large ones, which a line through all sizes misses."""
+    model = TickTimeModel(prior_a=1.0, prior_b=1.0)
+    for n, t in ((1, 0.020), (4, 0.022), (8, 0.030), (16, 0.060), (32, 0.120), (2, 0.019)):
+        model.observe(n, t)
+    assert model.points == [(1, 0.020), (2, 0.020), (4, 0.022), (8, 0.030), (16, 0.060), (32, 0.120)]  # 2 lifted
+    assert model.predict(8) == pytest.approx(0.030)
+    assert model.a + model.b * 8 == pytest.approx(0.0368, abs=1e-4)  # the least-squares line through all six
+    assert model.predict(12) == pytest.approx(0.045)  # between 8 and 16
+    assert model.predict(1) == pytest.approx(0.020)
+    assert model.predict(64) == pytest.approx(0.240)  # past the largest: the last segment's slope
+    assert model.predict(0) == 0.0
+
+
 def test_tick_time_model_ignores_a_slow_first_tick_of_two():
     model = TickTimeModel()
     for n in (1, 8):
