@@ -145,12 +145,13 @@ def test_calibration_does_not_time_a_batch_sizes_first_run(models, monkeypatch):
 
 def test_ticks_teach_the_admission_the_hosts_share(models, monkeypatch):
     """What a tick takes beyond its stages (batch building, routing, delivery) is learnt from the ticks, except
-    a tick that captured a new CUDA graph: no later tick pays for the capture."""
+    a tick that captured a new CUDA graph: no later tick pays for the capture (nor is the stage's time kept)."""
     model = models["noisy"]
     server = WorldModelServer(model.cfg, ServeConfig(max_streams=8), model=model)
     host = server.admission.host_model
-    seen = []
+    seen, stage_seen = [], []
     monkeypatch.setattr(host, "observe", lambda n, seconds: seen.append((n, seconds)))
+    monkeypatch.setattr(server.tick_models[0], "observe", lambda n, seconds: stage_seen.append(n))
     sid = server.open_stream(_context(0))
     server.submit(sid, _actions(0, 0))
     plain = server._deliver
@@ -162,11 +163,12 @@ def test_ticks_teach_the_admission_the_hosts_share(models, monkeypatch):
     monkeypatch.setattr(server, "_deliver", slow_delivery)
     server.tick()
     assert len(seen) == 1 and seen[0][0] == server.last_tick_items and seen[0][1] >= 0.05
-    counts = iter([0, 1])  # the next tick captures a graph
-    monkeypatch.setattr(server, "_graph_count", lambda: next(counts))
+    assert stage_seen == [server.last_tick_items]
+    counts = iter([0, 1])  # the next tick's stage captures a graph
+    monkeypatch.setattr(server, "_graphs", lambda rank: next(counts))
     assert not server.scheduler.idle()
     server.tick()
-    assert len(seen) == 1
+    assert len(seen) == 1 and len(stage_seen) == 1
     monkeypatch.undo()
     host.observe(1, 0.004)
     host.observe(3, 0.008)
