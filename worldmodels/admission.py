@@ -152,7 +152,7 @@ class AdmissionController:
         self.pages_per_stream = pages_per_stream
         self.tick_models = tick_models
         # the tick's host time outside the stages (batch building, routing, delivery, the chunks' submits) by the
-        # items of the whole tick: 3.8-4.5 ms of an 8-stream 53 ms tick on the H200 (round 32)
+        # items of the whole tick: 3.8 ms of an 8-stream 53 ms tick on the H200 (round 32)
         self.host_model = host_model or TickTimeModel()
         self.passes = passes
         self.max_batch = max_batch
