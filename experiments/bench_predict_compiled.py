@@ -62,6 +62,7 @@ class CompileJob:
     prompt_len: int
     checksum: float | None = None
     static: bool = False
+    symbolic_batch: bool = False  # the warm-up's stand-in for the dynamic recompile (`split_jobs`)
 
     def same_variant(self, other: CompileJob) -> bool:
         return (self.configuration, self.mode, self.static) == (other.configuration, other.mode, other.static)
@@ -85,6 +86,7 @@ class WorkerSpec:
     checksum: float | None
     workdir: str
     static: bool = False  # torch._dynamo's automatic dynamic shapes off: a static graph per batch size
+    symbolic_batch: bool = False  # the inputs' batch dimension marked dynamic before the first call
     gate: bool = True  # wait for the parent's `go` file between compiling and timing
     timed: bool = True  # False: compile only (the warm-up)
     seed: int = 1
@@ -111,12 +113,24 @@ def count_files(path: Path) -> int:
     return sum(1 for p in path.rglob("*") if p.is_file())
 
 
-def split_jobs(jobs: list[CompileJob]) -> list[CompileJob]:
+def split_jobs(jobs: list[CompileJob], prewarm: bool = False) -> list[CompileJob]:
     """Static graphs are independent: one worker per batch size, so they compile side by side. A
-    dynamic recompile needs the batch sizes in order in one process: one worker per job."""
+    dynamic recompile needs the batch sizes in order in one process: one worker per job.
+
+    `prewarm` (the warm-up, compiling only): a dynamic job becomes two workers side by side, its first
+    batch size as above and its second with the batch dimension marked dynamic (`symbolic_batch`), which
+    compiles the graph torch's automatic dynamic recompile makes after the first size. The timed run's
+    recompile then finds it in the cache instead of compiling after the first size in the same process:
+    at PhyAI the two in a row (batch 1 alone 288-439 s cold on the H200s) do not fit one device call."""
     workers = []
     for job in jobs:
-        workers += [CompileJob(**{**vars(job), "batches": [b]}) for b in job.batches] if job.static else [job]
+        if job.static:
+            workers += [CompileJob(**{**vars(job), "batches": [b]}) for b in job.batches]
+        elif prewarm and len(job.batches) > 1:
+            workers += [CompileJob(**{**vars(job), "batches": job.batches[:1]}),
+                        CompileJob(**{**vars(job), "batches": job.batches[1:2], "symbolic_batch": True})]
+        else:
+            workers.append(job)
     return workers
 
 
@@ -135,7 +149,7 @@ class CompileWorker:
         self.workdir = Path(tempfile.mkdtemp(prefix=f"bench_predict_compile_{job.configuration}_"))
         spec = WorkerSpec(policy=job.cfg.to_dict(), compile_mode=job.mode, precision=job.precision,
                           batches=job.batches, prompt_len=job.prompt_len, checksum=job.checksum,
-                          workdir=str(self.workdir), static=job.static, **spec)
+                          workdir=str(self.workdir), static=job.static, symbolic_batch=job.symbolic_batch, **spec)
         (self.workdir / "spec.json").write_text(json.dumps(asdict(spec)))
         self.start = time.perf_counter()
         self.killed_in: str | None = None  # "compile" or "timing": the phase the deadline stopped
@@ -182,6 +196,7 @@ class CompileWorker:
         events = self.events()
         wall_s = self.ended_s if self.ended_s is not None else time.perf_counter() - self.start
         compiled = {e["batch"]: e["first_call_s"] for e in events if e["event"] == "compiled"}
+        cache_counts = {e["batch"]: e["cache"] for e in events if e["event"] == "compiled" and "cache" in e}
         rows = {}
         for e in (e for e in events if e["event"] == "batch"):
             row = {**e, "actions": torch.load(self.workdir / f"actions_b{e['batch']}.pt")}
@@ -200,7 +215,8 @@ class CompileWorker:
             message = error["message"] if error else f"exit code {self.proc.returncode}: {common.tail(self.log.name)}"
         return {"status": status, "message": message, "wall_s": wall_s, "batches": self.job.batches,
                 "built": next((e for e in events if e["event"] == "built"), None), "rows": rows,
-                "compiled_s": compiled, "log_tail": common.tail(self.log.name, 3000) if status != "ok" else ""}
+                "compiled_s": compiled, "cache_counts": cache_counts,
+                "log_tail": common.tail(self.log.name, 3000) if status != "ok" else ""}
 
     def close(self) -> None:
         self.kill("cleanup")
@@ -212,14 +228,15 @@ def run_compile_jobs(jobs: list[CompileJob], *, compile_s: float, timing_s_per_b
                      warmup: int, iters: int, timed: bool = True, cache_dir: str | None = None, parallel: int = 0,
                      progress=print) -> tuple[list[dict], dict | None]:
     """Phase 1 for every worker at once (killed at `compile_s`), then phase 2 one worker at a time
-    (each killed after `timing_s_per_batch` per batch size of its own). `parallel` > 0 runs the workers
-    in waves of that many, each compiled, timed and gone before the next starts (a smaller card holds
-    `parallel` LeRobot copies, not all); the waves share `compile_s`, each getting the part left over
-    divided by the waves left. Returns one result per worker of `split_jobs(jobs)`, in that order (each
-    with its `job`), and the cache record (`compile_cache_env`)."""
+    (each killed after `timing_s_per_batch` per batch size of its own). `timed=False` (the warm-up)
+    compiles only, a dynamic job's recompile beside its first size (`split_jobs(prewarm=True)`).
+    `parallel` > 0 runs the workers in waves of that many, each compiled, timed and gone before the next
+    starts (a smaller card holds `parallel` LeRobot copies, not all); the waves share `compile_s`, each
+    getting the part left over divided by the waves left. Returns one result per worker of `split_jobs`,
+    in that order (each with its `job`), and the cache record (`compile_cache_env`)."""
     env, cache = compile_cache_env(cache_dir)
     spec = {"device": str(device), "warmup": warmup, "iters": iters, "gate": timed, "timed": timed}
-    todo = split_jobs(jobs)
+    todo = split_jobs(jobs, prewarm=not timed)
     size = parallel if parallel > 0 else max(len(todo), 1)
     waves = [todo[i:i + size] for i in range(0, len(todo), size)]
     outs, compile_left = [], compile_s
@@ -267,7 +284,7 @@ def run_wave(jobs: list[CompileJob], spec: dict, env: dict | None, *, compile_s:
 def skipped_result(job: CompileJob, why: str) -> dict:
     """A worker's result where none was started."""
     return {"job": job, "status": "skipped", "message": why, "wall_s": 0.0, "batches": job.batches, "built": None,
-            "rows": {}, "compiled_s": {}, "log_tail": ""}
+            "rows": {}, "compiled_s": {}, "cache_counts": {}, "log_tail": ""}
 
 
 def merge_results(results: list[dict]) -> dict:
@@ -280,6 +297,7 @@ def merge_results(results: list[dict]) -> dict:
             "built": next((r["built"] for r in results if r["built"]), None),
             "rows": {b: row for r in results for b, row in r["rows"].items()},
             "compiled_s": {b: s for r in results for b, s in r["compiled_s"].items()},
+            "cache_counts": {b: c for r in results for b, c in r["cache_counts"].items()},
             "log_tail": "\n".join(r["log_tail"] for r in results if r["log_tail"])[-3000:]}
 
 
@@ -329,14 +347,37 @@ def compile_batches(core, spec: WorkerSpec, cfg: PolicyConfig, device: torch.dev
         emit(event="start_batch", batch=batch)  # where a kill lands, mostly
         inputs, noise = common.make_inputs(cfg, batch, spec.prompt_len, device, seed=batch)
         args = lerobot_side.lerobot_inputs(inputs)
+        if spec.symbolic_batch:
+            mark_batch_dynamic([*args[0], *args[1], *args[2:], noise])
+        before = compile_cache_counts()
         t0 = time.perf_counter()
         with torch.no_grad():
             core.sample_actions(*args, noise=noise, num_steps=cfg.sampling.num_steps)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        emit(event="compiled", batch=batch, first_call_s=time.perf_counter() - t0)
+        after = compile_cache_counts()
+        emit(event="compiled", batch=batch, first_call_s=time.perf_counter() - t0,
+             cache={k: after[k] - before[k] for k in after})
         made[batch] = (inputs, noise)
     return made
+
+
+def mark_batch_dynamic(tensors: list[torch.Tensor]) -> None:
+    """Dimension 0 of each tensor dynamic, as torch's automatic dynamic shapes mark it once a second batch
+    size arrives (`maybe_`: no error where the model specialises it, as the automatic marking allows)."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """inductor's FX-graph and AOTAutograd cache hits and misses so far in this process: a first call's
+    deltas say whether its graphs came from the cache (a warm-up's) or were compiled."""
+    from torch._dynamo.utils import counters
+
+    return {"fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
+            "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
+            "autograd_hit": counters["aot_autograd"]["autograd_cache_hit"],
+            "autograd_miss": counters["aot_autograd"]["autograd_cache_miss"]}
 
 
 def wait_for_gate(workdir: Path) -> None:

@@ -4,9 +4,11 @@ A cold torch.compile of LeRobot's sample_actions takes ~6 minutes per graph on t
 372 s), so a full `experiments.bench_predict` run cannot compile all its graphs within one device
 call. This entry point reads the same config (conf/bench_predict.yaml) and runs the bench's own
 compile jobs (`bench_predict.compile_jobs`) side by side, compiling only: a static graph per
-configuration x mode x batch size in a worker each, and for torch's dynamic shapes one worker per
-configuration x mode that calls the batch sizes in the bench's order (its recompile with a symbolic
-batch follows the first batch size, as in the bench's worker). The timed run then finds them:
+configuration x mode x batch size in a worker each, and for torch's dynamic shapes two workers per
+configuration x mode side by side: the first batch size, and the second with the inputs' batch dimension
+marked dynamic, which compiles the graph the bench's worker recompiles after its first size
+(`bench_predict_compiled.split_jobs`; in the bench the recompile only follows the first size in one
+process, and at PhyAI the two in a row take longer than a device call). The timed run then finds them:
 
     python -m experiments.warm_lerobot_compile bench.lerobot_compile_cache_dir=.jit/inductor \
         bench.lerobot_compile_budget_s=560 bench.lerobot_compile_shapes=[static]
@@ -14,7 +16,9 @@ batch follows the first batch size, as in the bench's worker). The timed run the
         bench.lerobot_compile_shapes=[static]
 
 The JSON (runs/warm_lerobot_compile/) records each worker's build and compile time (its first call),
-what a killed worker reached, and the cache's files before and after.
+inductor's cache hits and misses in it (`cache_counts`), what a killed worker reached, and the cache's
+files before and after. A worker killed before its graph finished leaves little of use in the cache
+(round 33: 916 files from three killed PhyAI compiles, and the next cold compile took 413 s).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def main(cfg: DictConfig) -> None:
         warmup=bench.warmup, iters=bench.iters, timed=False, cache_dir=bench.lerobot_compile_cache_dir,
         parallel=bench.lerobot_compile_parallel)
     workers = [{"configuration": o["job"].configuration, "variant": o["job"].variant, "precision": o["job"].precision,
+                "symbolic_batch": o["job"].symbolic_batch,
                 **{k: v for k, v in o.items() if k not in ("job", "rows")}} for o in outs]
     compiled = [s for o in outs for s in o["compiled_s"].values()]
     summary = {"workers": len(outs), "ok": sum(o["status"] == "ok" for o in outs),

@@ -3,6 +3,7 @@ how results merge, and the parent's two phases (compile side by side, then time 
 bounded) driven against stand-in workers that follow the real worker's event protocol."""
 
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -63,6 +64,53 @@ def test_static_jobs_split_one_worker_per_batch_size_and_dynamic_ones_do_not():
     assert not workers[4].same_variant(jobs[0]), "static and dynamic graphs of one mode are two variants"
     assert (jobs[0].variant, jobs[2].variant) == ("lerobot_compiled_reduce-overhead_static",
                                                   "lerobot_compiled_reduce-overhead")
+    assert not any(w.symbolic_batch for w in workers), "the timed run recompiles in order, as LeRobot does"
+
+
+def test_the_prewarm_compiles_a_dynamic_jobs_recompile_beside_its_first_batch_size():
+    jobs = [_job([1, 32]), _job([1, 32, 64], static=False), _job([4], static=False)]
+    workers = compiled.split_jobs(jobs, prewarm=True)
+    assert [(j.batches, j.static, j.symbolic_batch) for j in workers] == [
+        ([1], True, False), ([32], True, False),
+        ([1], False, False), ([32], False, True),  # one symbolic graph serves every later size (LIBERO b64: 0.45 s)
+        ([4], False, False)]
+    assert all(w.same_variant(jobs[1]) for w in workers[2:4]), "both halves are the dynamic variant's"
+
+
+def test_a_marked_batch_compiles_the_graph_the_automatic_recompile_finds_in_the_cache(tmp_path):
+    """On a stand-in module, in two processes sharing a cache: batch 32 marked dynamic, then batch 1 and 32 in
+    order (torch's automatic recompile), whose second graph must come from the cache (the warm-up's premise)."""
+    script = textwrap.dedent("""
+        import sys, torch
+        from experiments import bench_predict_compiled as compiled
+        torch.manual_seed(0)
+        f = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)))
+        counts = []
+        for b in map(int, sys.argv[2:]):
+            x = torch.randn(b, 3, 8)
+            if sys.argv[1] == "mark":
+                compiled.mark_batch_dynamic([x])
+            before = compiled.compile_cache_counts()
+            with torch.no_grad():
+                f(x)
+            after = compiled.compile_cache_counts()
+            counts.append({k: after[k] - before[k] for k in after})
+        print(counts)
+    """)
+    env, _ = compiled.compile_cache_env(str(tmp_path / "cache"))
+    env["PYTHONPATH"] = os.pathsep.join([str(compiled.REPO_ROOT), env.get("PYTHONPATH", "")])
+
+    def run(*args):
+        out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own script's printed list
+
+    (marked,) = run("mark", "32")
+    assert marked["fxgraph_miss"] == 1 and marked["fxgraph_hit"] == 0, marked
+    first, recompile = run("auto", "1", "32")
+    assert first["fxgraph_miss"] == 1, "batch 1 is a static graph of its own (a symbolic batch excludes 1)"
+    assert recompile["fxgraph_hit"] == 1 and recompile["fxgraph_miss"] == 0, recompile
 
 
 def _out(status, batches, message="", rows=None):
@@ -165,8 +213,10 @@ def test_a_compile_only_run_waits_for_no_gate(fake_workers, tmp_path):
     outs, cache = compiled.run_compile_jobs([_job([1, 2], static=False)], compile_s=30.0, timing_s_per_batch=10.0,
                                             device=torch.device("cpu"), warmup=1, iters=1, timed=False,
                                             cache_dir=str(tmp_path / "cache"), progress=lambda _: None)
-    (out,) = outs
-    assert out["status"] == "ok" and out["rows"] == {} and out["compiled_s"] == {1: 0.3, 2: 0.3}
+    assert [(o["job"].batches, o["job"].symbolic_batch) for o in outs] == [([1], False), ([2], True)], \
+        "compiling only: the dynamic job's recompile beside its first batch size"
+    assert all(o["status"] == "ok" and o["rows"] == {} for o in outs)
+    assert compiled.merge_results(outs)["compiled_s"] == {1: 0.3, 2: 0.3}
     assert cache["entries_before"] == 0
 
 
@@ -233,6 +283,8 @@ def test_the_warm_up_compiles_every_configuration_and_batch_size_apart():
     assert [(j.configuration, j.static) for j in jobs] == [("phyai", True), ("phyai", False), ("libero_rl", True),
                                                           ("libero_rl", False)]
     assert [len(w.batches) for w in compiled.split_jobs(jobs)] == [1, 1, 2, 1, 1, 2]
+    assert [(w.batches, w.symbolic_batch) for w in compiled.split_jobs(jobs, prewarm=True)] == [
+        ([1], False), ([32], False), ([1], False), ([32], True)] * 2
 
 
 def test_a_killed_worker_takes_its_children_and_an_exit_code_is_reported(tmp_path, monkeypatch):
