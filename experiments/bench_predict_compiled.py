@@ -348,7 +348,8 @@ def compile_batches(core, spec: WorkerSpec, cfg: PolicyConfig, device: torch.dev
         inputs, noise = common.make_inputs(cfg, batch, spec.prompt_len, device, seed=batch)
         args = lerobot_side.lerobot_inputs(inputs)
         if spec.symbolic_batch:
-            mark_batch_dynamic([*args[0], *args[1], *args[2:], noise])
+            images, image_masks, tokens, token_mask = args
+            mark_batch_dynamic([*images, *image_masks, tokens, token_mask, noise])
         before = compile_cache_counts()
         t0 = time.perf_counter()
         with torch.no_grad():
