@@ -9,13 +9,17 @@ Dynamics: progress starts at 0; each action adds action[0] to it; the episode su
 So with action[0] = 1 an episode of task t from init state k lasts 1 + t + k % 3 steps.
 State (8,): [progress, target, steps, init_state_id, task_id, episode_seed % 1000, 0, 0].
 Fault injection (to test error forwarding): an action with action[1] == FAULT_VALUE makes
-`control_step` raise.
+`control_step` raise, one with CRASH_VALUE kills the process with SIGSEGV (a hard crash, which
+faulthandler reports); with the environment variable FAIL_BUILD_ENV set, `ensure_created` raises
+(a worker started after it is set fails to build its envs).
 Images are a deterministic function of (camera, progress, steps, init_state_id): the same
 inputs always give the same pixels, different steps give different pixels.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,6 +27,8 @@ import numpy as np
 NUM_TASKS = 4
 NUM_INIT_STATES = 6
 FAULT_VALUE = 99.0
+CRASH_VALUE = -99.0
+FAIL_BUILD_ENV = "VLA_COUNTDOWN_FAIL_BUILD"
 
 
 class CountdownEnv:
@@ -49,6 +55,8 @@ class CountdownEnv:
         return NUM_INIT_STATES
 
     def ensure_created(self) -> None:
+        if os.environ.get(FAIL_BUILD_ENV):
+            raise RuntimeError(f"countdown task {self.task_id}: injected build failure ({FAIL_BUILD_ENV} is set)")
         self.created = True
 
     def begin_episode(self, init_state_id: int, seed: int) -> None:
@@ -63,6 +71,8 @@ class CountdownEnv:
     def control_step(self, action: np.ndarray) -> tuple[float, bool]:
         if float(action[1]) == FAULT_VALUE:
             raise RuntimeError(f"countdown task {self.task_id}: injected fault (action[1] == {FAULT_VALUE})")
+        if float(action[1]) == CRASH_VALUE:
+            os.kill(os.getpid(), signal.SIGSEGV)
         self._state[0] += float(action[0])
         self._state[2] += 1
         success = bool(self._state[0] >= self._state[1])

@@ -72,6 +72,7 @@ class VectorEnvBase:
         self._check_open()
         plan = self.plan_reset(init_state_ids, group_size, seed)
         start = time.perf_counter()
+        self._has_reset = False  # until every env has started its episode (a failed reset leaves some old ones)
         self._reset_envs(plan)
         self._lost[:] = False
         self._has_reset = True
@@ -82,12 +83,19 @@ class VectorEnvBase:
         """Execute actions (N, H, 7) open-loop in every env that is not done."""
         self._check_open()
         if not self._has_reset:
-            raise RuntimeError("step_chunk() before reset(): call reset() first")
+            raise RuntimeError("step_chunk() before reset() (or after a reset or chunk that failed): "
+                               "call reset() first")
         horizon = self.validate_actions(actions)
         buf = self._buffers
         buf["actions"][:, :horizon] = actions
         start = time.perf_counter()
-        newly_lost = self._step_envs(horizon)
+        try:
+            newly_lost = self._step_envs(horizon)
+        except BaseException:
+            # some envs ran the chunk and others did not (the sync twin stops at the failing env, the
+            # workers stop at theirs): the episodes no longer line up, so only a reset may follow
+            self._has_reset = False
+            raise
         wall = time.perf_counter() - start
         return self._result(horizon, wall, newly_lost)
 
@@ -140,9 +148,9 @@ class VectorEnvBase:
                     "a group must share one task (set env.task_ids per group)"
                 )
         base_seed = self.cfg.seed if seed is None else int(seed)
-        self._reset_count += 1
+        count = self._reset_count + 1  # committed only once the plan is valid: a refused reset draws nothing
         if init_state_ids is None:
-            rng = np.random.default_rng([base_seed, self._reset_count])
+            rng = np.random.default_rng([base_seed, count])
             per_group = [int(rng.integers(self.slots[s].num_init_states)) for s in range(0, n, g)]
             ids = [k for k in per_group for _ in range(g)]
         else:
@@ -161,9 +169,10 @@ class VectorEnvBase:
                     f"(0..{self.slots[i].num_init_states - 1})"
                 )
         seeds = [
-            int(np.random.SeedSequence([base_seed, self._reset_count, i]).generate_state(1)[0])
+            int(np.random.SeedSequence([base_seed, count, i]).generate_state(1)[0])
             for i in range(n)
         ]
+        self._reset_count = count
         self.init_state_ids[:] = ids
         self.episode_seeds[:] = seeds
         return [(i, ids[i], seeds[i]) for i in range(n)]

@@ -18,6 +18,7 @@ they never import torch.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
@@ -30,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
 from typing import Any
+
+import numpy as np
 
 from common.processes import end_process
 from envs.config import EnvConfig
@@ -143,8 +146,10 @@ class AsyncVectorEnv(VectorEnvBase):
         for index, text in sorted(errors.items()):
             paragraphs.append(self._creation_report(index, "raised", created[index], text))
         message = "could not create the envs:\n" + "\n".join(paragraphs)
+        # never retried, so the env is unusable either way; a worker that raised is idle but still counted
+        # as creating, and a later command would wait for the "create" reply it already sent
+        self._broken = f"after a failed env build: {message}"
         if failures:
-            self._broken = message
             raise WorkerCrashedError(message)
         raise EnvWorkerError(message)
 
@@ -159,13 +164,17 @@ class AsyncVectorEnv(VectorEnvBase):
     def _fault_path(self, index: int) -> str:
         return os.path.join(self._fault_dir, f"worker{index}.faults")
 
-    def _read_faults(self, index: int, reason: str) -> str:
-        """The stack faulthandler wrote for a worker that crashed, or why there is none."""
+    def _fault_stack(self, index: int) -> str:
+        """The stack faulthandler wrote for the worker (empty when it wrote none)."""
         try:
             with open(self._fault_path(index)) as f:
-                text = f.read().strip()
+                return f.read().strip()
         except OSError:
-            text = ""
+            return ""
+
+    def _read_faults(self, index: int, reason: str) -> str:
+        """The stack faulthandler wrote for a worker that crashed, or why there is none."""
+        text = self._fault_stack(index)
         if text:
             return text
         oom = " (SIGKILL is also what the kernel's out-of-memory killer sends)" if "SIGKILL" in reason else ""
@@ -198,61 +207,95 @@ class AsyncVectorEnv(VectorEnvBase):
         tasks = sorted({self.slots[i].label for i in handle.env_ids})
         return f"env worker {handle.index} (pid {handle.process.pid}, envs {handle.env_ids}, tasks {tasks})"
 
+    def _error_report(self, errors: dict[int, str], command: str) -> str:
+        """Every worker's traceback, one paragraph each (several workers may fail in one command)."""
+        return "\n".join(f"{self._describe(self._workers[index])} raised during {command!r}:\n{text}"
+                         for index, text in sorted(errors.items()))
+
     def _raise_errors(self, errors: dict[int, str], command: str) -> None:
         if errors:
-            index, text = sorted(errors.items())[0]
-            raise EnvWorkerError(
-                f"{self._describe(self._workers[index])} raised during {command!r}:\n{text}"
-            )
+            raise EnvWorkerError(self._error_report(errors, command))
 
-    def _raise_crash(self, failures: dict[int, str], command: str) -> None:
-        lines = [f"{self._describe(self._workers[i])} {reason}" for i, reason in sorted(failures.items())]
+    def _crash_report(self, index: int, reason: str, stack: str) -> str:
+        """A crashed worker, why it is gone, and the Python stack faulthandler wrote for it (a hard crash)."""
+        stack = f"; worker stack (faulthandler):\n{stack}" if stack else ""
+        return f"{self._describe(self._workers[index])} {reason}{stack}"
+
+    def _raise_crash(self, failures: dict[int, str], command: str, errors: dict[int, str] | None = None) -> None:
+        lines = [self._crash_report(i, reason, self._fault_stack(i)) for i, reason in sorted(failures.items())]
         for index in failures:
             self._workers[index].failed = True
-        self._broken = "; ".join(lines)
+        self._broken = "after a worker crash: " + "; ".join(lines)
         hint = "" if self.cfg.restart_on_crash else " (set env.restart_on_crash=true to restart it)"
-        raise WorkerCrashedError(f"during {command!r}: " + "; ".join(lines) + hint)
+        also = f"\nin the same {command!r}, " + self._error_report(errors, command) if errors else ""
+        raise WorkerCrashedError(f"during {command!r}: " + "; ".join(lines) + hint + also)
 
-    def _handle_failures(self, failures: dict[int, str], command: str) -> list[dict]:
-        """Restart crashed workers (restart_on_crash) and mark their envs lost; else raise."""
+    def _handle_failures(self, failures: dict[int, str], command: str, errors: dict[int, str],
+                         finished: np.ndarray | None = None) -> list[dict]:
+        """Restart crashed workers (restart_on_crash) and mark their envs lost; else raise (with the other
+        workers' errors). finished: envs whose episode had ended before the command (they keep their result)."""
         if not failures:
             return []
         if not self.cfg.restart_on_crash:
-            self._raise_crash(failures, command)
+            self._raise_crash(failures, command, errors)
         lost = []
         for index, reason in sorted(failures.items()):
             handle = self._workers[index]
+            stack = self._fault_stack(index)  # before the restart reopens (empties) its fault file
             description = self._describe(handle)
             self._kill(handle)
-            self._mark_lost(handle.env_ids)
+            env_ids = self._mark_lost(handle.env_ids, finished)
             self._workers[index] = self._start_worker(index, handle.env_ids)
-            warnings.warn(f"{description} {reason} during {command!r}; restarted, envs lost",
+            stack_note = f"; worker stack (faulthandler):\n{stack}" if stack else ""
+            warnings.warn(f"{description} {reason} during {command!r}; restarted, envs lost: {env_ids}{stack_note}",
                           RuntimeWarning, stacklevel=3)
             lost.append({
                 "worker": index,
-                "env_ids": list(handle.env_ids),
-                "tasks": [self.slots[i].label for i in handle.env_ids],
+                "env_ids": env_ids,
+                "tasks": [self.slots[i].label for i in env_ids],
                 "reason": reason,
+                "stack": stack,
             })
         return lost
 
-    def _mark_lost(self, env_ids: Sequence[int]) -> None:
-        """The worker is gone, so the parent may write its rows: done, nothing valid, and
-        zeroed observations so nobody consumes stale ones by accident."""
+    def _mark_lost(self, env_ids: Sequence[int], finished: np.ndarray | None = None) -> list[int]:
+        """The worker is gone, so the parent may write its rows. Nothing of the command ran validly: its
+        per-sub-step rows are zeroed. An episode that had already ended (`finished`) keeps its result and its
+        last observation; the others are lost: done, not successful, zeroed observations (and frames) so
+        nobody consumes stale ones by accident. Returns the lost env ids."""
         buf = self._buffers
-        for name in ("rewards", "terminated", "truncated", "valid", "timing", "state"):
+        for name in ("rewards", "terminated", "truncated", "valid", "timing"):
             buf[name][env_ids] = 0
+        lost = [i for i in env_ids if finished is None or not finished[i]]
+        buf["state"][lost] = 0
         for camera in self.cfg.cameras:
-            buf[f"{camera}_image"][env_ids] = 0
-        buf["done"][env_ids] = True
-        buf["success"][env_ids] = False
-        self._lost[env_ids] = True
+            buf[f"{camera}_image"][lost] = 0
+            if self.cfg.render_every == "substep":
+                buf[f"{camera}_frames"][lost] = 0
+        buf["done"][lost] = True
+        buf["success"][lost] = False
+        self._lost[lost] = True
+        return lost
+
+    @contextlib.contextmanager
+    def _awaiting_replies(self, command: str):
+        """Anything but a worker's reported error (KeyboardInterrupt, a failed restart) can leave replies to
+        `command` in the pipes, which the next command would take for its own: the env is unusable then."""
+        try:
+            yield
+        except EnvWorkerError:
+            raise  # every worker answered: the pipes are in step
+        except BaseException as exc:
+            if self._broken is None:
+                self._broken = (f"after an interrupted {command!r} ({type(exc).__name__}: {exc}): the workers' "
+                                "replies may still be pending; close this env and make a new one")
+            raise
 
     # ---------------------------------------------------------------------- hooks
     def _check_open(self) -> None:
         super()._check_open()
         if self._broken is not None:
-            raise RuntimeError(f"the vector env is unusable after a worker crash: {self._broken}")
+            raise RuntimeError(f"the vector env is unusable {self._broken}")
 
     def _worker_env_ids(self) -> list[list[int]]:
         return [h.env_ids for h in self._workers]
@@ -260,32 +303,38 @@ class AsyncVectorEnv(VectorEnvBase):
     def _reset_envs(self, plan: list[tuple[int, int, int]]) -> None:
         by_worker = {h.index: [p for p in plan if p[0] in set(h.env_ids)] for h in self._workers}
         attempts = 2 if self.cfg.restart_on_crash else 1
-        for _ in range(attempts):
-            handles = [self._workers[i] for i in by_worker]
-            self._wait_created(handles)
-            sent = [h for h in handles if self._send(h, ("reset", by_worker[h.index]))]
-            _replies, errors, failures = self._gather(sent, "reset", self.cfg.worker_timeout_s)
-            for h in handles:
-                if h not in sent:
-                    failures[h.index] = process_death_reason(h.process)
-            self._handle_failures(failures, "reset")
-            self._raise_errors(errors, "reset")
-            if not failures:
-                return
-            by_worker = {i: by_worker[i] for i in failures}  # retry on the restarted workers
-        self._raise_crash({i: "crashed again after a restart" for i in by_worker}, "reset")
+        with self._awaiting_replies("reset"):
+            for _ in range(attempts):
+                handles = [self._workers[i] for i in by_worker]
+                self._wait_created(handles)
+                errors, failures = self._exchange(handles, ("reset", by_worker), "reset")
+                self._handle_failures(failures, "reset", errors)
+                self._raise_errors(errors, "reset")
+                if not failures:
+                    return
+                by_worker = {i: by_worker[i] for i in failures}  # retry on the restarted workers
+            self._raise_crash({i: "crashed again after a restart" for i in by_worker}, "reset")
 
     def _step_envs(self, horizon: int) -> list[dict]:
         # Workers still rebuilding after a crash hold only lost (done) envs: nothing to step.
         handles = [h for h in self._workers if not h.creating]
-        sent = [h for h in handles if self._send(h, ("step", horizon))]
-        _replies, errors, failures = self._gather(sent, "step", self.cfg.worker_timeout_s)
+        finished = self._buffers["done"].copy()  # episodes that ended before this chunk keep their result
+        with self._awaiting_replies("step"):
+            errors, failures = self._exchange(handles, ("step", {h.index: horizon for h in handles}), "step")
+            lost = self._handle_failures(failures, "step", errors, finished)
+            self._raise_errors(errors, "step")
+        return lost
+
+    def _exchange(self, handles: Sequence[WorkerHandle], message: tuple[str, dict], command: str
+                  ) -> tuple[dict[int, str], dict[int, str]]:
+        """Send each worker its payload (message[1][index]) and collect the replies: (errors, failures)."""
+        kind, payloads = message
+        sent = [h for h in handles if self._send(h, (kind, payloads[h.index]))]
+        _replies, errors, failures = self._gather(sent, command, self.cfg.worker_timeout_s)
         for h in handles:
             if h not in sent:
                 failures[h.index] = process_death_reason(h.process)
-        lost = self._handle_failures(failures, "step")
-        self._raise_errors(errors, "step")
-        return lost
+        return errors, failures
 
     def _close_impl(self) -> None:
         self._finalizer()
