@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from profiler.trace import Trace
+from profiler.trace import Trace, strict_json
 
 
 def perfetto_events(trace: Trace) -> list[dict]:
@@ -49,5 +49,6 @@ def write_perfetto(trace: Trace, path: str | os.PathLike) -> Path:
     doc = {"traceEvents": perfetto_events(trace), "displayTimeUnit": "ms",
            "otherData": {"source": "vla-rollout profiler", **{k: str(v) for k, v in trace.meta.items()
                                                               if isinstance(v, (str, int, float))}}}
-    path.write_text(json.dumps(doc, default=str))
+    # span attributes may hold NaN / inf (a loss, a grad norm): bare NaN is not JSON, and trace viewers refuse it
+    path.write_text(json.dumps(strict_json(doc), default=str, allow_nan=False))
     return path

@@ -153,6 +153,9 @@ def plot_control_roofline(control: ControlRoofline, path: str | os.PathLike) -> 
 def plot_stage_roofline(points: Sequence[StagePoint], ceilings: Ceilings, path: str | os.PathLike) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 5), dpi=110)
+    # a stage with no FLOPs (a copy) or no bytes has no place on log-log axes: named in the title instead
+    off_axes = [p.name for p in points if not (p.intensity > 0 and p.achieved_flops > 0 and np.isfinite(p.intensity))]
+    points = [p for p in points if p.name not in off_axes]
     intensities = [p.intensity for p in points]
     lo, hi = min(intensities + [ceilings.ridge_intensity]) / 10, max(intensities + [ceilings.ridge_intensity]) * 10
     grid = np.geomspace(lo, hi, 200)
@@ -165,8 +168,10 @@ def plot_stage_roofline(points: Sequence[StagePoint], ceilings: Ceilings, path: 
                    label=f"{p.name}: {p.mfu:.1%} MFU, {p.roof_fraction:.0%} of roof ({p.bound})")
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("TFLOP/s")
-    ax.set_title("Stage roofline")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("Stage roofline" + (f" (not plotted, no FLOPs or bytes: {', '.join(off_axes)})" if off_axes else ""),
+                 fontsize=10 if off_axes else None)
+    if points:
+        ax.legend(fontsize=8, loc="lower right")
     return _save(fig, path)
 
 

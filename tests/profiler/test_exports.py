@@ -89,3 +89,24 @@ def test_report_cli_rebuilds_json_and_text(run_dir, capsys):
 def test_report_on_an_empty_run_dir_fails_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="no span files"):
         build_exports(tmp_path, ProfilerConfig(), exports=["json"])
+
+
+def test_non_finite_attributes_and_copy_stages_still_export(tmp_path):
+    """A NaN loss in a span's attributes keeps the Perfetto file strict JSON (viewers refuse bare NaN), and a
+    stage with no FLOPs (a copy) is left off the log-log roofline instead of failing the export."""
+    spans = pipelined_step(step=0, t0=0) + [
+        sp("actor_train/update", "driver", 40, 45, loss=float("nan"), grad_norm=float("inf")),
+        sp("rollout/predict/vision", "engine", 1, 2, flops=2e9, bytes=1e7),
+        sp("rollout/predict/h2d_copy", "engine", 2, 3, flops=0, bytes=5e7),
+    ]
+    write_trace_files(tmp_path, spans)
+    write_meta(tmp_path, ceilings={"peak_flops": 1e13, "peak_bytes_per_s": 1e11, "source": "given"})
+    _, written = build_exports(tmp_path, ProfilerConfig(), exports=["perfetto", "png"])
+
+    def refuse(constant):
+        raise ValueError(f"non-JSON constant {constant}")
+
+    doc = json.loads(written["perfetto"].read_text(), parse_constant=refuse)
+    train = next(e for e in doc["traceEvents"] if e["name"] == "actor_train/update")
+    assert train["args"]["loss"] == "nan" and train["args"]["grad_norm"] == "inf"
+    assert written["stage_roofline"].exists()
