@@ -9,7 +9,7 @@ schedule_plot (measurement).
 """
 
 from worldmodels.config import WorldModelConfig
-from worldmodels.serve import AdmissionRefused, WorldModelServer
+from worldmodels.serve import AdmissionRefused, StreamFailed, WorldModelServer
 from worldmodels.serve_config import ServeConfig
 
-__all__ = ["AdmissionRefused", "ServeConfig", "WorldModelConfig", "WorldModelServer"]
+__all__ = ["AdmissionRefused", "ServeConfig", "StreamFailed", "WorldModelConfig", "WorldModelServer"]

@@ -9,13 +9,22 @@ Admission: a stream is admitted only when all its stages fit, i.e. every stage o
 has the pages it needs, the ring's stage batches stay within `max_batch`, and the predicted
 output interval of every stream (the new one included) stays within its SLO. The prediction
 uses per-stage tick models t_r(n) = a_r + b_r m(n) (m: the rows the stage runs, a graph's padded
-bucket) fitted on measured ticks, in the lockstep
+bucket) fitted on measured ticks, and a host model h(n) by the tick's items, in the lockstep
 execution the server uses: a tick lasts as long as the busiest device (the sum of its stages'
-times); a closed-loop stream (one chunk in flight: the policy needs chunk n's frames to act on
-chunk n+1) needs passes x stages ticks per chunk; S streams spread over the phases of a ring of
-R stages put ceil(S / R) items on each stage per tick (exact for one stage), so
+times) plus the host's share; a closed-loop stream (one chunk in flight: the policy needs chunk
+n's frames to act on chunk n+1) has one item in its ring at a time and needs passes x stages
+ticks per chunk. Nothing spreads a ring's streams over its stages: streams opened and answered
+together (the world-model env's) stay in phase, so one stage runs all S of them in a tick while
+the others idle, and spreading them could even cost more (an idle stage costs nothing, each busy
+one its intercept). Whatever the phases, no stage runs more than S items and no tick more than S
+per ring, so the prediction takes S items on every stage:
 
-    interval = passes * R * max_device sum_{r on device} t_r(ceil(S_ring(r) / R_ring(r))).
+    interval = passes * R * (max_device sum_{r on device} t_r(S_ring(r)) + h(sum_rings S)).
+
+Exact for one stage (R = 1) and for in-phase streams on balanced stages with a device each; up to
+R times pessimistic where a ring's stages share a device (in phase, one of them runs a tick). A
+stage may run all S, so a ring serves at most `max_batch` streams (more would be cut to
+`max_batch` a tick, breaking the passes x stages ticks a chunk takes).
 
 Refusals say which ring and stage failed and by how much.
 """
@@ -161,11 +170,15 @@ class AdmissionController:
     def ring_load(self, ring: int) -> int:
         return sum(1 for g, _ in self.members.values() if g == ring)
 
+    def _ring_items(self, loads: dict[int, int]) -> dict[int, int]:
+        """The most items one stage of a ring, and the whole ring, run in a tick: all S of its closed-loop
+        streams (in phase, nothing staggers them; module docstring), at most max_batch."""
+        return {g: min(loads.get(g, 0), self.max_batch) for g in range(len(self.placement.ring_sizes))}
+
     def _stage_items(self, loads: dict[int, int]) -> dict[int, int]:
-        """Items per rank: a ring of R stages with S streams spread over its phases gives each stage
-        ceil(S / R) items per tick (at most max_batch)."""
-        return {r.rank: min(-(-loads.get(r.ring, 0) // self.placement.ring_sizes[r.ring]), self.max_batch)
-                for r in self.placement.ranks}
+        """Items per rank: its ring's S on every stage (the bound of any tick, whatever the phases)."""
+        ring = self._ring_items(loads)
+        return {r.rank: ring[r.ring] for r in self.placement.ranks}
 
     def predicted_stages(self, loads: dict[int, int]) -> float:
         """The busiest device's summed stage times (stages run in lockstep, devices in parallel)."""
@@ -176,7 +189,8 @@ class AdmissionController:
         return max(per_device.values(), default=0.0)
 
     def predicted_host(self, loads: dict[int, int]) -> float:
-        return self.host_model.predict(sum(self._stage_items(loads).values()))
+        """The host's share by the tick's items: at most S per ring (one item per closed-loop stream)."""
+        return self.host_model.predict(sum(self._ring_items(loads).values()))
 
     def predicted_tick(self, loads: dict[int, int]) -> float:
         """Lockstep tick: the busiest device's stage times, then the host's share of the tick."""
@@ -216,8 +230,9 @@ class AdmissionController:
             free = self.allocators[r.rank].free_count
             if free < self.pages_per_stream:
                 return f"{r.label} has {free} free KV pages, the stream needs {self.pages_per_stream}"
-        if base[ring] + 1 > self.max_batch:
-            return f"already serves {base[ring]} streams = max_batch ({self.max_batch})"
+        if base[ring] + 1 > self.max_batch:  # in phase, one stage runs every stream of the ring in a tick
+            return (f"already serves {base[ring]} streams = max_batch ({self.max_batch}), the most one stage "
+                    f"runs in a tick")
         loads = {**base, ring: base[ring] + 1}
         tick = self.predicted_tick(loads)
         for other, (g, slo) in [(None, (ring, slo_s)), *self.members.items()]:

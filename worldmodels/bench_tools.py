@@ -62,7 +62,8 @@ def run_closed_loop(server: WorldModelServer, num_streams: int, warmup_chunks: i
     """S streams, each submitting its next action chunk as soon as it is `lookahead` chunks
     ahead of its outputs (lookahead 1: a closed loop, the policy answering at once). Stream i
     opens at tick floor(i * spread_ticks / S): spread over a pipeline's cycle (passes x stages
-    ticks), closed-loop streams keep distinct phases, so every stage has work every tick.
+    ticks), closed-loop streams keep distinct phases, so every stage has work every tick (the
+    admission does not count on it: it predicts streams in phase, worldmodels/admission.py).
     Measures the chunks finished after every stream's warm-up chunks: aggregate rate and
     per-stream output intervals."""
     cfg = server.cfg

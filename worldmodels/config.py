@@ -170,6 +170,12 @@ class WorldModelConfig:
         return self.frames_per_chunk * self.dit.actions_per_frame
 
     @property
+    def max_chunks(self) -> int:
+        """Action chunks one stream can take: the context chunk and every chunk after it fit in the RoPE table
+        (chunk c covers latent frames (c + 1) F .. (c + 2) F - 1, which must stay below dit.max_frames)."""
+        return self.dit.max_frames // self.frames_per_chunk - 1
+
+    @property
     def video_frames_per_chunk(self) -> int:
         return self.frames_per_chunk * self.vae.stride[0]
 

@@ -12,7 +12,8 @@ GRPO can treat both alike; everything specific to the world model sits under `wo
     max_episode_steps: 40
     worldmodel:
       model: {preset: tiny}   # WorldModelConfig (height/width follow image_size and cameras)
-      serve: {}               # ServeConfig (rings default to [[device]], max_streams to num_envs)
+      serve: {}               # ServeConfig (rings default to [[device]], max_streams to num_envs,
+                              # max_batch to at least the streams one ring serves)
       device: cpu
       num_tasks: 4            # context tables (one learned context per task) and prompts
       num_init_states: 8
@@ -97,6 +98,37 @@ class WorldModelEnvConfig:
         if self.chunk_size > model.chunk_actions:
             raise ValueError(f"env.chunk_size ({self.chunk_size}) exceeds what one world-model chunk covers "
                              f"({model.chunk_actions} = frames_per_chunk x dit.actions_per_frame)")
+        self._check_episode_fits(model)
+        self._check_streams_fit(model, self.serve_config())  # validates the serve keys now too
+
+    def _check_episode_fits(self, model: WorldModelConfig) -> None:
+        """An episode's chunks must fit a stream's RoPE table, or the env fails mid-episode (at the server's
+        submit). Counted in chunks of chunk_size actions, the collector's; shorter chunks need more."""
+        chunks = -(-self.max_episode_steps // self.chunk_size)
+        if chunks > model.max_chunks:
+            raise ValueError(
+                f"env.max_episode_steps ({self.max_episode_steps}) takes {chunks} chunks of env.chunk_size "
+                f"({self.chunk_size}) actions, past the {model.max_chunks} a world-model stream holds "
+                f"(env.worldmodel.model.dit.max_frames ({model.dit.max_frames}) // frames_per_chunk "
+                f"({model.frames_per_chunk}), less the context chunk): lower env.max_episode_steps or raise "
+                f"env.worldmodel.model.dit.max_frames")
+
+    def _check_streams_fit(self, model: WorldModelConfig, serve: ServeConfig) -> None:
+        """Every env holds a stream: the server must admit num_envs of them, or reset fails on the first env
+        past its limits. Admission fills the least-loaded ring, so each ring serves ceil(num_envs / rings)."""
+        rings = len(serve.rings)
+        per_ring = -(-self.num_envs // rings)
+        if per_ring > serve.max_batch:
+            raise ValueError(
+                f"env.worldmodel.serve.max_batch ({serve.max_batch}) x {rings} ring(s) admits fewer streams than "
+                f"env.num_envs ({self.num_envs}; {per_ring} a ring): raise serve.max_batch or add rings")
+        pages = model.kv_pages_per_stream()
+        capacity = serve.kv_pages_per_stage or serve.max_streams * pages
+        if per_ring * pages > capacity:
+            raise ValueError(
+                f"env.worldmodel.serve KV pools hold {capacity // pages} streams a stage ({capacity} pages: "
+                f"kv_pages_per_stage, or max_streams x {pages}), fewer than env.num_envs ({self.num_envs}; "
+                f"{per_ring} a ring): raise serve.max_streams or serve.kv_pages_per_stage")
 
     @property
     def num_groups(self) -> int:
@@ -119,6 +151,9 @@ class WorldModelEnvConfig:
         data = dict(self.worldmodel.serve)
         data.setdefault("rings", [[self.worldmodel.device]])
         data.setdefault("max_streams", self.num_envs)
+        # a ring admits at most max_batch streams: never fewer than it serves here (ServeConfig's 64 at least)
+        per_ring = -(-self.num_envs // max(len(data["rings"]), 1))
+        data.setdefault("max_batch", max(ServeConfig.max_batch, per_ring))
         return ServeConfig.from_mapping(data)
 
     def env_task_ids(self) -> list[int]:

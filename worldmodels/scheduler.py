@@ -13,9 +13,14 @@ p >= 1 is chunk p - 1 with passes 0..K-1 (denoise steps) and, in the clean sched
 - positions run in order per (stage, pass), and at most `max_inflight` positions of a stream
   are between their first pass and their last (bounds the latent slots).
 
-Each tick every stage takes all its ready items (up to `max_batch`, oldest first): the
-executor runs each block once over them as one batch. The scheduler holds no tensors; the
-server executes a plan and reports it back with `complete`.
+Each tick every stage takes all its ready items (up to `max_batch`, longest-waiting first:
+by the tick an item became ready, then by position): the executor runs each block once over
+them as one batch. Ordering by position alone let a late-joining stream, whose positions are
+low, take every seat for as long as its positions trail an older stream's (unbounded with
+repeated joins); by waiting time, an item waits at most for the items that were ready before
+it. Any order gives the same latents: every ready item's inputs and K/V exist already. The
+scheduler holds no tensors; the server executes a plan and reports it back with `complete`
+(or, when the plan's execution failed before an item ran, `requeue`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class StreamProgress:
     context_ready: bool = False
     done: list[list[int]] = field(default_factory=list)  # done[stage][pass] = last position finished
     dispatched: set[tuple[int, int, int]] = field(default_factory=set)  # (position, pass, stage) in flight
+    ready_since: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (position, pass, stage) -> tick
 
     def __post_init__(self) -> None:
         self.done = [[-1] * self.passes for _ in range(self.num_stages)]
@@ -101,8 +107,13 @@ class StreamProgress:
                 items.append(WorkItem(self.stream, position, step, stage))
         return items
 
+    def waiting_since(self, item: WorkItem, tick: int) -> int:
+        """The tick the item was first seen ready (kept until it finishes: a requeued item keeps its place)."""
+        return self.ready_since.setdefault((item.position, item.step, item.stage), tick)
+
     def finish(self, item: WorkItem) -> None:
         self.dispatched.discard((item.position, item.step, item.stage))
+        self.ready_since.pop((item.position, item.step, item.stage), None)
         done = self.done[item.stage]
         if item.is_prefill:
             done[:] = [0] * self.passes
@@ -155,7 +166,8 @@ class StageScheduler:
                 ready = [item for p in members for item in p.ready(stage)]
                 if not ready:
                     continue
-                ready.sort(key=lambda it: (it.position, it.step, it.stream))  # oldest work first
+                since = {item: self.streams[item.stream].waiting_since(item, self.tick_index) for item in ready}
+                ready.sort(key=lambda it: (since[it], it.position, it.step, it.stream))  # longest waiting first
                 chosen = ready[: self.max_batch]
                 for item in chosen:
                     self.streams[item.stream].dispatched.add((item.position, item.step, item.stage))
@@ -175,6 +187,13 @@ class StageScheduler:
             if last_stage and not item.is_prefill and item.step == self.num_steps - 1:
                 finished.append(ChunkFinished(item.stream, item.chunk))
         return finished
+
+    def requeue(self, items: Iterable[WorkItem]) -> None:
+        """Planned items that never ran (the tick failed before their stage did): ready again, in their place."""
+        for item in items:
+            progress = self.streams.get(item.stream)
+            if progress is not None:
+                progress.dispatched.discard((item.position, item.step, item.stage))
 
     def idle(self) -> bool:
         return not any(p.ready(s) for p in self.streams.values() for s in range(p.num_stages))

@@ -13,6 +13,12 @@ the stage runs each of its blocks once over them as one batch (per-item K/V wind
 paged pool, per-item timestep/action modulation), on its device. Stages run in lockstep: a tick
 dispatches every stage (asynchronously on GPUs), then waits once; an item moves one stage per
 tick. Streams are admitted only where all their stages fit (worldmodels/admission.py).
+
+A tick builds every stage's batch before any stage runs. If a tick raises, no stream waits
+silently: items whose stage had not run are ready again, and a stream whose item ran (or was
+running) fails with the cause (`StreamFailed` from its poll and submit until it is closed): a
+pass at position p writes its K/V over the page of p - window, which it reads itself, so it
+cannot run twice.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ from worldmodels.vae import SmallCausalVAE, build_vae, still_clip
 
 class AdmissionRefused(RuntimeError):
     pass
+
+
+class StreamFailed(RuntimeError):
+    """The stream's state was lost in a failed tick: close it (that frees its pages) and open a new one."""
 
 
 @dataclass
@@ -186,7 +196,7 @@ class WorldModelServer:
     def submit(self, sid: int, actions, noise: Tensor | None = None) -> int:
         """Queue the action chunk (H, action_dim) of the stream's next chunk; returns its index."""
         started = now()
-        st = self._stream(sid)
+        st = self._live_stream(sid)
         actions = torch.as_tensor(np.asarray(actions, dtype=np.float32))
         if actions.ndim != 2 or actions.shape[1] != self.cfg.dit.action_dim:
             raise ValueError(
@@ -195,12 +205,22 @@ class WorldModelServer:
             raise ValueError(f"stream {sid}: actions are not finite")
         chunk = st.submitted
         last_frame = (chunk + 2) * self.cfg.frames_per_chunk - 1
-        if last_frame >= self.cfg.dit.max_frames:
+        if chunk >= self.cfg.max_chunks:
             raise ValueError(f"stream {sid}: chunk {chunk} would reach latent frame {last_frame}, past "
                              f"worldmodel.dit.max_frames ({self.cfg.dit.max_frames})")
         shape = (self.cfg.frames_per_chunk, self.cfg.dit.latent_channels, *self.cfg.latent_hw)
-        st.noise[chunk] = (chunk_noise(st.seed, chunk, shape) if noise is None else noise.float().cpu())
-        st.actions[chunk] = frame_actions(actions[None], self.cfg.frames_per_chunk, self.cfg.dit.actions_per_frame)[0]
+        if noise is None:
+            noise = chunk_noise(st.seed, chunk, shape)
+        else:  # checked here: a bad one would fail the tick that batches it, and every stream in that batch
+            noise = torch.as_tensor(noise).float().cpu()
+            if tuple(noise.shape) != shape:
+                raise ValueError(f"stream {sid}: noise of chunk {chunk} must have the chunk's latent shape {shape}, "
+                                 f"got {tuple(noise.shape)}")
+            if not torch.isfinite(noise).all():
+                raise ValueError(f"stream {sid}: noise of chunk {chunk} is not finite")
+        framed = frame_actions(actions[None], self.cfg.frames_per_chunk, self.cfg.dit.actions_per_frame)[0]
+        st.noise[chunk] = noise
+        st.actions[chunk] = framed
         st.submitted_at[chunk] = now()
         st.submitted += 1
         self.scheduler.submit(sid)
@@ -209,49 +229,64 @@ class WorldModelServer:
 
     @locked
     def poll(self, sid: int) -> ChunkOutput | None:
+        """The stream's next finished chunk, or None; a failed stream's outputs first, then StreamFailed."""
         st = self._stream(sid)
-        return st.outbox.popleft() if st.outbox else None
+        if st.outbox:
+            return st.outbox.popleft()
+        self._live_stream(sid)
+        return None
 
     def _stream(self, sid: int) -> StreamState:
         if sid not in self.streams:
             raise KeyError(f"stream {sid} is not open")
         return self.streams[sid]
 
+    def _live_stream(self, sid: int) -> StreamState:
+        st = self._stream(sid)
+        if st.failed is not None:
+            raise StreamFailed(f"stream {sid} failed: {st.failed}; it cannot go on: close it and open a new one")
+        return st
+
     # ------------------------------------------------------------------ ticks
     @locked
     @torch.no_grad()
     def tick(self) -> list[ChunkOutput]:
-        """Run every stage once over its ready items; returns the chunks finished in this tick."""
+        """Run every stage once over its ready items; returns the chunks finished in this tick. On an
+        error, the items of stages that had not run are ready again and the streams whose items ran fail
+        (module docstring); then the error is raised."""
         plan = self.scheduler.plan_tick()
         if not plan:
             return []
         tick_start = now()
-        timers = []
-        for (ring, stage), items in plan.items():
-            rank = self.placement.rank_of(ring, stage)
-            graphs = self._graphs(rank.rank)
-            timers.append((rank, items, self._run_stage(rank, items), self._graphs(rank.rank) != graphs))
-        self._synchronize()
-        busy: dict[str, float] = {}
-        for rank, items, timer, captured in timers:
-            start, end = timer.result()
-            if not captured:  # a capture's run is no later tick's time (round 31's 72-140 ms intercepts)
-                self.tick_models[rank.rank].observe(len(items), end - start)
-            busy[rank.device] = busy.get(rank.device, 0.0) + end - start
-            if self.serve.record_timeline:
-                self.timeline.append(TickRecord(self.tick_count, rank.rank, rank.device,
-                                                [(i.stream, i.chunk, i.step) for i in items],
-                                                start - tick_start, end - tick_start))
-        executed = [item for items in plan.values() for item in items]
-        self.last_tick_items = len(executed)
-        finished = self.scheduler.complete(executed)
-        outputs = self._deliver(finished)
-        self._retire(executed)
+        stages = [(self.placement.rank_of(ring, stage), items) for (ring, stage), items in plan.items()]
+        planned = [item for _, items in stages for item in items]
+        try:  # building changes nothing: a failed build gives every item back
+            batches = [self._build(rank, items) for rank, items in stages]
+        except BaseException:
+            self.scheduler.requeue(planned)
+            raise
+        at_risk: set[int] = set()  # the streams an error now would leave unable to go on
+        try:
+            timers = []
+            for (rank, items), batch in zip(stages, batches, strict=True):
+                at_risk.update(item.stream for item in items)
+                graphs = self._graphs(rank.rank)
+                timers.append((rank, items, self._run_stage(rank, items, batch), self._graphs(rank.rank) != graphs))
+            self._synchronize()
+            busy = self._observe(timers, tick_start)
+            self.last_tick_items = len(planned)
+            finished = self.scheduler.complete(planned)
+            at_risk = {f.stream for f in finished}  # every item is done; only these chunks' outputs are pending
+            outputs = self._deliver(finished)
+        except BaseException as error:  # an interrupt leaves the same half-run state
+            self._recover(planned, at_risk, error)
+            raise
+        self._retire(planned)
         # what the tick took beyond its busiest device's stages is host work the admission must count too
         # (not a tick that captured a new bucket's graph: its capture is host time no later tick pays)
         if not any(captured for *_, captured in timers):
             host = now() - tick_start - max(busy.values()) + self._submit_s
-            self.admission.host_model.observe(len(executed), max(host, 0.0))
+            self.admission.host_model.observe(len(planned), max(host, 0.0))
         self._submit_s = 0.0
         self.tick_count += 1
         return outputs
@@ -265,16 +300,49 @@ class WorldModelServer:
             outputs += self.tick()
         raise RuntimeError(f"still busy after {max_ticks} ticks")
 
-    def _run_stage(self, rank: VirtualRank, items: list[WorkItem]):
+    def _build(self, rank: VirtualRank, items: list[WorkItem]) -> StageBatch:
         runner = self.runners[rank.rank]
-        batch = self.builder.build(rank, runner.first, runner.last, items, self.streams, runner.device)
+        return self.builder.build(rank, runner.first, runner.last, items, self.streams, runner.device)
+
+    def _run_stage(self, rank: VirtualRank, items: list[WorkItem], batch: StageBatch):
+        runner = self.runners[rank.rank]
         timer = Timer(runner.device)
         out = runner.run(batch)
         timer.stop()
         self._route(rank, runner, items, out)
         return timer
 
+    def _observe(self, timers: list, tick_start: float) -> dict[str, float]:
+        """Feed the stage times to the tick models (and the timeline); returns each device's busy seconds."""
+        busy: dict[str, float] = {}
+        for rank, items, timer, captured in timers:
+            start, end = timer.result()
+            if not captured:  # a capture's run is no later tick's time (round 31's 72-140 ms intercepts)
+                self.tick_models[rank.rank].observe(len(items), end - start)
+            busy[rank.device] = busy.get(rank.device, 0.0) + end - start
+            if self.serve.record_timeline:
+                self.timeline.append(TickRecord(self.tick_count, rank.rank, rank.device,
+                                                [(i.stream, i.chunk, i.step) for i in items],
+                                                start - tick_start, end - tick_start))
+        return busy
+
+    def _recover(self, planned: list[WorkItem], at_risk: set[int], error: BaseException) -> None:
+        """After a tick raised: the planned items of the other streams had not run (or are done), so they
+        are ready again; a stream in `at_risk` ran an item that may have overwritten K/V it reads itself, or
+        lost a finished chunk's output, so it fails instead of waiting forever for work never planned again."""
+        self.scheduler.requeue(item for item in planned if item.stream not in at_risk)
+        for sid in sorted(at_risk):
+            st = self.streams.get(sid)
+            if st is None or st.failed is not None:
+                continue
+            st.failed = f"tick {self.tick_count} raised {type(error).__name__}: {error}"
+            st.hidden.clear()
+            self.scheduler.remove_stream(sid)  # never planned again; its pages stay reserved until close_stream
+
     def _route(self, rank: VirtualRank, runner: StageRunner, items: list[WorkItem], out: Tensor) -> None:
+        if not runner.first:  # the hidden states the previous stage sent are consumed now
+            for item in items:
+                self.streams[item.stream].hidden.pop((item.position, item.step, rank.stage), None)
         if runner.last:
             new = out.clone()
             for i, item in enumerate(items):

@@ -22,7 +22,7 @@ class ServeConfig:
     # Blocks per stage, per ring (e.g. [[16, 14]]); None: equal counts (balanced_split gives measured ones)
     block_split: list[list[int]] | None = None
     max_streams: int = 64  # sizes each stage's KV pool (unless kv_pages_per_stage is set)
-    max_batch: int = 64  # items per stage per tick
+    max_batch: int = 64  # items per stage per tick; a ring admits at most this many streams (they may be in phase)
     max_inflight_chunks: int | None = None  # per stream; None: passes x stages (a full pipeline)
     kv_pages_per_stage: int | None = None
     kv_memory_gb: float | None = None  # per device: refuse to build pools larger than this

@@ -54,6 +54,7 @@ class StreamState:
     previous_frame: Tensor | None = None  # the last latent frame of the previous chunk (VAE context)
     outbox: deque = field(default_factory=deque)
     submitted: int = 0
+    failed: str | None = None  # why the stream cannot go on (a tick failed after running its items)
 
 
 class BatchBuilder:
@@ -79,6 +80,8 @@ class BatchBuilder:
 
     def build(self, rank: VirtualRank, first: bool, last: bool, items: list[WorkItem],
               streams: dict[int, StreamState], device: torch.device) -> StageBatch:
+        """Reads the streams and changes nothing: a tick builds every stage's batch before any runs, and a
+        failed build leaves its items as they were."""
         t, dt, frame0, ctx, reads, writes, real, actions, latents, hidden = ([] for _ in range(10))
         frames = self.cfg.frames_per_chunk
         for item in items:
@@ -104,8 +107,8 @@ class BatchBuilder:
             ctx.append(st.context_id)
             if first or last:
                 latents.append(self.input_latents(st, item).to(device, non_blocking=True))
-            if not first:
-                hidden.append(st.hidden.pop((item.position, item.step, rank.stage)))
+            if not first:  # left in place until the stage has run (the server drops it): a failed tick can retry
+                hidden.append(st.hidden[(item.position, item.step, rank.stage)])
         mask = None
         if min(real) < self.window:
             mask = torch.tensor([[w < c for w in range(self.window)] for c in real], dtype=torch.bool)

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from envs.worldmodel_env import WorldModelVectorEnv
 from tests.envs.helpers import assert_obs_equal, assert_results_equal
 from worldmodels.env_config import WorldModelEnvConfig
+from worldmodels.serve import StreamFailed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -191,3 +192,21 @@ def test_reset_from_stored_latents(tmp_path):
         np.testing.assert_array_equal(contexts[1].numpy(), latents[1, 2])
         assert obs["agentview_image"].shape == (2, 32, 32, 3) and obs["agentview_image"].std() > 0
         assert vec.step_chunk(actions(2, 4)).valid.all()
+
+
+def test_a_failed_tick_fails_the_streams_and_reset_recovers(monkeypatch):
+    with WorldModelVectorEnv(wm_cfg(num_envs=2, group_size=1)) as vec:
+        vec.reset()
+
+        def broken(batch):
+            raise RuntimeError("stage broke")
+
+        monkeypatch.setattr(vec.server.runners[0], "run", broken)
+        with pytest.raises(RuntimeError, match="stage broke"):
+            vec.step_chunk(actions(2, 8))
+        monkeypatch.undo()
+        for sid in vec._streams:  # failed with the cause, not waiting silently for work never planned again
+            with pytest.raises(StreamFailed, match="tick .* raised RuntimeError: stage broke"):
+                vec.server.poll(sid)
+        vec.reset()  # closes the failed streams, opens new ones
+        assert vec.step_chunk(actions(2, 8)).valid.all()

@@ -74,9 +74,9 @@ def test_the_hosts_share_of_a_tick_counts_every_stages_items():
     assert single.predicted_tick({0: 2}) == pytest.approx(0.010 + 0.005 * 2 + 0.002 + 0.001 * 2)
     ctl = controller(two_rings(), a=0.001, b=0.002)
     ctl.host_model = host
-    # ring 0: 3 streams over 2 stages = 2 items on each of its ranks; ring 1: 1 stream = 1 item on each
-    assert ctl.predicted_host({0: 3, 1: 1}) == pytest.approx(0.002 + 0.001 * (2 + 2 + 1 + 1))
-    assert ctl.predicted_tick({0: 3, 1: 1}) == pytest.approx(0.001 + 0.002 * 2 + 0.002 + 0.001 * 6)
+    # ring 0: 3 streams, maybe in phase: 3 items on either of its ranks, 3 in the tick; ring 1: 1 stream
+    assert ctl.predicted_host({0: 3, 1: 1}) == pytest.approx(0.002 + 0.001 * (3 + 1))
+    assert ctl.predicted_tick({0: 3, 1: 1}) == pytest.approx(0.001 + 0.002 * 3 + 0.002 + 0.001 * 4)
     # an SLO that the stages alone would meet is refused once the host's share is counted
     single.try_admit(0, slo_s=1.0)
     refused = single.try_admit(1, slo_s=4 * (0.010 + 0.005 * 2) + 1e-4)
@@ -94,14 +94,14 @@ def test_devices_shared_by_virtual_ranks_add_up():
         assert ctl.predicted_interval(0) == pytest.approx(4 * 2 * tick)
 
 
-def test_streams_spread_over_a_rings_stages():
-    """S streams on a ring of R stages: ceil(S / R) items per stage and tick."""
+def test_a_rings_streams_may_all_run_on_one_stage():
+    """S streams on a ring of R stages are not spread over its phases: any stage may run all S in a tick."""
     placement = Placement([[StageSpec("cuda:0", (0, 4)), StageSpec("cuda:1", (4, 8))]], 8)
     ctl = controller(placement, a=0.001, b=0.002)
     for s in range(3):
         ctl.try_admit(s)
-    assert ctl.predicted_tick({0: 3}) == pytest.approx(0.001 + 0.002 * 2)
-    assert ctl.predicted_interval(0) == pytest.approx(4 * 2 * 0.005)
+    assert ctl.predicted_tick({0: 3}) == pytest.approx(0.001 + 0.002 * 3)
+    assert ctl.predicted_interval(0) == pytest.approx(4 * 2 * 0.007)
 
 
 def test_max_batch_bounds_a_ring():
