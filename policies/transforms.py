@@ -159,13 +159,18 @@ class ObservationTransform:
 
 
 def _as_tensor(value: Any) -> Tensor:
-    """A tensor view of an array (no copy). Read-only arrays (Ray's object store, shared
+    """A tensor view of an array (no copy), except for negative strides (a flipped image,
+    img[:, ::-1]), which torch cannot view: those are copied, as the local backend's shared
+    memory does, so every backend takes them. Read-only arrays (Ray's object store, shared
     observations) are only read here, so torch's warning about them does not apply."""
     if isinstance(value, Tensor):
         return value
+    array = np.asarray(value)
+    if any(stride < 0 for stride in array.strides):
+        array = np.ascontiguousarray(array)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.as_tensor(np.asarray(value))
+        return torch.as_tensor(array)
 
 
 # ---------------------------------------------------------------------- input boundary

@@ -30,6 +30,9 @@ DIST_BACKENDS = ("auto", "nccl", "gloo")
 WEIGHT_FORMATS = ("auto", "ours", "lerobot", "openpi")
 TRANSPORTS = ("auto", "tensors", "broadcast")
 START_METHODS = ("spawn", "forkserver")
+# the longest timeout a key may set: a week (no run waits that long for one answer), far inside what the
+# waits underneath take (poll's int32 milliseconds: ~24.8 days); "no timeout" (inf) is not one
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass
@@ -44,7 +47,8 @@ class EngineConfig:
     seed: seeds the front-end generator that draws all noise and denoise indices, so outputs do
       not depend on the backend or on how the batch was split.
     rank_timeout_s: a rank that does not answer a command within this time is reported (by
-      rank) as hung; a dead rank is reported at once.
+      rank) as hung; a dead rank is reported at once. Every timeout is a finite number of
+      seconds, at most MAX_TIMEOUT_S (a week).
     start_timeout_s: building the policy in a rank process (imports, weights) may take this long.
     torch_threads: torch.set_num_threads in each rank process (None: leave torch's default;
       several CPU ranks on few cores want 1).
@@ -73,8 +77,8 @@ class EngineConfig:
         check_choice(f"{key}.backend", self.backend, BACKENDS)
         check_positive_int(f"{key}.num_ranks", self.num_ranks)
         check_nonnegative_int(f"{key}.seed", self.seed)
-        check_positive_float(f"{key}.rank_timeout_s", self.rank_timeout_s)
-        check_positive_float(f"{key}.start_timeout_s", self.start_timeout_s)
+        check_timeout(f"{key}.rank_timeout_s", self.rank_timeout_s)
+        check_timeout(f"{key}.start_timeout_s", self.start_timeout_s)
         if self.torch_threads is not None:
             check_positive_int(f"{key}.torch_threads", self.torch_threads)
         check_choice(f"{key}.start_method", self.start_method, START_METHODS)
@@ -101,6 +105,14 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def check_timeout(key: str, value: Any) -> None:
+    """A positive, finite number of seconds <= MAX_TIMEOUT_S (inf would overflow the waits later,
+    with an error naming no key)."""
+    check_positive_float(key, value)
+    if not value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{key} must be a finite number of seconds <= {MAX_TIMEOUT_S:.0f} (a week), got {value!r}")
 
 
 def _check_devices(key: str, devices: Any, num_ranks: int) -> str | list[str]:
@@ -135,7 +147,9 @@ class WeightSyncConfig:
       dtype is accepted and cast, as load_state_dict does).
     dist_backend: torch.distributed backend of the broadcast source ("auto": nccl on CUDA ranks,
       gloo on CPU ranks).
-    dist_timeout_s: timeout of each collective of a broadcast update.
+    dist_timeout_s: timeout of each collective of a broadcast update (finite, at most a week); a
+      rank process may take it for every collective of the update (manifest, agreements, one per
+      bucket) plus rollout.engine.rank_timeout_s before it is reported hung.
     transport: how a trainer in another process than the ranks pushes its weights
       (rollout/placement.py, rollout/weights_push.py): "tensors" (update_weights(state dict):
       staged through host memory for rank processes), "broadcast" (torch.distributed from the
@@ -157,7 +171,7 @@ class WeightSyncConfig:
         check_positive_float(f"{key}.bucket_mb", self.bucket_mb)
         check_choice(f"{key}.format", self.format, WEIGHT_FORMATS)
         check_choice(f"{key}.dist_backend", self.dist_backend, DIST_BACKENDS)
-        check_positive_float(f"{key}.dist_timeout_s", self.dist_timeout_s)
+        check_timeout(f"{key}.dist_timeout_s", self.dist_timeout_s)
         check_choice(f"{key}.transport", self.transport, TRANSPORTS)
         if not isinstance(self.strict_dtype, bool):
             raise ValueError(f"{key}.strict_dtype must be true or false, got {self.strict_dtype!r}")

@@ -23,7 +23,8 @@ one RankTiming per rank that had rows.
 iterable of (name, tensor), `rollout.weights_ipc.IpcHandles` (tensors of another process:
 CUDA IPC on one GPU, shared memory on CPU; opened once and cached) or
 `rollout.weights_dist.DistBroadcast` (a torch.distributed broadcast from a trainer rank after
-`join_weight_group`). Names may be ours, LeRobot's or openpi's (rollout.weights.format).
+`join_weight_group`). Names may be ours, LeRobot's or openpi's (rollout.weights.format);
+IPC handles that cannot be opened are refused like bad names (`WeightRefusedError`).
 Every name, shape and dtype is validated before anything is written; an update that fails
 while writing leaves the engine refusing to predict (naming the failed version) until a full
 update succeeds. Versions must increase. Hooks: before-hooks run after validation and before
@@ -32,8 +33,10 @@ one refreshes the fast path's weight-derived tables on every rank: `refresh_fast
 
 `generator` (checkpoint its state) and `reseed(seed)` control the front-end randomness.
 `restart()` replaces every rank (initial weights, version 0; after weights had been pushed the
-engine refuses to predict until the next full update). `close()` leaves no process or shared
-memory segment behind.
+engine refuses to predict until the next full update); it is also the way back after a rank
+failed or a command was cut short (Ctrl-C) while local ranks still owed replies: until then
+`alive` is False and every command is refused. `close()` leaves no process or shared memory
+segment behind.
 """
 
 from __future__ import annotations
@@ -50,10 +53,17 @@ from policies import PolicyConfig
 from policies.sampling import canonical_mode, denoise_indices
 from policies.transforms import check_raw
 from rollout.config import EngineConfig, WeightSyncConfig, engine_config
-from rollout.engine_client import EngineClient, InprocClient, RankFailedError
+from rollout.engine_client import EngineClient, InprocClient, RankFailedError, dist_wait
 from rollout.engine_core import PredictRequest, output_shapes
 from rollout.types import PolicyOutput
-from rollout.weights import WeightRefusedError, WeightUpdateError, as_tensor_source, build_plan
+from rollout.weights import (
+    TensorMeta,
+    WeightRefusedError,
+    WeightUpdateError,
+    as_tensor_source,
+    bucket_layout,
+    build_plan,
+)
 
 
 @dataclass
@@ -246,7 +256,9 @@ class PolicyEngine:
             self._generator.manual_seed(self.cfg.seed if seed is None else int(seed))
 
     def refresh_weights(self) -> None:
-        self._guard(lambda: self.client.call("refresh_weights"))
+        with self._lock:  # one command at a time: a local rank's pipe carries one exchange
+            self._check_alive()
+            self._guard(lambda: self.client.call("refresh_weights"))
 
     def add_hook(self, before: Callable | None = None, after: Callable | None = None) -> None:
         """Register fn(WeightUpdateEvent) to run before (after validation, before any write) or
@@ -276,17 +288,35 @@ class PolicyEngine:
         return plan
 
     def _build_plan(self, metas, partial: bool):
+        w = self.weights_cfg
+        return build_plan(metas, self._meta(), w.format, partial, w.strict_dtype)
+
+    def _meta(self):
+        """Our model on the meta device (names, shapes, dtypes; no memory), built once."""
         if self._meta_model is None:
             from policies.models.pi05 import PI05Model
 
             with torch.device("meta"):
                 self._meta_model = PI05Model(self._policy_cfg).apply_precision(self._policy_cfg.dtype)
-        w = self.weights_cfg
-        return build_plan(metas, self._meta_model, w.format, partial, w.strict_dtype)
+        return self._meta_model
 
     def _dist_options(self) -> dict:
+        """What a receiver needs for a broadcast update. dist_timeout_s bounds each collective, so
+        the client's wait (`engine_client.dist_wait`) counts them: our parameters in buckets of
+        rollout.weights.bucket_mb, as `weights_push.BroadcastPush` sends them."""
+        from rollout.weights_dist import update_collectives
+
         w = self.weights_cfg
-        return {"format": w.format, "strict_dtype": w.strict_dtype, "bucket_bytes": w.bucket_bytes}
+        metas = [TensorMeta.of(name, p) for name, p in self._meta().named_parameters()]
+        collectives = update_collectives(len(bucket_layout(metas, w.bucket_bytes)))
+        return {"format": w.format, "strict_dtype": w.strict_dtype, "bucket_bytes": w.bucket_bytes,
+                "timeout_s": w.dist_timeout_s, "collectives": collectives}
+
+    @property
+    def broadcast_wait_s(self) -> float:
+        """The longest a broadcast update may take before a rank is reported hung (a trainer pushing
+        through `BroadcastPush` waits that long for the engine's side)."""
+        return dist_wait(self.cfg.rank_timeout_s, self._dist_options())[0]
 
     # ------------------------------------------------------------------ life cycle
     def _start(self) -> EngineClient:
@@ -326,8 +356,9 @@ class PolicyEngine:
 
     @property
     def alive(self) -> bool:
-        """Open, and no rank failed since the last (re)start."""
-        return self._client is not None and (self._refusal is None or self._refusal[0] != "rank")
+        """Open, no rank failed and no command was cut short with replies owed since the last (re)start."""
+        return self._client is not None and self._client.broken is None and \
+            (self._refusal is None or self._refusal[0] != "rank")
 
     def _check_alive(self) -> None:
         if self._client is None:
@@ -339,11 +370,14 @@ class PolicyEngine:
             raise RuntimeError(f"engine refuses to predict: {self._refusal[1]}")
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
-        """Run a client command; a rank that died or hung makes the engine refuse until restart()."""
+        """Run a client command; a rank that died or hung, or a command cut short (Ctrl-C) that left
+        the client broken, makes the engine refuse until restart()."""
         try:
             return fn()
-        except RankFailedError as exc:
-            self._refusal = ("rank", f"rank {exc.rank} failed ({exc}); call engine.restart()")
+        except BaseException as exc:
+            failed = exc if isinstance(exc, RankFailedError) else getattr(self._client, "broken", None)
+            if failed is not None:
+                self._refusal = ("rank", f"rank {failed.rank} failed ({failed}); call engine.restart()")
             raise
 
     def __enter__(self) -> PolicyEngine:

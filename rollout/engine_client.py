@@ -7,7 +7,8 @@
 - `RayClient` (engine_ray.py): one Ray actor per rank.
 Every method is called with the engine's lock held (one command at a time). Errors of a rank
 are raised as `RankError` naming the rank; a rank that died or stopped answering raises
-`RankFailedError` (the engine then refuses to work until `restart()`).
+`RankFailedError` (the engine then refuses to work until `restart()`). A client that can no
+longer be trusted (a command cut short with replies still owed) sets `broken`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class RankFailedError(RankError):
 class EngineClient(ABC):
     num_ranks: int
     devices: list[str]
+    # set once the client cannot be trusted any more (engine_local.py: a command cut short while replies
+    # were owed); every later command raises a RankFailedError naming it, only restart() helps
+    broken: RankFailedError | None = None
 
     @abstractmethod
     def predict(self, requests: Sequence[PredictRequest | None]) -> list[RankReply]:
@@ -72,6 +76,23 @@ class EngineClient(ABC):
         """Stop every rank and release every resource (idempotent)."""
 
 
+def join_wait(rank_timeout_s: float, dist_timeout_s: float) -> tuple[float, str]:
+    """How long a client waits for its ranks to join the weight group, and the key that bounds it
+    (named by a timeout): the rendezvous may take dist_timeout_s, and 30 s more to build the group."""
+    if dist_timeout_s + 30 > rank_timeout_s:
+        return dist_timeout_s + 30, "rollout.weights.dist_timeout_s + 30 s"
+    return rank_timeout_s, "rollout.engine.rank_timeout_s"
+
+
+def dist_wait(rank_timeout_s: float, options: dict) -> tuple[float, str]:
+    """How long a client waits for one broadcast update (`PolicyEngine._dist_options`), and the keys that
+    bound it: every collective of the update may wait up to rollout.weights.dist_timeout_s (a trainer
+    that starts sending late, a slow bucket), the rank's own work up to rollout.engine.rank_timeout_s."""
+    n = options["collectives"]
+    return (rank_timeout_s + n * options["timeout_s"],
+            f"rollout.engine.rank_timeout_s + {n} collectives x rollout.weights.dist_timeout_s")
+
+
 def make_timeline(rank: int, profiler_env: dict[str, str] | None, worker: str):
     """A rank's timeline: its own trace file when the parent's profiler is on, else the null one."""
     from profiler import timeline_from_environ
@@ -88,6 +109,7 @@ class InprocClient(EngineClient):
         self.num_ranks, self.devices = len(devices), list(devices)
         self.cores: list[EngineCore] = []
         self._receiver = None
+        self._ipc_uids: set[str] = set()  # handle sets opened here: close() releases their mappings
         for rank, device in enumerate(devices):
             own = make_timeline(rank, profiler_env, "engine_inproc")
             timeline = own if own is not NULL_TIMELINE else get_timeline()
@@ -111,7 +133,8 @@ class InprocClient(EngineClient):
     def apply_ipc(self, plan: WeightPlan, handles: Any) -> None:
         from rollout.weights_ipc import open_handles
 
-        tensors = open_handles(handles)
+        tensors = open_handles(handles)  # before any copy: handles that cannot be opened are a refusal
+        self._ipc_uids.add(handles.uid)
         for core in self.cores:
             core.apply(plan, tensors, cache_key=handles.uid)
 
@@ -137,11 +160,18 @@ class InprocClient(EngineClient):
         return [getattr(core, method)(*args) for core in self.cores]
 
     def close(self) -> None:
+        from rollout.weights_ipc import close_handles
+
         cores, self.cores = self.cores, []
+        uids, self._ipc_uids = self._ipc_uids, set()
         try:
             if self._receiver is not None:
                 self._receiver.close()
                 self._receiver = None
         finally:
-            for core in cores:
-                core.close()
+            try:
+                for core in cores:
+                    core.close()  # drops the copy programs' views first, so the mappings can go now
+            finally:
+                for uid in uids:  # the producer's segment (CUDA: its memory) stays mapped otherwise
+                    close_handles(uid)

@@ -10,8 +10,12 @@ bucket by bucket (`rollout.weights.bucket_layout`), every rank copying each buck
 
 The parent waits on every rank's pipe and process sentinel: a rank that dies is reported at
 once, one that does not answer within rollout.engine.rank_timeout_s after the deadline, both
-as `RankFailedError` naming the rank. `close()` (also run on garbage collection and at exit)
-stops every process (close command, then terminate, then kill) and unlinks every block.
+as `RankFailedError` naming the rank. A command cut short while replies are still owed (Ctrl-C,
+a failed rank, any exception in the parent) leaves those replies in the pipes, where the next
+command would read them as its own: the client is then `broken` and every later command raises
+`RankFailedError` until `restart()`. Every predict command names the rank's current blocks, so
+a rank never keeps a block the parent replaced. `close()` (also run on garbage collection and at
+exit) stops every process (close command, then terminate, then kill) and unlinks every block.
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ import torch.multiprocessing as tmp
 from common.processes import stop_processes
 from policies import PolicyConfig
 from rollout.config import EngineConfig
-from rollout.engine_client import EngineClient, RankError, RankFailedError
+from rollout.engine_client import EngineClient, RankError, RankFailedError, dist_wait, join_wait
 from rollout.engine_core import PredictRequest, RankReply, output_shapes
 from rollout.engine_local_worker import PredictCommand, rank_main
 from rollout.shm import ALIGN, ArraySpec, Layout, SharedBlock
 from rollout.weights import TensorSource, WeightPlan, WeightRefusedError, bucket_layout, pack_bucket
 
 CLOSE_GRACE_S = 10.0
+MAX_WAIT_S = 3600.0  # one wait() at most (poll takes int32 milliseconds); the deadline loop waits again
+RANK_TIMEOUT_KEY = "rollout.engine.rank_timeout_s"
 
 
 @dataclass
@@ -67,6 +73,7 @@ class LocalClient(EngineClient):
         self._ranks: list[RankHandle] = []
         self._staging: list[SharedBlock] = []  # [] or [the staging block]
         self._finalizer = weakref.finalize(self, _shutdown, self._ranks, self._staging)
+        self.broken: RankFailedError | None = None
         try:
             for rank, device in enumerate(devices):
                 parent, child = self._ctx.Pipe(duplex=True)
@@ -77,33 +84,51 @@ class LocalClient(EngineClient):
                 process.start()
                 child.close()
                 self._ranks.append(RankHandle(rank, device, process, parent))
-            self.info = self._collect({h.rank: h for h in self._ranks}, "start", cfg.start_timeout_s, "ready")
+            self.info = self._collect({h.rank: h for h in self._ranks}, "start", cfg.start_timeout_s,
+                                      "rollout.engine.start_timeout_s", "ready")
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------------ messaging
-    def _exchange(self, messages: dict[int, tuple], what: str, timeout_s: float | None = None) -> dict[int, Any]:
-        handles = {r: self._ranks[r] for r in messages}
-        for r, message in messages.items():
-            try:
-                handles[r].conn.send(message)
-            except (OSError, EOFError) as exc:
-                raise self._failure(handles[r], what, "its pipe is closed") from exc
-        return self._collect(handles, what, timeout_s or self.cfg.rank_timeout_s)
+    def _exchange(self, messages: dict[int, tuple], what: str, timeout_s: float | None = None,
+                  key: str = RANK_TIMEOUT_KEY) -> dict[int, Any]:
+        if self.broken is not None:
+            raise RankFailedError(self.broken.rank, f"{self.broken}: the pipes may hold its stale reply, the "
+                                                    f"client is unusable; call engine.restart()")
+        pending: dict[int, RankHandle] = {}
+        try:
+            for r, message in messages.items():
+                h = pending[r] = self._ranks[r]  # owed from the first byte: a send cut short garbles the pipe
+                try:
+                    h.conn.send(message)
+                except (OSError, EOFError) as exc:
+                    raise self._failure(h, what, "its pipe is closed") from exc
+            return self._collect(pending, what, timeout_s or self.cfg.rank_timeout_s, key)
+        except BaseException as exc:
+            if pending:
+                self._break(pending, what, exc)
+            raise
 
-    def _collect(self, handles: dict[int, RankHandle], what: str, timeout_s: float, ok: str = "ok") -> dict[int, Any]:
-        """Every rank's answer; raises the first rank's error after all answered (no stale replies)."""
+    def _break(self, pending: dict[int, RankHandle], what: str, exc: BaseException) -> None:
+        """Replies still owed stay in the pipes, where the next command would read them as its own
+        (silently wrong outputs): refuse every later command; restart() replaces the ranks."""
+        self.broken = self._failure(pending[min(pending)], what, f"still owed its reply to a command cut short "
+                                                                 f"({exc!r})")
+
+    def _collect(self, pending: dict[int, RankHandle], what: str, timeout_s: float, key: str = RANK_TIMEOUT_KEY,
+                 ok: str = "ok") -> dict[int, Any]:
+        """Every pending rank's answer, each taken out of `pending` when read (what is left there
+        after an exception is still owed); raises the first rank's error after all answered."""
         deadline = time.monotonic() + timeout_s
-        pending, results, errors = dict(handles), {}, []
+        results, errors = {}, []
         while pending:
             remaining = deadline - time.monotonic()
-            ready = mp_connection.wait([h.conn for h in pending.values()]
-                                       + [h.process.sentinel for h in pending.values()], timeout=max(remaining, 0))
+            waitables = [h.conn for h in pending.values()] + [h.process.sentinel for h in pending.values()]
+            ready = mp_connection.wait(waitables, timeout=min(max(remaining, 0), MAX_WAIT_S))
             if not ready and remaining <= 0:
                 h = next(iter(pending.values()))
-                raise self._failure(h, what, f"did not answer within {timeout_s:.0f} s (rollout.engine."
-                                             f"{'start_timeout_s' if ok == 'ready' else 'rank_timeout_s'})")
+                raise self._failure(h, what, f"did not answer within {timeout_s:.0f} s ({key})")
             for r, h in list(pending.items()):
                 if h.conn.poll():
                     try:
@@ -156,35 +181,35 @@ class LocalClient(EngineClient):
         rows["__step_noise__"] = ((cfg.sampling.num_steps, cfg.chunk_size, cfg.max_action_dim), "<f4")
         if request.step_noise is not None:
             arrays["__step_noise__"] = request.step_noise.numpy()
-        grown_request = self._ensure(h, "request", rows, b)
+        self._ensure(h, "request", rows, b)
         reply_rows = {n: (s, str(d).replace("torch.", "")) for n, (s, d) in output_shapes(self.policy_cfg).items()}
-        grown_reply = self._ensure(h, "reply", reply_rows, b)
+        self._ensure(h, "reply", reply_rows, b)
         for k, v in arrays.items():
             h.request.views[k][:b] = v
         prompt = request.obs[prompt_key]
+        # the current blocks every time (a few hundred bytes): a block replaced while an earlier call was
+        # cut short, before its command went out, is still announced; the rank re-attaches only on a new name
         return PredictCommand(
             rows=b, mode=request.mode, prompt=prompt if isinstance(prompt, str) else list(prompt),
-            request=(h.request.block.name, h.request.specs) if grown_request else None,
-            reply=(h.reply.block.name, h.reply.specs) if grown_reply else None,
+            request=(h.request.block.name, h.request.specs), reply=(h.reply.block.name, h.reply.specs),
             array_keys=[k for k in arrays if not k.startswith("__")], stochastic=request.step_noise is not None)
 
-    def _ensure(self, h: RankHandle, which: str, rows: dict[str, tuple], b: int) -> bool:
-        """Make the rank's block hold `b` rows of these per-row shapes; True if it was (re)made."""
+    def _ensure(self, h: RankHandle, which: str, rows: dict[str, tuple], b: int) -> None:
+        """Make the rank's block hold `b` rows of these per-row shapes (re-made when it does not)."""
         current: _Block | None = getattr(h, which)
         if current is not None and current.capacity >= b and \
                 {s.name: (tuple(s.shape[1:]), np.dtype(s.dtype).str) for s in current.specs} == \
                 {k: (tuple(shape), np.dtype(dtype).str) for k, (shape, dtype) in rows.items()}:
-            return False
+            return
         capacity = max(b, current.capacity if current is not None else 0)
         specs = [ArraySpec(k, (capacity, *shape), np.dtype(dtype).str) for k, (shape, dtype) in rows.items()]
         layout = Layout(specs, ALIGN)
         block = SharedBlock.create(layout.nbytes)
-        if current is not None:  # the rank re-attaches by name with this command; ours goes now
+        h.blocks.append(block)  # owned (unlinked by close()) before anything else can be cut short
+        setattr(h, which, _Block(block, specs, layout.views(block.buf), capacity))
+        if current is not None:  # the rank re-attaches by name with the next command; ours goes now
             h.blocks.remove(current.block)
             current.block.close()
-        h.blocks.append(block)
-        setattr(h, which, _Block(block, specs, layout.views(block.buf), capacity))
-        return True
 
     # ------------------------------------------------------------------ weights
     def apply_tensors(self, plan: WeightPlan, source: TensorSource, bucket_bytes: int) -> None:
@@ -192,9 +217,9 @@ class LocalClient(EngineClient):
         buckets = bucket_layout(metas, bucket_bytes)
         size = max(b.nbytes for b in buckets)
         if not self._staging or self._staging[0].size < size:
-            for old in self._staging:
-                old.close()
-            self._staging[:] = [SharedBlock.create(size)]
+            old, self._staging[:] = list(self._staging), [SharedBlock.create(size)]
+            for block in old:  # after the swap: an interrupt never leaves a closed block in use
+                block.close()
         block = self._staging[0]
         flat = torch.frombuffer(block.buf, dtype=torch.uint8)
         everyone = lambda cmd, payload: {h.rank: (cmd, payload) for h in self._ranks}  # noqa: E731
@@ -204,17 +229,19 @@ class LocalClient(EngineClient):
             self._exchange(everyone("bucket", bucket), "weight update")
 
     def apply_ipc(self, plan: WeightPlan, handles: Any) -> None:
-        messages = {}
-        for h in self._ranks:
-            messages[h.rank] = ("ipc", (handles, None if h.ipc_uid == handles.uid else plan))
-        self._exchange(messages, "weight update (IPC)")
-        for h in self._ranks:
-            h.ipc_uid = handles.uid
+        fresh = {h.rank: ("ipc_open", (handles, plan)) for h in self._ranks if h.ipc_uid != handles.uid}
+        if fresh:  # every rank opens before any copies: one that cannot refuses, and nothing was written anywhere
+            for r in fresh:
+                self._ranks[r].ipc_uid = None  # a rank that opened before another refused holds the new set
+            self._exchange(fresh, "opening the IPC handles")
+            for r in fresh:
+                self._ranks[r].ipc_uid = handles.uid
+        self._exchange({h.rank: ("ipc", handles.uid) for h in self._ranks}, "weight update (IPC)")
 
     def join_group(self, init_method: str, world_size: int, first_rank: int, backend: str, timeout_s: float) -> None:
         messages = {h.rank: ("join", (init_method, world_size, first_rank + h.rank, backend, timeout_s))
                     for h in self._ranks}
-        self._exchange(messages, "joining the weight group", max(self.cfg.rank_timeout_s, timeout_s + 30))
+        self._exchange(messages, "joining the weight group", *join_wait(self.cfg.rank_timeout_s, timeout_s))
 
     def leave_group(self) -> None:
         self._exchange({h.rank: ("leave", None) for h in self._ranks}, "leaving the weight group",
@@ -222,8 +249,7 @@ class LocalClient(EngineClient):
 
     def apply_dist(self, src: int, version: int, partial: bool, options: dict) -> None:
         messages = {h.rank: ("dist", (src, version, partial, options)) for h in self._ranks}
-        self._exchange(messages, "weight update (broadcast)",
-                       max(self.cfg.rank_timeout_s, options.get("timeout_s", 0) + 30))
+        self._exchange(messages, "weight update (broadcast)", *dist_wait(self.cfg.rank_timeout_s, options))
 
     def call(self, method: str, *args: Any) -> list[Any]:
         results = self._exchange({h.rank: ("call", (method, args)) for h in self._ranks}, method)

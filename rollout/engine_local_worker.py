@@ -11,7 +11,8 @@ Commands (parent -> rank):
   ("predict", PredictCommand)      rows in the request block -> outputs in the reply block
   ("stage", (block_name, metas, plan))  begin a staged weight update (buckets in `block_name`)
   ("bucket", Bucket)               write the bucket's tensors (now in the staging block)
-  ("ipc", (handles, plan|None))    open (cached) and copy a producer's IPC tensors
+  ("ipc_open", (handles, plan))    open (cached) a producer's IPC handles, no copy (a failure: "refused")
+  ("ipc", uid)                     copy from the handle set ipc_open opened
   ("join", (init, world, rank, backend, timeout_s))   join a torch.distributed weight group
   ("dist", (src, version, partial, options))          receive one broadcast update
   ("leave", None)                  leave the weight group (with the trainer: NCCL's destroy is collective)
@@ -38,8 +39,8 @@ class PredictCommand:
     rows: int
     mode: str
     prompt: Any  # list[str] for the rows, or one str
-    request: tuple[str, list] | None  # (block name, specs) when the request block changed
-    reply: tuple[str, list] | None  # (block name, specs) when the reply block changed
+    request: tuple[str, list]  # (block name, specs) of the current request block
+    reply: tuple[str, list]  # (block name, specs) of the current reply block
     array_keys: list[str]  # observation keys held in the request block
     stochastic: bool  # step noise present
 
@@ -80,7 +81,7 @@ class _Server:
         self.core = core
         self.request = self.reply = self.staging = None  # (SharedBlock, views)
         self.update = None  # (metas, plan, params) of the staged update in progress
-        self.ipc_plans: dict[str, Any] = {}
+        self.ipc = None  # (handles, plan) of the handle set the last ipc_open opened
         self.receiver = None
 
     def loop(self, conn: Any) -> None:
@@ -104,10 +105,8 @@ class _Server:
     def do_predict(self, cmd: PredictCommand):
         from rollout.engine_core import PredictRequest
 
-        if cmd.request is not None:
-            self.request = _attach(self.request, *cmd.request)
-        if cmd.reply is not None:
-            self.reply = _attach(self.reply, *cmd.reply)
+        self.request = _attach(self.request, *cmd.request)
+        self.reply = _attach(self.reply, *cmd.reply)
         views, b = self.request[1], cmd.rows
         obs = {key: views[key][:b] for key in cmd.array_keys}
         obs[self.core.cfg.inputs.prompt_key] = cmd.prompt
@@ -141,13 +140,21 @@ class _Server:
         write_bucket(self.core._params, plan, bucket, bucket_views(self.staging[1], metas, bucket))
         self.core._sync()
 
-    def do_ipc(self, payload) -> None:
+    def do_ipc_open(self, payload) -> None:
+        """Open before any rank copies, so that handles one rank cannot open are refused everywhere."""
         from rollout.weights_ipc import open_handles
 
         handles, plan = payload
-        if plan is not None:
-            self.ipc_plans = {handles.uid: plan}
-        self.core.apply(self.ipc_plans[handles.uid], open_handles(handles), cache_key=handles.uid)
+        open_handles(handles)  # WeightRefusedError when it cannot: answered "refused"
+        self.ipc = (handles, plan)
+
+    def do_ipc(self, uid: str) -> None:
+        from rollout.weights_ipc import open_handles
+
+        if self.ipc is None or self.ipc[0].uid != uid:
+            raise RuntimeError(f"IPC handles {uid} were not opened on this rank (ipc_open comes first)")
+        handles, plan = self.ipc
+        self.core.apply(plan, open_handles(handles), cache_key=uid)
 
     def do_join(self, payload) -> None:
         from rollout.weights_dist import WeightReceiver
@@ -188,8 +195,11 @@ class _Server:
 
 
 def _attach(held, name: str, specs: list):
+    """The parent's block `name` (every command names it; mapped again only when it changed)."""
     from rollout.shm import ALIGN, Layout, SharedBlock
 
+    if held is not None and held[0].name == name:
+        return held
     if held is not None:
         held[0].close()
     block = SharedBlock.attach(name)

@@ -23,7 +23,7 @@ import torch
 
 from policies import PolicyConfig
 from rollout.config import EngineConfig
-from rollout.engine_client import EngineClient, RankError, RankFailedError
+from rollout.engine_client import EngineClient, RankError, RankFailedError, dist_wait, join_wait
 from rollout.engine_core import PredictRequest, RankReply
 from rollout.weights import TensorSource, WeightPlan, WeightRefusedError, bucket_layout, pack_bucket
 
@@ -43,7 +43,7 @@ class RankActor:
         self.core = EngineCore(policy_cfg, rank, device, make_timeline(rank, profiler_env, "engine_ray"),
                                owns_timeline=True)
         self.update = None
-        self.ipc_plans: dict[str, Any] = {}
+        self.ipc_handles = None  # (handles, plan) of the handle set the last ipc_open opened
         self.receiver = None
 
     def info(self) -> dict:
@@ -63,12 +63,20 @@ class RankActor:
         write_bucket(self.core._params, plan, bucket, bucket_views(torch.from_numpy(data), metas, bucket))
         self.core._sync()
 
-    def ipc(self, handles, plan) -> None:
+    def ipc_open(self, handles, plan) -> None:
+        """Open before any rank copies, so that handles one rank cannot open are refused everywhere."""
         from rollout.weights_ipc import open_handles
 
-        if plan is not None:
-            self.ipc_plans = {handles.uid: plan}
-        self.core.apply(self.ipc_plans[handles.uid], open_handles(handles), cache_key=handles.uid)
+        open_handles(handles)  # WeightRefusedError when it cannot
+        self.ipc_handles = (handles, plan)
+
+    def ipc(self, uid: str) -> None:
+        from rollout.weights_ipc import open_handles
+
+        if self.ipc_handles is None or self.ipc_handles[0].uid != uid:
+            raise RuntimeError(f"IPC handles {uid} were not opened on this rank (ipc_open comes first)")
+        handles, plan = self.ipc_handles
+        self.core.apply(plan, open_handles(handles), cache_key=uid)
 
     def join(self, init_method: str, world_size: int, rank: int, backend: str, timeout_s: float) -> None:
         from rollout.weights_dist import WeightReceiver
@@ -120,13 +128,14 @@ class RayClient(EngineClient):
                 self.actors.append(remote.options(num_gpus=gpus, num_cpus=cfg.ray_actor_cpus,
                                                   name=None, max_restarts=0).remote(
                     policy_cfg, rank, device, profiler_env, cfg.torch_threads))
-            self.info = self._all(lambda r, a: a.info.remote(), "start", cfg.start_timeout_s)
+            self.info = self._all(lambda r, a: a.info.remote(), "start", cfg.start_timeout_s,
+                                  key="rollout.engine.start_timeout_s")
         except BaseException:
             self.close()
             raise
 
     def _all(self, submit: Callable[[int, Any], Any], what: str, timeout_s: float | None = None,
-             ranks: Sequence[int] | None = None) -> list:
+             ranks: Sequence[int] | None = None, key: str = "rollout.engine.rank_timeout_s") -> list:
         """submit(rank, actor) -> ref for each rank; wait for every answer (bounded); Ray's errors
         become rank errors."""
         import ray
@@ -142,7 +151,7 @@ class RayClient(EngineClient):
             if not ready:
                 r = min(pending)
                 raise RankFailedError(r, f"engine rank {r} (Ray actor, {self.devices[r]}) did not answer within "
-                                         f"{timeout_s:.0f} s during {what} (rollout.engine.rank_timeout_s)")
+                                         f"{timeout_s:.0f} s during {what} ({key})")
             r = next(k for k, v in pending.items() if v == ready[0])
             del pending[r]
             try:
@@ -182,20 +191,24 @@ class RayClient(EngineClient):
             self._all(lambda r, a: a.bucket.remote(bucket, ref), "weight update")
 
     def apply_ipc(self, plan: WeightPlan, handles: Any) -> None:
-        send_plan = None if self._ipc_uid == handles.uid else plan
-        self._all(lambda r, a: a.ipc.remote(handles, send_plan), "weight update (IPC)")
-        self._ipc_uid = handles.uid
+        if self._ipc_uid != handles.uid:  # every rank opens before any copies: one that cannot refuses
+            self._ipc_uid = None
+            self._all(lambda r, a: a.ipc_open.remote(handles, plan), "opening the IPC handles")
+            self._ipc_uid = handles.uid
+        self._all(lambda r, a: a.ipc.remote(handles.uid), "weight update (IPC)")
 
     def join_group(self, init_method: str, world_size: int, first_rank: int, backend: str, timeout_s: float) -> None:
+        wait_s, key = join_wait(self.cfg.rank_timeout_s, timeout_s)
         self._all(lambda r, a: a.join.remote(init_method, world_size, first_rank + r, backend, timeout_s),
-                  "joining the weight group", max(self.cfg.rank_timeout_s, timeout_s + 30))
+                  "joining the weight group", wait_s, key=key)
 
     def leave_group(self) -> None:
         self._all(lambda r, a: a.leave.remote(), "leaving the weight group", max(self.cfg.rank_timeout_s, 60))
 
     def apply_dist(self, src: int, version: int, partial: bool, options: dict) -> None:
+        wait_s, key = dist_wait(self.cfg.rank_timeout_s, options)
         self._all(lambda r, a: a.dist.remote(src, version, partial, options), "weight update (broadcast)",
-                  max(self.cfg.rank_timeout_s, options.get("timeout_s", 0) + 30))
+                  wait_s, key=key)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         return self._all(lambda r, a: a.call.remote(method, *args), method)

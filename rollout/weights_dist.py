@@ -66,6 +66,12 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
+def update_collectives(num_buckets: int) -> int:
+    """The collectives of one update, each bounded by the group's timeout (rollout.weights.dist_timeout_s):
+    the manifest (broadcast_object_list: its size, then its bytes), the two agreements, one per bucket."""
+    return 4 + num_buckets
+
+
 def _agree(flag: bool, device: torch.device) -> bool:
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)

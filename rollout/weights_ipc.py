@@ -16,7 +16,9 @@ device copy on the engine side (`EngineCore.apply` caches the copy program per h
 handles serialised by torch.multiprocessing's reductions, or the segment name and offsets).
 Any number of processes may open it, each once (cached by `uid`). The producer must keep its
 `IpcExporter` (and for CUDA its tensors) alive while consumers use the handles, and `close()`
-it at the end (the CPU segment is unlinked then).
+it at the end (the CPU segment is unlinked then). Handles that cannot be opened (their exporter
+closed, or opened in the exporting process) are refused (`WeightRefusedError`): the engine
+keeps its weights and version.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from common.shm import aligned_offsets
 from rollout.shm import SharedBlock
-from rollout.weights import ALIGN, TensorMeta, as_tensor_source
+from rollout.weights import ALIGN, TensorMeta, WeightRefusedError, as_tensor_source
 
 _MAX_OPEN = 2  # handle sets kept open per process (the current one, and the one before)
 
@@ -92,21 +94,31 @@ _opened: dict[str, tuple[list[Tensor], SharedBlock | None]] = {}
 
 
 def open_handles(handles: IpcHandles) -> list[Tensor]:
-    """The producer's tensors (in metas order), opened once per process and cached by uid."""
+    """The producer's tensors (in metas order), opened once per process and cached by uid.
+    Raises WeightRefusedError when they cannot be opened (nothing was written yet)."""
     entry = _opened.get(handles.uid)
     if entry is None:
-        if handles.producer_pid == os.getpid():
-            raise ValueError("IpcHandles opened in the process that exported them: pass its tensors directly")
-        if handles.kind == "cuda":
-            entry = (_load_cuda(handles.payload), None)
-        else:
-            name, offsets = pickle.loads(handles.payload)
-            block = SharedBlock.attach(name)
-            entry = (_views(block.buf, handles.metas, offsets), block)
+        entry = _open(handles)
         while len(_opened) >= _MAX_OPEN:
             close_handles(next(iter(_opened)))
         _opened[handles.uid] = entry
     return entry[0]
+
+
+def _open(handles: IpcHandles) -> tuple[list[Tensor], SharedBlock | None]:
+    # a refusal, not a failed write: the engine keeps its weights and version and goes on predicting
+    if handles.producer_pid == os.getpid():
+        raise WeightRefusedError(f"IpcHandles {handles.uid} opened in the process that exported them: pass its "
+                                 f"tensors directly")
+    try:
+        if handles.kind == "cuda":
+            return _load_cuda(handles.payload), None
+        name, offsets = pickle.loads(handles.payload)
+        block = SharedBlock.attach(name)
+        return _views(block.buf, handles.metas, offsets), block
+    except Exception as exc:
+        raise WeightRefusedError(f"cannot open the {handles.kind} IpcHandles {handles.uid} of pid "
+                                 f"{handles.producer_pid} (is its IpcExporter still open?): {exc!r}") from exc
 
 
 def close_handles(uid: str | None = None) -> None:

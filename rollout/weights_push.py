@@ -124,10 +124,12 @@ class BroadcastPush:
                              f"got {version!r}")
         tensors = cast_to(named, self.dtypes)
         start = time.perf_counter()
+        # the engine may wait dist_timeout_s for each collective of the update, not just once
+        timeout_s = max(self._join_timeout(), self.engine.broadcast_wait_s + 30)
         send_s, engine_s = together(
             lambda: broadcast_weights(tensors, version, self.bucket_bytes),
             lambda: self.engine.update_weights(DistBroadcast(src=0), version, partial=partial),
-            self._join_timeout(), f"weight update to version {version}")
+            timeout_s, f"weight update to version {version}")
         return PushTiming(time.perf_counter() - start, send_s, engine_s)
 
     def close(self) -> None:
