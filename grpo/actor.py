@@ -15,12 +15,16 @@ Per step:
 Only `policy.trainable_parameters()` are optimised (the expert with policy.train_expert_only);
 on CUDA the forward runs under bf16 autocast (grpo.autocast). Data-parallel over several GPUs
 (grpo.actor_parallel): grpo/actor_group.py, same interface.
+train/entropy reports the Gaussian entropy of the rows' stochastic SDE steps; it is not in the
+loss (the std is not learned: see GRPOConfig.entropy_coef).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import logging
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,6 +36,47 @@ from grpo.observations import observation_from_rows
 from grpo.samples import Samples
 from policies import flow
 
+logger = logging.getLogger(__name__)
+
+# AdamW's per-group settings and the grpo keys they come from
+HYPERPARAMETER_KEYS = {"lr": "grpo.lr", "betas": "grpo.betas", "eps": "grpo.adam_eps",
+                       "weight_decay": "grpo.weight_decay"}
+
+
+def optimizer_hyperparameters(cfg: GRPOConfig) -> dict[str, Any]:
+    """The configured AdamW settings, as torch stores them in every param group."""
+    return {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay}
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: GRPOConfig) -> list[str]:
+    """Set the configured settings on every param group and describe what changed ("grpo.lr 0.001 ->
+    1e-05"). Loading an optimizer state dict restores the saved run's settings with its moments, so a
+    resumed run with a changed grpo.lr would otherwise keep training with the old one."""
+    changes: dict[str, None] = {}  # ordered and without repeats over param groups
+    for group in optimizer.param_groups:
+        for name, value in optimizer_hyperparameters(cfg).items():
+            old = tuple(group[name]) if name == "betas" else group[name]
+            if old != value:
+                changes[f"{HYPERPARAMETER_KEYS[name]} {old!r} -> {value!r}"] = None
+            group[name] = value
+    return list(changes)
+
+
+def make_optimizer(params: list[Tensor], cfg: GRPOConfig) -> torch.optim.AdamW:
+    """AdamW with the configured settings, which it keeps through load_state_dict: a checkpoint
+    brings back its moments and step counts, not its lr / betas / eps / weight decay (a warning
+    names each one that differed)."""
+    optimizer = torch.optim.AdamW(params, **optimizer_hyperparameters(cfg))
+
+    def keep_configured(opt: torch.optim.Optimizer) -> None:
+        changed = apply_hyperparameters(opt, cfg)
+        if changed:
+            logger.warning("the loaded optimizer state had other settings; the configured ones apply: %s",
+                           ", ".join(changed))
+
+    optimizer.register_load_state_dict_post_hook(keep_configured)
+    return optimizer
+
 
 class Actor:
     def __init__(self, policy, cfg: GRPOConfig, show_progress: bool = True):
@@ -41,8 +86,7 @@ class Actor:
         trainable = {id(p) for p in self.params}
         for p in policy.parameters():  # frozen parts get no .grad buffers
             p.requires_grad_(id(p) in trainable)
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(self.params, cfg)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.reference = self._reference_policy() if cfg.kl_coef > 0 else None
         self.show_progress = show_progress
@@ -82,11 +126,12 @@ class Actor:
         parts = [self.chunk_logprob(policy, samples.select(idx)).cpu() for idx in self._micro(index)]
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    def step_entropy(self, rows: Samples) -> Tensor:
-        """Entropy of each row's stochastic SDE step (a function of the step index only)."""
+    def step_entropy(self, rows: Samples) -> Tensor | None:
+        """Entropy of each row's stochastic SDE step, a function of the step index and the config only
+        (reported, never optimised); None for train_mode sde_all (not computed there)."""
         scfg = self.policy.cfg.sampling
         if scfg.train_mode != "sde":
-            raise ValueError("grpo.entropy_coef > 0 needs policy.sampling.train_mode 'sde' (one stochastic step)")
+            return None
         grid = flow.time_grid(scfg.num_steps)
         std = flow.sde_sigmas(grid, scfg.noise_level) * torch.sqrt(flow.step_deltas(grid))
         numel = self.policy.cfg.logprob_chunk * self.policy.cfg.action_dim
@@ -133,7 +178,7 @@ class Actor:
                 self.updates += 1
         metrics.update(acc.metrics(cfg.update_epochs))
         metrics["train/rows"] = len(samples)
-        metrics["train/lr"] = cfg.lr
+        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]  # what the steps used (not the config)
         return metrics
 
     # ----- what the trainer asks of any actor (the data-parallel ActorGroup answers the same) -----
@@ -153,12 +198,11 @@ class Actor:
                     is_weight: Tensor | None, ref: Tensor | None) -> losses.LossTerms:
         cfg, dev = self.cfg, self.device
         logprob = self.chunk_logprob(self.policy, rows)
-        entropy = self.step_entropy(rows) if cfg.entropy_coef > 0 else None
         terms = losses.grpo_loss(
             logprob, old.to(dev), rows.advantages.to(dev), weights.to(dev), cfg.clip_low, cfg.clip_high,
             cfg.dual_clip, is_weight=None if is_weight is None else is_weight[index].to(dev),
             ref_logprob=None if ref is None else ref[index].to(dev), kl_coef=cfg.kl_coef,
-            kl_estimator=cfg.kl_estimator, entropy=entropy, entropy_coef=cfg.entropy_coef,
+            kl_estimator=cfg.kl_estimator, entropy=self.step_entropy(rows),
         )
         terms.loss.backward()
         return terms

@@ -20,7 +20,7 @@ group is broken (collectives cannot be resumed): later calls refuse, close() sto
 
 Checkpoints: with DDP every rank holds the full weights and optimiser state, so rank 0's are
 the checkpoint (the single-process format) and `sync_loaded_state` re-broadcasts them after a
-resume. FSDP2 shards the optimiser state: checkpoints are refused (plan-time check).
+resume. FSDP2 shards the optimiser state: checkpoints are refused (config-time check).
 """
 
 from __future__ import annotations
@@ -55,27 +55,36 @@ class ActorRankError(RuntimeError):
     """A worker rank failed or died; the message names the rank and carries its traceback."""
 
 
+def check_actor_config(cfg: Any) -> None:
+    """What grpo.actor_parallel refuses whatever the machine, for an ExperimentConfig: its
+    check_cross_group runs this before the run directory exists (plan_actor_for_run again, for a
+    Trainer built directly)."""
+    mode = cfg.grpo.actor_parallel.mode
+    if mode == "fsdp2":
+        if cfg.run.checkpoint_every or cfg.run.resume:
+            raise ValueError(f"grpo.actor_parallel.mode=fsdp2 shards the optimiser state and cannot write or resume "
+                             f"checkpoints yet (run.checkpoint_every={cfg.run.checkpoint_every}, "
+                             f"run.resume={cfg.run.resume!r}): set run.checkpoint_every=0 (and no run.resume), "
+                             f"or use mode=ddp")
+        if cfg.policy.fast.enabled and cfg.policy.fast.consistent_recompute:
+            raise ValueError("grpo.actor_parallel.mode=fsdp2 with policy.fast.consistent_recompute: the fast path's "
+                             "bf16 weight shadows need the full parameters; use mode=ddp")
+    # an explicit broadcast either gets a broadcast placement (refused below) or is refused by the placement
+    if mode != "none" and cfg.rollout.weights.transport == "broadcast":
+        raise ValueError(f"rollout.weights.transport=broadcast with grpo.actor_parallel.mode={mode}: both need this "
+                         "process's default torch.distributed group; use rollout.weights.transport=tensors (or auto)")
+
+
 def plan_actor_for_run(cfg: Any, placement: Any, cuda_count: int) -> tuple[ActorPlan, Any]:
     """The actor's ranks for an ExperimentConfig, checked before any process starts, and the weight
     placement it allows. The actor group is the process's default torch.distributed group, which the
     broadcast weight push (rollout/weights_push.py) also needs: with several actor ranks, "auto"
     falls back to the tensors transport and an explicit broadcast is refused."""
-    pcfg = cfg.grpo.actor_parallel
-    plan = plan_actor(pcfg, placement.trainer_device, cuda_count)
+    check_actor_config(cfg)
+    plan = plan_actor(cfg.grpo.actor_parallel, placement.trainer_device, cuda_count)
     if plan.mode == "none":
         return plan, placement
-    if plan.mode == "fsdp2":
-        if cfg.run.checkpoint_every or cfg.run.resume:
-            raise ValueError("grpo.actor_parallel.mode=fsdp2 shards the optimiser state and cannot write or resume "
-                             "checkpoints yet: set run.checkpoint_every=0 (and no run.resume), or use mode=ddp")
-        if cfg.policy.fast.enabled and cfg.policy.fast.consistent_recompute:
-            raise ValueError("grpo.actor_parallel.mode=fsdp2 with policy.fast.consistent_recompute: the fast path's "
-                             "bf16 weight shadows need the full parameters; use mode=ddp")
-    if placement.transport == "broadcast":
-        if cfg.rollout.weights.transport == "broadcast":
-            raise ValueError("rollout.weights.transport=broadcast with grpo.actor_parallel.mode="
-                             f"{plan.mode}: both need this process's default torch.distributed group; use "
-                             "rollout.weights.transport=tensors (or auto)")
+    if placement.transport == "broadcast":  # "auto" chose it: the tensors transport instead
         placement = dataclasses.replace(placement, transport="tensors", dist_backend=None,
                                         why="tensors: the actor group holds the process's torch.distributed group")
     return plan, placement

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from grpo import losses
-from grpo.actor import Actor, _Accumulator, gap_metrics
+from grpo.actor import Actor, _Accumulator, gap_metrics, make_optimizer
 from grpo.config import GRPOConfig
 from grpo.distributed import (
     RankSpec,
@@ -76,8 +76,7 @@ class DistributedActor(Actor):
         self.spec = spec
         self.module = wrap(policy, spec)
         self.params = list(policy.trainable_parameters())  # FSDP2: the sharded parameters now
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(self.params, cfg)
 
     # ----- forward through the wrapper -----
     def _log_prob(self, policy, obs, chains: Tensor, denoise_inds: Tensor) -> Tensor:
@@ -167,7 +166,7 @@ class DistributedActor(Actor):
         metrics["train/clip_frac_first_mb"] = outside / rows if rows else 0.0
         metrics.update(acc.metrics(self.cfg.update_epochs))
         metrics["train/rows"] = total
-        metrics["train/lr"] = self.cfg.lr
+        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]  # what the steps used (not the config)
         metrics["train/actor_ranks"] = self.spec.world_size
         return metrics
 

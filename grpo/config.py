@@ -51,7 +51,7 @@ class GRPOConfig:
     loss_agg: str = "token_mean"  # token_mean (RLinf) | trajectory_mean (per-trajectory length norm.)
     kl_coef: float = 0.0  # KL to the initial (reference) policy; 0: no reference copy is kept
     kl_estimator: str = "k3"
-    entropy_coef: float = 0.0  # bonus on the entropy of the stochastic SDE step (constant in a)
+    entropy_coef: float = 0.0  # must be 0: the flow-SDE std is not learned (no entropy bonus possible)
     # Truncated importance sampling: the rollout's log-probs enter only as the weight
     # min(pi_old_trainer / pi_rollout, tis_cap) (detached); the ratio uses the trainer's own old
     # log-probs, so it is exactly 1 at the first update whatever the rollout's numerics.
@@ -105,8 +105,17 @@ class GRPOConfig:
         check_choice("grpo.loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
         check_choice("grpo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("grpo.autocast", self.autocast, AUTOCAST_MODES)
-        for key in ("kl_coef", "entropy_coef", "weight_decay"):
+        for key in ("kl_coef", "weight_decay"):
             _check_range(f"grpo.{key}", getattr(self, key), 0.0, math.inf)
+        _check_number("grpo.entropy_coef", self.entropy_coef)
+        if self.entropy_coef != 0:
+            # The SDE step's std (policy.sampling.noise_level, the time grid) has no parameter behind
+            # it, so a bonus on its entropy would have zero gradient: it would only shift the loss.
+            raise ValueError(
+                f"grpo.entropy_coef must be 0, got {self.entropy_coef!r}: the flow-SDE policy's std is not "
+                "learned (it comes from policy.sampling.noise_level and the time grid), so its Gaussian "
+                "entropy is a constant and a bonus on it would not change the update; raise "
+                "policy.sampling.noise_level for more exploration")
         for key in ("tis_cap", "lr", "adam_eps", "grad_clip"):
             check_positive_float(f"grpo.{key}", getattr(self, key))
         if self.tis and self.tis_cap < 1:

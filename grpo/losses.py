@@ -4,8 +4,12 @@
   surrogate = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
   dual clip : for A < 0, min(surrogate, -dual_clip A)        (bounds the loss of huge ratios)
   w_IS      = min(pi_old / pi_rollout, tis_cap), detached    (truncated importance sampling)
-  loss_row  = w_IS surrogate + kl_coef KL(pi_theta, pi_ref) - entropy_coef H
+  loss_row  = w_IS surrogate + kl_coef KL(pi_theta, pi_ref)
   loss      = sum_rows weight_row loss_row                   (weights sum to 1 over a global batch)
+
+No entropy bonus: the flow-SDE step's std (noise level and time grid) is not learned, so the
+entropy H of its Gaussian is a constant of the config with zero gradient; it is only reported
+(LossTerms.entropy), and GRPOConfig refuses entropy_coef != 0.
 
 pi_old is the trainer's own recompute before the update (so r = 1 at the first micro-batch);
 pi_rollout is what the engine reported. Row weights implement the aggregation: "token_mean"
@@ -93,7 +97,7 @@ class LossTerms:
     loss: Tensor  # scalar: sum of weight * per-row loss (what backward() is called on)
     policy: Tensor  # scalar weighted surrogate (with IS weights)
     kl: Tensor  # scalar weighted KL to the reference (0 without one)
-    entropy: Tensor  # scalar weighted entropy (0 without one)
+    entropy: Tensor  # scalar weighted entropy, reported only (0 without one)
     clip_active: Tensor  # (B,) bool
     ratio_outside: Tensor  # (B,) bool
     approx_kl: Tensor  # scalar weighted k3 estimate of KL(pi_old || pi_theta)
@@ -102,8 +106,9 @@ class LossTerms:
 def grpo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, weights: Tensor,
               clip_low: float, clip_high: float, dual_clip: float | None = None,
               is_weight: Tensor | None = None, ref_logprob: Tensor | None = None, kl_coef: float = 0.0,
-              kl_estimator: str = "k3", entropy: Tensor | None = None, entropy_coef: float = 0.0) -> LossTerms:
-    """All rows' terms; `weights` already normalised over the global batch (sum to 1 there)."""
+              kl_estimator: str = "k3", entropy: Tensor | None = None) -> LossTerms:
+    """All rows' terms; `weights` already normalised over the global batch (sum to 1 there). `entropy`
+    (per row, constant in the parameters) is averaged for the report and stays out of the loss."""
     log_ratio = logprob - old_logprob.detach()
     surrogate, active = clipped_surrogate(log_ratio, advantages, clip_low, clip_high, dual_clip)
     if is_weight is not None:
@@ -111,8 +116,8 @@ def grpo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, weights:
     policy = (weights * surrogate).sum()
     zero = logprob.new_zeros(())
     kl = (weights * kl_penalty(logprob, ref_logprob.detach(), kl_estimator)).sum() if ref_logprob is not None else zero
-    ent = (weights * entropy).sum() if entropy is not None else zero
-    loss = policy + kl_coef * kl - entropy_coef * ent
+    loss = policy + kl_coef * kl
     with torch.no_grad():
+        ent = (weights * entropy).sum() if entropy is not None else zero
         approx_kl = (weights * (torch.exp(log_ratio) - 1.0 - log_ratio)).sum()
     return LossTerms(loss, policy, kl, ent, active, ratio_outside(log_ratio.detach(), clip_low, clip_high), approx_kl)

@@ -21,6 +21,7 @@ from common.config import (
     to_container,
 )
 from envs.config import EnvConfig
+from grpo.actor_group import check_actor_config
 from grpo.config import GRPOConfig
 from policies.config import PolicyConfig
 from profiler.config import ProfilerConfig, WandbConfig
@@ -154,9 +155,6 @@ class ExperimentConfig:
         if missing:
             raise ValueError(f"policy.inputs.camera_map reads {missing}, but env.cameras {env.cameras} "
                              f"gives {sorted(obs_keys)}")
-        if self.grpo.entropy_coef > 0 and pol.sampling.train_mode != "sde":
-            raise ValueError(f"grpo.entropy_coef ({self.grpo.entropy_coef}) needs policy.sampling.train_mode 'sde', "
-                             f"got {pol.sampling.train_mode!r}")
         if not col.record_images and self.mode == "train":
             raise ValueError("rollout.collector.record_images must be true for training (the recompute needs them)")
         if self.eval.tasks is not None and self.eval.num_envs is not None and self.eval.num_envs % len(self.eval.tasks):
@@ -164,6 +162,13 @@ class ExperimentConfig:
                              f"eval.tasks ({len(self.eval.tasks)})")
         if self.mode == "eval" and self.run.resume is not None:
             raise ValueError("run.resume is for training; evaluate a checkpoint with eval.checkpoint=PATH")
+        check_actor_config(self)  # e.g. fsdp2 with checkpoints: refused here, not after the run dir exists
+        if self.mode == "eval" or self.eval.every or self.eval.at_start:
+            # the Evaluator is built only at the first evaluation, eval.every steps into training: check now
+            # that eval.tasks exist and eval.init_states fits each of them
+            from grpo.evaluate import eval_env_config  # lazy: grpo.evaluate imports this module
+
+            eval_env_config(self.env, self.eval)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)

@@ -1,8 +1,9 @@
 """The GRPO training loop, top to bottom (CleanRL style). Entry point: experiments/grpo.py.
 
-Per RL step s = 1..grpo.steps (weight version = s, the global step):
-    weight_sync  trainer weights -> the engine (version=s): everything at the first sync of a
-                 (re)started run, the trainable parameters after that; by the placement's
+Per RL step s = 1..grpo.steps (weight version = s, the global step: the weights after s - 1 updates):
+    weight_sync  trainer weights -> the engine (version=s), unless the evaluation after step s - 1
+                 already pushed them: everything at the first push of a (re)started run, the
+                 trainable parameters after that; by the placement's
                  transport (rollout/placement.py): a state dict through update_weights, or a
                  torch.distributed broadcast from the trainer's GPU when the engine's ranks are
                  processes on other GPUs (run.device=cuda:0 rollout=local
@@ -15,7 +16,9 @@ Per RL step s = 1..grpo.steps (weight version = s, the global step):
                  process, or data-parallel over grpo.actor_parallel.world_size ranks (DDP / FSDP2,
                  rank 0 here, the others spawned: grpo/actor_group.py)
 each a profiler span inside the "step" span; then one console line, metrics.jsonl + wandb,
-an evaluation every eval.every steps, a checkpoint every run.checkpoint_every steps. When the
+an evaluation every eval.every steps, a checkpoint every run.checkpoint_every steps. The evaluation
+after step s scores the weights after s updates (those the checkpoint of step s holds): it pushes
+them first as version s + 1, which step s + 1 then rolls out with unchanged. When the
 loop ends: report.json / trace.json / timeline.png / breakdown.png / success_rate.png and the
 wandb run (grpo/artifacts.py).
 """
@@ -45,7 +48,7 @@ from profiler import make_timeline, profiler_environ, set_timeline, write_meta
 from rollout.collector import RolloutCollector
 from rollout.engine import PolicyEngine
 from rollout.placement import plan_placement
-from rollout.weights_push import make_pusher
+from rollout.weights_push import PushTiming, make_pusher
 
 CURVE_FILE = "success_rate.png"
 
@@ -139,7 +142,6 @@ class Trainer:
             self.actor = build_actor(self.policy, cfg.grpo, self.actor_plan, cfg.env.group_size,
                                      show_progress=cfg.run.show_progress)
             self.state = checkpoint.TrainState(step=1)
-            self.first_step = 1
             if resume_from is not None:
                 self.resume(resume_from)
             self.log = MetricsLog(self.run_dir, self.state.history)
@@ -168,12 +170,14 @@ class Trainer:
         cfg = self.cfg
         steps = range(self.state.step, cfg.grpo.steps + 1)
         if cfg.eval.at_start and self.state.step == 1:
+            self.sync_for_eval(0)
             self.evaluate(0)
         bar = tqdm(steps, desc="GRPO steps", disable=not cfg.run.show_progress, dynamic_ncols=True)
         for step in bar:
             metrics = self.train_step(step)
             bar.write(console_line(step - 1, cfg.grpo.steps, metrics))
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.grpo.steps):
+                self.sync_for_eval(step)  # the engine is one update behind: evaluate this step's result
                 self.evaluate(step)
             self.state.step = step + 1
             every = cfg.run.checkpoint_every
@@ -186,8 +190,7 @@ class Trainer:
         cfg, tl, times = self.cfg, self.timeline, {}
         with phase(tl, "step", step, times):
             with phase(tl, "weight_sync", step, times):
-                full = step == self.first_step
-                push = self.pusher.push(self.actor.weights_for_push(full), version=step, partial=not full)
+                push = self.sync_weights(step)  # None: the evaluation after step - 1 pushed them already
             with phase(tl, "rollout", step, times):
                 epochs, predict_s = [], 0.0
                 for _ in tqdm(range(cfg.grpo.rollout_epochs), desc=f"rollout (step {step})", leave=False,
@@ -202,13 +205,32 @@ class Trainer:
         metrics = {"kind": "train", "step": step, **rollout_metrics(data), **train_metrics,
                    **phase_metrics(times, predict_s),
                    "rollout/stale_rows": int((data.samples.versions != step).sum())}
-        if push.send_s is not None:  # broadcast: the trainer's send until every rank wrote
+        if push is not None and push.send_s is not None:  # broadcast: the trainer's send until every rank wrote
             metrics["step_time/weight_send"] = push.send_s
         self.log.append(metrics)
         self.wandb.log(step, metrics)
         return metrics
 
+    def sync_weights(self, version: int) -> PushTiming | None:
+        """Make the engine hold the trainer's current weights as `version`, the RL step that rolls out
+        with them (its weights after version - 1 updates); None when it already does. The first push
+        of this process (engine version 0: a fresh or resumed run) carries every parameter, later ones
+        only the trained ones."""
+        if self.engine.version == version:
+            return None
+        full = self.engine.version == 0
+        return self.pusher.push(self.actor.weights_for_push(full), version=version, partial=not full)
+
+    def sync_for_eval(self, step: int) -> None:
+        """Before the evaluation after `step`: the engine still holds the weights step `step` rolled out
+        with, one update behind (step 0: its own initial ones). Push the weights after `step` updates
+        as version step + 1, the step that rolls out with them next: its weight_sync finds them there
+        and pushes nothing."""
+        with self.timeline.span("eval/weight_sync", after_step=step):
+            self.sync_weights(step + 1)
+
     def evaluate(self, step: int) -> dict:
+        """Evaluate the engine's weights as those after `step` updates (run() pushes them first)."""
         if self.evaluator is None:
             self.evaluator = Evaluator(self.cfg.env, self.cfg.eval, self.cfg.collector, self.engine, self.cfg.policy,
                                        seed=self.cfg.run.seed)
@@ -231,6 +253,7 @@ class Trainer:
     def resume(self, path: str | Path) -> None:
         payload = checkpoint.load(path)
         self.policy.model.load_state_dict(payload["model"], strict=True)
+        # moments and step counts only: the optimizer keeps grpo.lr etc. (grpo/actor.py make_optimizer warns)
         self.actor.optimizer.load_state_dict(payload["optimizer"])
         self.actor.updates = int(payload["actor_updates"])
         self.actor.sync_loaded_state()  # data-parallel ranks take rank 0's loaded weights and optimiser state
@@ -238,7 +261,6 @@ class Trainer:
         restore_data_position(self.collector, payload["data"])
         self.state = checkpoint.TrainState(step=int(payload["step"]) + 1, history=list(payload["history"]),
                                            wandb_id=payload.get("wandb_id"))
-        self.first_step = self.state.step
 
     # ----- the end -----
     def finish(self) -> dict[str, Path]:

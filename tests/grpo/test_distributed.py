@@ -80,13 +80,16 @@ def test_run_plan_falls_back_to_tensors_and_refuses_what_cannot_work():
     plan, placement = plan_actor_for_run(exp, placement, cuda_count=8)
     assert plan.devices == ["cuda:0", "cuda:1"] and placement.transport == "tensors"
     assert "actor group" in placement.why
-    explicit = ExperimentConfig.from_hydra(composed(*ACTOR2_ENGINE6, "rollout.weights.transport=broadcast"))
-    placed = plan_placement(explicit.run.device, "run.device", explicit.rollout, cuda_count=8)
+    # refused with the config, before the run directory exists
     with pytest.raises(ValueError, match="rollout.weights.transport=broadcast with grpo.actor_parallel.mode=ddp"):
-        plan_actor_for_run(explicit, placed, cuda_count=8)
-    fsdp = ExperimentConfig.from_hydra(composed(*ACTOR2_ENGINE6[:-1], "grpo.actor_parallel.mode=fsdp2"))
+        ExperimentConfig.from_hydra(composed(*ACTOR2_ENGINE6, "rollout.weights.transport=broadcast"))
     with pytest.raises(ValueError, match="fsdp2 shards the optimiser state.*run.checkpoint_every=0"):
-        plan_actor_for_run(fsdp, placed, cuda_count=8)
+        ExperimentConfig.from_hydra(composed(*ACTOR2_ENGINE6[:-1], "grpo.actor_parallel.mode=fsdp2"))
+    # and again by the plan, for a Trainer given a config changed after its checks
+    fsdp = ExperimentConfig.from_hydra(composed(*ACTOR2_ENGINE6, "grpo.actor_parallel.mode=fsdp2"))
+    fsdp.run.checkpoint_every = 1
+    with pytest.raises(ValueError, match="fsdp2 shards the optimiser state.*run.checkpoint_every=0"):
+        plan_actor_for_run(fsdp, placement, cuda_count=8)
 
 
 def test_group_sharding_by_hand():

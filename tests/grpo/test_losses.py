@@ -77,7 +77,7 @@ def test_row_weights_token_and_trajectory_mean():
     assert gaussian_entropy(torch.tensor([1.0]), 2).item() == pytest.approx(math.log(2 * math.pi * math.e))
 
 
-def reference_loss(logp, old, adv, weights, lo, hi, dual, isw, ref, kl_coef, ent, ent_coef):
+def reference_loss(logp, old, adv, weights, lo, hi, dual, isw, ref, kl_coef):
     total = 0.0
     for i in range(len(logp)):
         r = math.exp(logp[i] - old[i])
@@ -86,7 +86,7 @@ def reference_loss(logp, old, adv, weights, lo, hi, dual, isw, ref, kl_coef, ent
             s = min(s, -adv[i] * dual)
         row = s * isw[i]
         d = logp[i] - ref[i]
-        row += kl_coef * (math.exp(-d) + d - 1) - ent_coef * ent[i]
+        row += kl_coef * (math.exp(-d) + d - 1)
         total += weights[i] * row
     return total
 
@@ -105,10 +105,11 @@ def test_grpo_loss_matches_slow_reference(seed):
     isw = truncated_is_weight(old, rollout, 2.0)
     dual = 3.0 if seed % 2 else None
     terms = grpo_loss(logp, old, adv, weights, 0.2, 0.28, dual, is_weight=isw, ref_logprob=ref, kl_coef=0.1,
-                      entropy=ent, entropy_coef=0.01)
+                      entropy=ent)
     expected = reference_loss(logp.tolist(), old.tolist(), adv.tolist(), weights.tolist(), 0.2, 0.28, dual,
-                              isw.tolist(), ref.tolist(), 0.1, ent.tolist(), 0.01)
-    assert terms.loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+                              isw.tolist(), ref.tolist(), 0.1)
+    assert terms.loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-12)  # the entropy is not in it
+    assert terms.entropy.item() == pytest.approx(float((weights * ent).sum()), rel=1e-12)  # only reported
 
 
 def test_ratio_is_one_at_the_first_update_whatever_the_rollout_gap():
