@@ -16,8 +16,11 @@ through our LeRobot loader, then per batch size every side on the same inputs an
 Every side gets the same warm-up and timed iterations (CUDA-event medians); speed-ups are quoted
 against the fastest LeRobot variant at that batch size; memory is each side's weights plus
 everything its measurement added (peak allocated, peak reserved, resident incl. CUDA graph
-pools); actions are compared for the same noise (parity; FP8 vs bf16). At `bench.gap_batch` the
-FP8 and bf16 rollouts' log-prob gap to the trainer's plain-path recompute is measured.
+pools); actions are compared for the same noise (parity against our plain path; FP8 vs bf16). At
+`bench.gap_batch` the FP8 and bf16 rollouts' log-prob gap to the trainer's plain-path recompute is
+measured (none, with the reason recorded, if it is not among `bench.batch_sizes` or `bench.gap_calls=0`).
+Our sides run the run's `policy.fast` settings with the bench's dtype, attention, precision and a
+one-entry batch bucket; each records the FastConfig it measured ("fast").
 `bench.time_budget_s` bounds the run: a measurement that would overrun it is skipped and recorded.
 """
 
@@ -75,8 +78,8 @@ class BenchPredictConfig:
     # runs them in waves, each compiled and timed before the next (the waves share lerobot_compile_budget_s)
     lerobot_compile_parallel: int = 0
     time_budget_s: float = 420.0
-    gap_batch: int = 32
-    gap_calls: int = 4
+    gap_batch: int = 32  # not among batch_sizes: no gap measured, the reason recorded (gap_skipped)
+    gap_calls: int = 4  # 0: no gap measured (recorded)
     clip: float = 0.2
     attention: str = "auto"
     device: str = "auto"
@@ -119,6 +122,22 @@ class BenchPredictConfig:
                              f"default), got {cache!r}")
         if not 0 < self.clip < 1:
             raise ValueError(f"bench.clip must be in (0, 1), got {self.clip}")
+        if isinstance(self.gap_batch, bool) or not isinstance(self.gap_batch, int) or self.gap_batch < 1:
+            raise ValueError(f"bench.gap_batch must be a positive batch size (the gap is measured when it is one of "
+                             f"bench.batch_sizes={self.batch_sizes}), got {self.gap_batch!r}")
+        if isinstance(self.gap_calls, bool) or not isinstance(self.gap_calls, int) or self.gap_calls < 0:
+            raise ValueError(f"bench.gap_calls must be a number of rollout calls >= 0 (0: no gap), "
+                             f"got {self.gap_calls!r}")
+
+    def gap_skipped(self) -> str | None:
+        """Why no log-prob gap is measured, None when it is. A bench.gap_batch outside bench.batch_sizes is
+        not refused: the README's device commands use one (gap_batch=64 with batch_sizes [1, 32]) to spend
+        the budget on timing; the reason goes into the JSON instead of the gap silently missing."""
+        if self.gap_calls == 0:
+            return "bench.gap_calls=0"
+        if self.gap_batch not in self.batch_sizes:
+            return f"bench.gap_batch={self.gap_batch} is not among bench.batch_sizes={self.batch_sizes}"
+        return None
 
 
 def measure_ceilings(device: torch.device) -> dict:
@@ -197,10 +216,14 @@ def bench_configuration(name: str, base: PolicyConfig, bench: BenchPredictConfig
     spec = common.CONFIGURATIONS[name]
     cfg = configuration_cfg(name, base, device)
     dtype = cfg.dtype
-    result = {"spec": spec, "policy": cfg.to_dict(), "dtype": dtype, "rows": [], "lerobot": {}, "weights_mib": {}}
+    # "policy": the run's config; each of our sides records the FastConfig it measured ("fast")
+    result = {"spec": spec, "policy": cfg.to_dict(), "dtype": dtype, "rows": [], "lerobot": {}, "weights_mib": {},
+              "reference": "plain path (policy.fast.enabled=false): the parity's actions, the gap's recompute"}
+    if bench.gap_skipped():
+        result["logprob_gap"] = {"skipped": f"{bench.gap_skipped()}: no log-prob gap measured"}
     variants, core = build_lerobot_variants(cfg, bench, device, result)
     mark = common.memory_mark(device)
-    policy = ours_side.ours_policy(core, cfg, device)
+    policy = ours_side.ours_policy(core, ours_side.reference_cfg(cfg), device)
     built = common.memory_since(mark, device)
     ours_weights = built["resident_mib"] if built else lerobot_side.param_mib(policy.model)
     result["weights_mib"]["ours"] = lerobot_side.param_mib(policy.model)
@@ -219,6 +242,7 @@ def bench_configuration(name: str, base: PolicyConfig, bench: BenchPredictConfig
             if "memory_delta" in measured:
                 measured["memory"] = footprint(sides[side], measured.pop("memory_delta"))
         if batch == min(bench.batch_sizes) and "actions" in row["sides"]["ours"]:
+            # the plain path whatever policy.fast.enabled says (reference_cfg): never fast vs fast
             reference = policy.sample(inputs, mode="ode", noise=noise).model_actions.float().cpu()
             result["parity_fast_vs_our_reference_rel_l2"] = relative_l2(row["sides"]["ours"]["actions"], reference)
         result["rows"].append(row)
@@ -436,6 +460,8 @@ def main(cfg: DictConfig) -> None:
     budget = common.Budget(bench.time_budget_s)
     base = PolicyConfig.from_mapping(cfg.policy)
     device = run_device(bench)
+    if bench.gap_skipped():
+        print(f"{bench.gap_skipped()}: no log-prob gap measured (recorded)")
     ceilings = measure_ceilings(device)
     print(f"device {device}; ceilings {ceilings}")
     results, pending = {}, {}
@@ -446,7 +472,8 @@ def main(cfg: DictConfig) -> None:
         finalize(result)
     print_table(results)
     payload = {"bench": asdict(bench), "ceilings": ceilings, "configurations": results}
-    write_result("bench_predict", payload, summarise(results, budget), bench.out_dir, commit=bench.commit)
+    write_result("bench_predict", payload, summarise(results, budget), bench.out_dir, commit=bench.commit,
+                 device=device)
 
 
 if __name__ == "__main__":

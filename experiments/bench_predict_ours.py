@@ -14,6 +14,7 @@ nats, and the share of ratios exp(recompute - rollout) outside [1 - clip, 1 + cl
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -58,10 +59,22 @@ class SameChoiceSelector(AttentionSelector):
         return self._record(f"{stage}/b{batch}/q{queries}/s{rows}", backend, {}, {}, "same as the bf16 sampler")
 
 
-def fast_config(precision: str, dtype: str, attention: str, batch: int) -> FastConfig:
+def reference_cfg(cfg: PolicyConfig) -> PolicyConfig:
+    """The config of the policy the samplers are built over, with its own fast path off: its `sample` (the
+    parity reference) and `log_prob` (the gap's recompute) run the plain path even when the run sets
+    policy.fast.enabled=true (else the parity was fast vs fast); policy.fast's other settings stay for
+    `fast_config`."""
+    return cfg.replace(fast={"enabled": False, "consistent_recompute": False})
+
+
+def fast_config(base: FastConfig, precision: str, dtype: str, attention: str, batch: int) -> FastConfig:
+    """One side's sampler: the run's policy.fast settings (gemm, mlp, overlap, fp8_gemms, ...) with the
+    bench's dtype, attention, precision and a one-entry batch bucket. No consistent recompute: the gap is
+    measured against the trainer's plain-path recompute (and that flag needs a batch-invariant attention)."""
     # FP8 GEMMs write bf16: the FP8 side is bf16 elsewhere even on a float32 (CPU smoke) run.
-    return FastConfig(enabled=True, dtype="bfloat16" if precision == "fp8" else dtype, attention=attention,
-                      batch_buckets=[batch], precision=precision)
+    return dataclasses.replace(base, enabled=True, dtype="bfloat16" if precision == "fp8" else dtype,
+                               attention=attention, batch_buckets=[batch], precision=precision,
+                               consistent_recompute=False)
 
 
 def measure_ours(policy: Policy, precision: str, batch: int, prompt_len: int, inputs, noise, device: torch.device,
@@ -71,14 +84,16 @@ def measure_ours(policy: Policy, precision: str, batch: int, prompt_len: int, in
     cfg = policy.cfg
     steps = cfg.sampling.num_steps
     mark = common.memory_mark(device)
-    fast = FastSampler(policy.model, fast_config(precision, cfg.dtype, bench.attention, batch))
+    fast_cfg = fast_config(cfg.fast, precision, cfg.dtype, bench.attention, batch)
+    fast = FastSampler(policy.model, fast_cfg)
     if chosen:
         fast.selector = SameChoiceSelector(chosen=chosen)
     stoch = torch.zeros(batch, steps, dtype=torch.bool, device=device)
     timing = common.time_calls(lambda: fast.sample_chains(inputs, noise, None, stoch), device, bench.warmup,
                                bench.iters, budget, f"ours {precision} b={batch}")
     row = {"ms": timing["ms"], "first_call_s": timing["first_call_s"], "ms_all": timing["ms_all"],
-           "actions": timing["output"][0][:, -1].float().cpu(), "fp8_gemms": len(fast.w.fp8_weights)}
+           "actions": timing["output"][0][:, -1].float().cpu(), "fp8_gemms": len(fast.w.fp8_weights),
+           "fast": dataclasses.asdict(fast_cfg)}  # the settings measured (the JSON's "policy" is the run's config)
     row["stages"] = stage_breakdown(fast, cfg, inputs, noise, stoch, device, bench, ceilings)
     row["memory_delta"] = common.memory_since(mark, device)  # before the gap: its plain-path recompute is the trainer's
     row["attention"] = {k: v["chosen"] for k, v in fast.selector.records.items()}

@@ -7,7 +7,8 @@
     python -m experiments.grpo mode=eval eval.checkpoint=RUN_DIR
 
 Every group's config is validated (errors name the key and value) before the run directory is
-created; a bad override stops here and nothing is written. Keys: grpo/run_config.py.
+created, and so are the checkpoints it reads (run.resume, eval.checkpoint); a bad override stops
+here and nothing is written. Keys: grpo/run_config.py.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ register_grpo_schema()
 
 def run(cfg: DictConfig, force_mode: str | None = None) -> dict:
     from grpo.run_config import ExperimentConfig
-    from grpo.runs import make_run_dir, run_evaluation, write_config
+    from grpo.runs import check_checkpoints, make_run_dir, run_evaluation, write_config
 
     try:
         exp = ExperimentConfig.from_hydra(cfg)
         if force_mode is not None:
             exp.mode = force_mode
             exp.check_cross_group()
-    except (ValueError, TypeError) as exc:
+        check_checkpoints(exp)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     run_dir = make_run_dir(exp.run.dir)

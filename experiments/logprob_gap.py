@@ -148,7 +148,7 @@ def main() -> None:
     payload = {"config": {**vars(args), "policy_cfg": cfg.to_dict()},
                "denoise_indices": sorted({int(i) for i in rows.denoise_inds[:, 0]}),
                "timings_s": {"rollout": rollout_s, **{f"recompute_{k}": v for k, v in timings.items()}}}
-    write_result("grpo_logprob_gap", payload, summary, out_dir=args.out, commit=args.commit)
+    write_result("grpo_logprob_gap", payload, summary, out_dir=args.out, commit=args.commit, device=device)
 
 
 if __name__ == "__main__":

@@ -54,15 +54,28 @@ def git_sha() -> str:
         return os.environ.get("VLA_GIT_SHA") or "unknown"
 
 
-def device_name() -> str:
-    """The GPU's name where torch sees one, else the CPU model."""
+def device_name(device: Any = None) -> str:
+    """The name of the device the run used: a CUDA device's own name (its index; "cuda" alone: the
+    current one), the CPU model for "cpu". Without `device` (callers that do not pass theirs): cuda:0's
+    name where torch sees a GPU, else the CPU model. The run's device matters: a CPU run (bench.device=cpu,
+    logprob_gap --device cpu) or one on cuda:1 on a GPU host was labelled with cuda:0's name."""
     try:
         import torch
 
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
+        if device is None:
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda":
+            return torch.cuda.get_device_name(device.index)
+        if device.type != "cpu":
+            return str(device)
     except ImportError:
         pass
+    return cpu_name()
+
+
+def cpu_name() -> str:
+    """The CPU model, as "cpu: <model name>"."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -72,10 +85,10 @@ def device_name() -> str:
     return "cpu: " + (platform.processor() or platform.machine())
 
 
-def provenance() -> dict[str, Any]:
+def provenance(device: Any = None) -> dict[str, Any]:
     return {
         "git_sha": git_sha(),
-        "device": device_name(),
+        "device": device_name(device),
         "cpu_count": os.cpu_count(),
         "hostname": platform.node(),
         "python": platform.python_version(),
@@ -104,15 +117,17 @@ def write_result(
     summary: Mapping[str, Any],
     out_dir: str | os.PathLike | None = None,
     commit: bool = False,
+    device: Any = None,
 ) -> Path:
     """Write `{provenance, summary, **payload}` as JSON and print `RESULT {summary}` last.
 
     `name` starts the file name (e.g. "bench_env"); the device and a timestamp follow so runs
-    never overwrite each other. The folder: `results_dir(name, out_dir, commit)`, i.e. the run
+    never overwrite each other. `device`: the run's device (torch.device or its string), named by
+    `device_name`. The folder: `results_dir(name, out_dir, commit)`, i.e. the run
     directory `runs/<name>/` unless the caller or $VLA_COMMIT_RESULTS asks for
     benchmarks/results/ (module docstring).
     """
-    meta = provenance()
+    meta = provenance(device)
     record = {"name": name, **meta, "summary": dict(summary), **dict(payload)}
     out = results_dir(name, out_dir, commit)
     out.mkdir(parents=True, exist_ok=True)

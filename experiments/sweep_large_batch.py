@@ -377,7 +377,12 @@ def _split_k_case(label, m, k, n, device, dtype) -> list[dict]:
     def split(s, fp32):
         xs = x.view(m, s, k // s).transpose(0, 1)  # (S, M, K/S), row stride K: no copy
         ws = w.view(n, s, k // s).permute(1, 2, 0)  # (S, K/S, N), column-major slices of W
-        parts = torch.bmm(xs, ws, out_dtype=torch.float32) if fp32 else torch.bmm(xs, ws)
+        if not fp32:
+            parts = torch.bmm(xs, ws)
+        elif xs.is_cuda:
+            parts = torch.bmm(xs, ws, out_dtype=torch.float32)
+        else:  # CPU (--tiny) has no bmm with out_dtype: the same products, summed in fp32
+            parts = torch.bmm(xs.float(), ws.float())
         h.copy_(h0)
         return K._add_norm_triton(h, parts, None, ones, zeros, 1e-6, layer_norm=True, y_splits=s)[0]
 

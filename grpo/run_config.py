@@ -157,6 +157,8 @@ class ExperimentConfig:
                              f"gives {sorted(obs_keys)}")
         if not col.record_images and self.mode == "train":
             raise ValueError("rollout.collector.record_images must be true for training (the recompute needs them)")
+        if self.mode == "train":
+            pol.check_consistent_training()  # else the first recompute fails, after a rollout into the run dir
         if self.eval.tasks is not None and self.eval.num_envs is not None and self.eval.num_envs % len(self.eval.tasks):
             raise ValueError(f"eval.num_envs ({self.eval.num_envs}) must be a multiple of the number of "
                              f"eval.tasks ({len(self.eval.tasks)})")

@@ -10,6 +10,24 @@ from grpo.run_config import ExperimentConfig
 CONFIG_FILE = "config.yaml"
 
 
+def check_checkpoints(cfg: ExperimentConfig) -> None:
+    """The checkpoints the run reads, checked before its directory exists: a missing path, and a resume
+    with no step left to train (the checkpoint's step, from its step_NNNNNN.pt name, at grpo.steps)."""
+    from grpo import checkpoint
+
+    if cfg.mode == "eval":
+        if cfg.eval.checkpoint:
+            checkpoint.resolve(cfg.eval.checkpoint)
+        return
+    if not cfg.run.resume:
+        return
+    path = checkpoint.resolve(cfg.run.resume)
+    named = checkpoint.PATTERN.match(path.name)
+    if named is not None and int(named.group(1)) >= cfg.grpo.steps:
+        raise ValueError(f"run.resume: {path} is step {int(named.group(1))} and grpo.steps is {cfg.grpo.steps}: "
+                         f"nothing is left to train (raise grpo.steps to go on)")
+
+
 def make_run_dir(path: str | Path) -> Path:
     """Create the run directory; an existing non-empty one gets a fresh sibling (-1, -2, ...)."""
     base = Path(path)

@@ -144,6 +144,9 @@ class Trainer:
             self.state = checkpoint.TrainState(step=1)
             if resume_from is not None:
                 self.resume(resume_from)
+                if self.state.step > cfg.grpo.steps:  # (experiments/grpo.py says so earlier for step_NNNNNN.pt)
+                    raise ValueError(f"run.resume: {resume_from} is step {self.state.step - 1} and grpo.steps is "
+                                     f"{cfg.grpo.steps}: nothing is left to train (raise grpo.steps to go on)")
             self.log = MetricsLog(self.run_dir, self.state.history)
             self.log.rewrite()
             self.wandb = WandbRun(cfg.logger, self.run_dir, cfg.raw, resume_id=self.state.wandb_id)

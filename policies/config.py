@@ -245,6 +245,31 @@ class PolicyConfig:
         self.sampling.validate("policy.sampling", self.chunk_size)
         self.inputs.validate("policy.inputs", self.cameras, self.state_dim, self.action_dim)
 
+    def check_consistent_training(self) -> None:
+        """What a trainer's recompute with gradients (GRPO's actor) needs of policy.fast.consistent_recompute.
+        Checked with the experiment's config, before the run directory exists, because the recompute itself
+        (policies/fast/recompute.py) only finds out after the first rollout. The actor passes no per-row
+        buckets, so one-entry bucket lists must pin them; vision and prefix run without autograd."""
+        fast = self.fast
+        if not fast.consistent_recompute:
+            return
+        if len(fast.batch_buckets) != 1 or len(fast.prompt_buckets) != 1:
+            raise ValueError(
+                "policy.fast.consistent_recompute=true in training needs one-entry policy.fast.batch_buckets and "
+                "policy.fast.prompt_buckets (they pin the bucket every rollout row ran in, which the trainer's "
+                f"recompute must reuse), got policy.fast.batch_buckets={fast.batch_buckets} and "
+                f"policy.fast.prompt_buckets={fast.prompt_buckets}")
+        if not self.train_expert_only:
+            raise ValueError(
+                "policy.fast.consistent_recompute=true in training needs policy.train_expert_only=true (vision "
+                "and prefix run through the fast path without autograd), got policy.train_expert_only=false")
+        if fast.dtype == "float32" and self.dtype != "float32":
+            # the engine's float32 copies hold its policy.dtype-rounded weights, the trainer's its fp32 masters
+            raise ValueError(
+                f"policy.fast.consistent_recompute=true in training with policy.fast.dtype=float32 needs "
+                f"policy.dtype=float32 (the engine's weights are rounded to it, the trainer's fp32 masters are "
+                f"not), got policy.dtype={self.dtype!r}")
+
     @property
     def logprob_chunk(self) -> int:
         return self.sampling.logprob_chunk or self.chunk_size

@@ -6,7 +6,8 @@ update, log-probs) stays in bf16/fp32, so the rollout's log-probs move only thro
 K/V the expert attends to.
 
 Scheme (what `torch._scaled_mm`'s row-wise mode computes, on CUDA and on CPU):
-- weights: one scale per output channel, s_w[n] = max_k |W[n, k]| / 448, Q_w = fp8(W / s_w);
+- weights: one scale per output channel, s_w[n] = max_k |W[n, k]| / 448, Q_w = fp8(W / s_w), where W
+  is the weight rounded to bf16 (the fast dtype's value, whatever the model's parameter dtype);
 - activations: one scale per token (row), computed on the fly from the row's absolute maximum,
   s_x[m] = max_k |x[m, k]| / 448, Q_x = fp8(x / s_x);
 - y = (Q_x Q_w^T) * s_x s_w^T + bias, accumulated in fp32, written in bf16.
@@ -47,6 +48,7 @@ MIN_AMAX = 1e-12  # an all-zero row gets this amax: its scale stays finite and i
 ACTIVATIONS = ("none", "gelu_tanh", "gelu_tanh_mul")
 ALIGN = 16  # _scaled_mm needs K and N divisible by 16
 ONE_PASS_MAX_WIDTH = 16384  # rows up to this wide are quantised from registers in one read (Gemma's GeGLU)
+WEIGHT_DTYPE = torch.bfloat16  # weights are quantised from their value in the fast dtype (fp8 needs bfloat16)
 
 
 @dataclass
@@ -71,8 +73,12 @@ def supported(weight: Tensor) -> bool:
 
 
 def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """(N, K) -> (qweight (N, K) e4m3, scale (N,) fp32), one scale per output channel."""
-    w = weight.detach().float()
+    """(N, K) -> (qweight (N, K) e4m3, scale (N,) fp32), one scale per output channel, of the weight
+    as the fast path holds it: rounded to WEIGHT_DTYPE first. Why: the GRPO trainer's fast path
+    (policy.fast.consistent_recompute) quantises its fp32 master weights, the engine its bf16 model's;
+    from fp32 their per-channel scales and e4m3 values differed (a ~1e-2 nats recompute gap), from the
+    bf16 rounding both hold they are bit-identical. fp8 needs policy.fast.dtype=bfloat16 (config.py)."""
+    w = weight.detach().to(WEIGHT_DTYPE).float()
     scale = w.abs().amax(dim=1).clamp_min(MIN_AMAX) / FP8_MAX
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 

@@ -183,7 +183,7 @@ class TuningCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._locked():
-                entries = self._read()
+                entries = self._read(set_aside=True)  # under the lock: the file read is the one set aside
                 for kind, key, value in unwritten:
                     entries.setdefault(kind, {})[key] = value
                 tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
@@ -209,9 +209,11 @@ class TuningCache:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def _read(self) -> dict:
+    def _read(self, set_aside: bool = False) -> dict:
         """The file's entries; {} when it does not exist. A file that does not parse, or whose fingerprint is
-        not this one, is renamed to `<name>.bad` with a warning (the next write starts a new one)."""
+        not this one, reads as {} with a warning, and with `set_aside` (only under the lock, in `_flush`) is
+        renamed to `<name>.bad` (the write then starts a new one). Lock-free reads (`get`) never rename: by
+        then a writer holding the lock may have replaced the bad file with a good one, which would move away."""
         try:
             text = self.path.read_text()
         except FileNotFoundError:
@@ -225,6 +227,9 @@ class TuningCache:
                 raise ValueError("its fingerprint is not this device's and software's")
             return kept["entries"]
         except (ValueError, AttributeError) as exc:
+            if not set_aside:
+                logger.warning("tuning cache: %s is unusable (%s); timing afresh", self.path, exc)
+                return {}
             logger.warning("tuning cache: %s is unusable (%s); set aside as .bad, timing afresh", self.path, exc)
             with contextlib.suppress(OSError):
                 os.replace(self.path, self.path.with_name(self.path.name + ".bad"))

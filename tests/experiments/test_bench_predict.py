@@ -104,3 +104,51 @@ def test_tiny_configuration_end_to_end():
     for key in ("libero_best_sps", "fp8_libero_best_sps", "fp8_rel_l2", "fp8_logprob_gap_mean", "fp8_clip_fraction"):
         assert key in summary, key
     assert summary["bf16_logprob_gap_max"] < 1e-4, "fp32 fast rollout vs fp32 plain recompute agree"
+
+
+def test_our_sides_measure_the_runs_policy_fast_settings_against_the_plain_path(monkeypatch):
+    """policy.fast overrides reach the samplers measured, each side records the FastConfig it used, and with
+    policy.fast.enabled=true the parity reference is still the plain path (it was the policy's own bf16 fast
+    path: fast vs fast). A gap_batch outside batch_sizes leaves its reason in the record."""
+    import dataclasses
+
+    from experiments import bench_predict_ours as ours_side
+    from policies.config import PolicyConfig
+
+    used = []
+
+    class Spy(ours_side.FastSampler):
+        def __init__(self, model, fast):
+            used.append(fast)
+            super().__init__(model, fast)
+
+    monkeypatch.setattr(ours_side, "FastSampler", Spy)
+    overrides = {"gemm": "cublas", "overlap": "off", "pdl": "off", "mlp": "split", "geglu": "cublas"}
+    base = PolicyConfig.preset("tiny", fast={"enabled": True, **overrides})  # its fast dtype: bf16 (the default)
+    bench = bench_mod.BenchPredictConfig(configurations=["libero_rl"], batch_sizes=[2], precisions=["bf16"], warmup=1,
+                                         iters=1, lerobot=False, gap_batch=3, lerobot_compile_modes=[])
+    ceilings = {"matmul_tflops": 1.0, "copy_tb_s": 0.01, "dtype": "float32", "source": "test"}
+    result, _ = bench_mod.bench_configuration("libero_rl", base, bench, torch.device("cpu"), ceilings, Budget(600))
+    side = result["rows"][0]["sides"]["ours"]
+    assert len(used) == 1 and side["fast"] == dataclasses.asdict(used[0])
+    assert {k: side["fast"][k] for k in overrides} == overrides
+    assert (side["fast"]["batch_buckets"], side["fast"]["dtype"]) == ([2], "float32")
+    assert result["parity_fast_vs_our_reference_rel_l2"] < 1e-5, "fp32 fast path vs the fp32 plain path"
+    assert result["logprob_gap"] == {"skipped": "bench.gap_batch=3 is not among bench.batch_sizes=[2]: "
+                                                "no log-prob gap measured"}
+    assert "logprob_gap" not in side
+
+
+def test_a_gap_batch_that_cannot_be_measured_is_refused_or_recorded():
+    with pytest.raises(ValueError, match=r"bench.gap_batch must be a positive batch size .*"
+                                         r"bench.batch_sizes=\[1, 4\]\), got 0"):
+        bench_mod.BenchPredictConfig(batch_sizes=[1, 4], gap_batch=0)
+    with pytest.raises(ValueError, match=r"bench.gap_calls must be .*got -1"):
+        bench_mod.BenchPredictConfig(gap_calls=-1)
+    skipped = bench_mod.BenchPredictConfig(batch_sizes=[1, 4]).gap_skipped()
+    assert skipped == "bench.gap_batch=32 is not among bench.batch_sizes=[1, 4]"
+    # the README's device command (gap_batch=64, batch_sizes [1, 32]) still runs, its gap recorded as skipped
+    assert "bench.gap_batch=64" in bench_mod.BenchPredictConfig(batch_sizes=[1, 32], gap_batch=64).gap_skipped()
+    assert bench_mod.BenchPredictConfig(gap_calls=0).gap_skipped() == "bench.gap_calls=0"
+    assert bench_mod.BenchPredictConfig().gap_skipped() is None
+    assert bench_mod.BenchPredictConfig(full_sweep=True, gap_batch=4).gap_skipped() is None

@@ -183,3 +183,37 @@ def test_actor_group_with_an_explicit_broadcast_is_checked_with_the_config(tmp_p
                          rollout={"engine": {"backend": "local", "devices": "cpu"},
                                   "weights": {"transport": "broadcast"},
                                   "collector": {"stages": 2, "in_process": True}})
+
+
+# ----- policy.fast.consistent_recompute settings that cannot train: refused with the config -----
+CONSISTENT = {"enabled": True, "consistent_recompute": True, "attention": "sdpa"}
+PINNED = {**CONSISTENT, "batch_buckets": [2], "prompt_buckets": [200]}
+
+
+@pytest.mark.parametrize("policy,match", [
+    ({"fast": CONSISTENT}, r"one-entry policy.fast.batch_buckets and policy.fast.prompt_buckets .*"
+                           r"got policy.fast.batch_buckets=\[1, 2, 4, 8, 16, 32, 64\] and policy.fast.prompt_buckets="),
+    ({"fast": {**CONSISTENT, "batch_buckets": [2]}}, r"policy.fast.prompt_buckets=\[32, 48, 64, 128, 200\]"),
+    ({"fast": PINNED, "train_expert_only": False}, r"needs policy.train_expert_only=true .*got "
+                                                   r"policy.train_expert_only=false"),
+    ({"fast": {**PINNED, "dtype": "float32"}, "dtype": "bfloat16"},
+     r"policy.fast.dtype=float32 needs policy.dtype=float32 .*got policy.dtype='bfloat16'"),
+])
+def test_consistent_recompute_needs_are_checked_with_the_config(tmp_path, policy, match):
+    with pytest.raises(ValueError, match=match):
+        countdown_config(tmp_path, policy=policy)
+    assert not any(tmp_path.iterdir())
+
+
+def test_consistent_recompute_with_pinned_buckets_trains_without_a_gap(tmp_path):
+    """What the check lets through trains: the trainer (fp32 masters) re-scores the engine's rollout exactly."""
+    history = run(countdown_config(tmp_path, steps=1, policy={"fast": PINNED}, run={"checkpoint_every": 0}), tmp_path)
+    assert history[0]["rollout/logprob_gap"] == 0.0
+
+
+def test_consistent_recompute_needs_do_not_apply_to_evaluation(tmp_path):
+    exp = countdown_config(tmp_path, policy={"fast": PINNED})
+    exp.mode = "eval"
+    exp.policy = exp.policy.replace(train_expert_only=False,
+                                    fast={"batch_buckets": [1, 2], "prompt_buckets": [32, 200]})
+    exp.check_cross_group()  # an evaluation never recomputes log-probs

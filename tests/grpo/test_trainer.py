@@ -83,3 +83,24 @@ def test_weight_sync_every_step_versions_and_values(tmp_path):
 def test_bad_resume_path_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         Trainer(countdown_config(tmp_path, run={"resume": str(tmp_path / "nowhere")}), tmp_path)
+
+
+def test_checkpoints_are_checked_before_the_run_directory(tmp_path):
+    """A missing checkpoint, or a resume with no step left, stops before anything is written."""
+    from grpo.runs import check_checkpoints
+
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        check_checkpoints(countdown_config(tmp_path, run={"resume": str(tmp_path / "nowhere")}))
+    evaluation = countdown_config(tmp_path, eval={"checkpoint": str(tmp_path / "nowhere")})
+    evaluation.mode = "eval"
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        check_checkpoints(evaluation)
+    full_dir = tmp_path / "full"
+    run(countdown_config(full_dir, steps=2), full_dir)
+    with pytest.raises(ValueError, match=r"run.resume: .*step_000002.pt is step 2 and grpo.steps is 2: nothing"):
+        check_checkpoints(countdown_config(tmp_path, steps=2, run={"resume": str(full_dir)}))
+    check_checkpoints(countdown_config(tmp_path, steps=3, run={"resume": str(full_dir)}))  # a step left
+    renamed = tmp_path / "last.pt"  # a name that does not say its step: the trainer refuses after loading
+    renamed.write_bytes((full_dir / "checkpoints" / "step_000002.pt").read_bytes())
+    with pytest.raises(ValueError, match="is step 2 and grpo.steps is 2: nothing is left to train"):
+        Trainer(countdown_config(tmp_path / "again", steps=2, run={"resume": str(renamed)}), tmp_path / "again")

@@ -56,12 +56,13 @@ def test_quantize_weight_per_channel_and_requantize_in_place():
     g = torch.Generator().manual_seed(3)
     param = torch.nn.Parameter(spread_rows(g, 32, 80))
     w = fp8.make_fp8_weight(param)
-    amax = param.detach().abs().amax(dim=1)
+    held = param.detach().to(torch.bfloat16).float()  # the value the fast path holds (fp8 needs bf16)
+    amax = held.abs().amax(dim=1)
     assert w.qweight.shape == (32, 80) and w.scale.shape == (32,)
     assert torch.allclose(w.scale[amax > 0] * fp8.FP8_MAX, amax[amax > 0], rtol=1e-6, atol=0)
     back = fp8.dequantize_weight(w)
-    bound = U * param.detach().abs() + SUB * w.scale[:, None] + 1e-6 * param.detach().abs()
-    assert bool(((back - param.detach()).abs() <= bound).all())
+    bound = U * held.abs() + SUB * w.scale[:, None] + 1e-6 * held.abs()
+    assert bool(((back - held).abs() <= bound).all())
 
     buffers = (w.qweight.data_ptr(), w.scale.data_ptr())
     with torch.no_grad():
@@ -70,7 +71,20 @@ def test_quantize_weight_per_channel_and_requantize_in_place():
     fp8.requantize_(w)
     assert (w.qweight.data_ptr(), w.scale.data_ptr()) == buffers, "re-quantised into the same storage"
     assert w.version == param._version
-    assert torch.allclose(w.scale[amax > 0], 3 * amax[amax > 0] / fp8.FP8_MAX, rtol=1e-6, atol=0)
+    new_amax = param.detach().to(torch.bfloat16).float().abs().amax(dim=1)  # the new weights' scales
+    assert torch.allclose(w.scale[amax > 0], new_amax[amax > 0] / fp8.FP8_MAX, rtol=1e-6, atol=0)
+    assert torch.allclose(new_amax, 3 * amax, rtol=2.0**-7, atol=0)
+
+
+def test_quantize_weight_from_the_fast_dtype_whatever_the_parameter_dtype():
+    """The GRPO trainer's fp32 master weights and the engine's bf16 copy of them quantise to the same FP8
+    codes and scales (else policy.fast.consistent_recompute with precision=fp8 has a log-prob gap)."""
+    master = spread_rows(torch.Generator().manual_seed(5), 32, 80)
+    assert not torch.equal(master, master.to(torch.bfloat16).float()), "fp32 values bf16 cannot hold"
+    from_fp32 = fp8.make_fp8_weight(master)
+    from_bf16 = fp8.make_fp8_weight(master.to(torch.bfloat16))
+    assert torch.equal(from_fp32.scale, from_bf16.scale)
+    assert torch.equal(from_fp32.qweight.view(torch.uint8), from_bf16.qweight.view(torch.uint8))
 
 
 @pytest.mark.parametrize("act", fp8.ACTIVATIONS)
@@ -78,7 +92,8 @@ def test_fp8_linear_within_fp8_error_of_fp32_linear(act):
     g = torch.Generator().manual_seed(10 + fp8.ACTIVATIONS.index(act))
     rows, k, n = 37, 64, 48  # rows not a multiple of 16: only K and N must be
     x = (torch.randn(rows, 2 * k if act == "gelu_tanh_mul" else k, generator=g) * 2).to(torch.bfloat16)
-    weight = torch.randn(n, k, generator=g) / k**0.5
+    # bf16 values: weights are quantised from their bf16 rounding, so the bound below stays exact
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16).float()
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     w = fp8.make_fp8_weight(weight)
     got = fp8.fp8_linear(x, w, bias, act).float()

@@ -66,9 +66,13 @@ def test_another_fingerprint_or_a_broken_file_is_set_aside(tmp_path, caplog):
     kept = json.loads(cache.path.read_text())
     kept["fingerprint"]["sources"] = "another version of policies/fast"
     cache.path.write_text(json.dumps(kept))
+    bad = cache.path.with_name(cache.path.name + ".bad")
+    reader = tuning.TuningCache(tmp_path, CPU)
     with caplog.at_level(logging.WARNING, logger="policies.fast.tuning"):
-        assert tuning.TuningCache(tmp_path, CPU).get("overlap", {"a": 1}) is None
-    assert "fingerprint" in caplog.text and cache.path.with_name(cache.path.name + ".bad").exists()
+        assert reader.get("overlap", {"a": 1}) is None
+    assert "fingerprint" in caplog.text and not bad.exists(), "a lock-free read never renames"
+    reader.put("overlap", {"a": 3}, {"on": True})  # set aside at the write, under the lock
+    assert json.loads(bad.read_text()) == kept and tuning.TuningCache(tmp_path, CPU).get("overlap", {"a": 3})
     cache.path.write_text("{not json")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="policies.fast.tuning"):
@@ -77,6 +81,28 @@ def test_another_fingerprint_or_a_broken_file_is_set_aside(tmp_path, caplog):
     assert "unusable" in caplog.text
     fresh.put("overlap", {"a": 1}, {"on": False})  # a new file replaces it
     assert tuning.TuningCache(tmp_path, CPU).get("overlap", {"a": 1}) == {"on": False}
+
+
+def test_a_reader_of_a_broken_file_never_moves_a_writers_good_one_away(tmp_path, monkeypatch):
+    """Two ranks on one file: A reads the broken file lock-free; before A handles it, B (under the lock)
+    replaces it with a good one. A must not rename B's file to .bad (it did: B's answers were lost)."""
+    a, b = tuning.TuningCache(tmp_path, CPU), tuning.TuningCache(tmp_path, CPU)
+    a.path.write_text("{truncated")
+    read_text = Path.read_text
+
+    def read_then_b_writes(path, *args, **kwargs):
+        text = read_text(path, *args, **kwargs)
+        if path == a.path and not b.stats["overlap"]["writes"]:
+            monkeypatch.setattr(Path, "read_text", read_text)
+            b.put("overlap", {"bucket": [1, 48, 2]}, {"on": True})
+        return text
+
+    monkeypatch.setattr(Path, "read_text", read_then_b_writes)
+    assert a.get("overlap", {"bucket": [4, 48, 2]}) is None
+    assert b.stats["overlap"]["writes"] == 1
+    assert tuning.TuningCache(tmp_path, CPU).get("overlap", {"bucket": [1, 48, 2]}) == {"on": True}
+    bad = a.path.with_name(a.path.name + ".bad")
+    assert bad.read_text() == "{truncated", "B's write set the broken file aside, under the lock"
 
 
 def test_an_unwritable_directory_keeps_answers_in_memory(tmp_path, caplog):
