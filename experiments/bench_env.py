@@ -343,10 +343,21 @@ def print_step_mode_table(section: dict[str, Any]) -> None:
               f"{w['cameras_at_chunk_end_env_steps_per_s']:25.1f}")
 
 
+def check_episode_covers_bench(env_cfg: EnvConfig, bench: BenchConfig) -> None:
+    """Ours stops an env at env.max_episode_steps, the baseline (as RLinf's env loop) steps on: past it the
+    two would do different work (and the final-state check would fail for that reason alone)."""
+    steps = (bench.warmup_chunks + bench.num_chunks) * env_cfg.chunk_size
+    if steps > env_cfg.max_episode_steps:
+        raise ValueError(f"bench.warmup_chunks + bench.num_chunks ({bench.warmup_chunks} + {bench.num_chunks}) chunks "
+                         f"of env.chunk_size ({env_cfg.chunk_size}) are {steps} steps, past env.max_episode_steps "
+                         f"({env_cfg.max_episode_steps}): lower the chunks or raise the episode length")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_env")
 def main(cfg: DictConfig) -> None:
     env_cfg = EnvConfig.from_mapping(cfg.env)
     bench = BenchConfig.from_mapping(OmegaConf.to_container(cfg.bench, resolve=True))
+    check_episode_covers_bench(env_cfg, bench)
     log(f"{os.cpu_count()} CPUs; env: {env_cfg.suite}, {env_cfg.num_envs} envs, "
         f"{env_cfg.num_workers} workers, {env_cfg.image_size} px, cameras {env_cfg.cameras}, "
         f"chunk {env_cfg.chunk_size}")

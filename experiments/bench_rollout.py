@@ -30,6 +30,7 @@ import dataclasses
 import os
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +155,13 @@ def env_alone(collector: RolloutCollector, batch, bench: BenchRolloutConfig) -> 
     barrier = threading.Barrier(len(stages))
 
     def run_stage(stage) -> tuple[int, float, float, bool]:
+        try:
+            return timed_stage(stage)
+        except BaseException:
+            barrier.abort()  # the other stages' wait raises instead of hanging with this error unseen
+            raise
+
+    def timed_stage(stage) -> tuple[int, float, float, bool]:
         rng = np.random.default_rng([bench.seed, stage.index])
         shape = (stage.size, collector.env_cfg.chunk_size, 7)
         stage.reset(ids, collector.group_size, bench.seed)
@@ -167,8 +175,10 @@ def env_alone(collector: RolloutCollector, batch, bench: BenchRolloutConfig) -> 
             result = stage.vec.step_chunk(actions)
             if chunk >= bench.warmup_chunks:
                 steps += int(result.valid.sum())
-            if replay and chunk + 1 < bench.chunks:
-                matches &= bool(np.array_equal(result.obs["state"], batch.states[stage.rows, chunk + 1]))
+            if replay and chunk + 1 < bench.chunks:  # rows ours recorded (a finished env's row stays zero)
+                recorded = batch.chunk_valid[stage.rows, chunk + 1]
+                matches &= bool(np.array_equal(result.obs["state"][recorded],
+                                               batch.states[stage.rows, chunk + 1][recorded]))
         return steps, start, time.perf_counter(), matches
 
     with ThreadPoolExecutor(len(stages)) as pool:
@@ -184,11 +194,14 @@ def env_alone(collector: RolloutCollector, batch, bench: BenchRolloutConfig) -> 
 
 
 def engine_alone(engine: PolicyEngine, collector: RolloutCollector, batch, bench: BenchRolloutConfig) -> dict[str, Any]:
-    """The engine on the observation batches ours predicted (same stage rows, same chunks)."""
+    """The engine on the observation batches ours predicted (same stage rows, same chunks: a stage's
+    chunks end where its last env finished)."""
     ha, walls, rows, timings = collector.env_cfg.chunk_size, [], 0, []
     for t in range(bench.chunks):
         for stage in collector.stages:
             sl = stage.rows
+            if t >= int(batch.num_chunks[sl].max()):
+                continue  # ours predicted nothing more for this stage
             obs = {key: images[sl, t] for key, images in batch.images.items()}
             obs["state"] = batch.states[sl, t]
             obs["prompt"] = batch.prompts[sl]
@@ -198,6 +211,8 @@ def engine_alone(engine: PolicyEngine, collector: RolloutCollector, batch, bench
                 walls.append(time.perf_counter() - start)
                 rows += stage.size
                 timings += out.timings
+    if not walls:
+        return {"calls": 0, "skipped": "ours predicted no timed chunk: every episode ended in the warm-up chunks"}
     wall = sum(walls)
     log(f"engine alone: {rows * ha / wall:.1f} env steps/s of actions ({rows / wall:.1f} samples/s)")
     # where a call's time goes on the ranks: preprocessing (raw obs -> model inputs on the device),
@@ -253,6 +268,9 @@ def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, be
     if threads is not None:  # intra-op threads spinning against busy env workers slow a CPU predict ~10x
         torch.set_num_threads(threads)
     coll_cfg = dataclasses.replace(rollout.collector or CollectorConfig(), max_chunks=bench.chunks)
+    if bench.predict_only and not coll_cfg.record_images:  # engine alone replays the observations ours recorded
+        raise ValueError("bench.predict_only=true needs rollout.collector.record_images=true (the engine-alone "
+                         "phase predicts on the observations ours recorded); or set bench.predict_only=false")
     engine_cfg = dataclasses.replace(rollout.engine, devices=str(device) if rollout.engine.devices == "auto"
                                      else rollout.engine.devices)
     log(f"{os.cpu_count()} CPUs, device {device}; {env_cfg.suite} tasks {sorted(set(env_cfg.task_ids or []))}, "
@@ -266,21 +284,34 @@ def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, be
     try:
         payload["ours"] = measure_ours(env_cfg, coll_cfg, engine, bench, "ours", alone=True, tracing=tracing)
         payload["trace_exports"] = close_tracing(tracing)
-        payload["variants"] = {name: measure_ours(env_cfg, variant_config(name, coll_cfg, env_cfg), engine, bench,
-                                                  f"ours[{name}]") for name in bench.variants}
+        payload["variants"] = {name: recorded_failure(lambda name=name: measure_ours(
+            env_cfg, variant_config(name, coll_cfg, env_cfg), engine, bench, f"ours[{name}]"), f"ours[{name}]")
+            for name in bench.variants}
     finally:
         engine.close()
     if bench.baseline:
         init_ids = np.repeat(group_init_state_ids(env_cfg), env_cfg.group_size)
         timed = bench.baseline_timed_chunks or bench.timed_chunks
-        payload["baseline"] = measure_baseline(env_cfg, policy_cfg, device, init_ids, bench.warmup_chunks, timed, log)
+        payload["baseline"] = recorded_failure(lambda: measure_baseline(
+            env_cfg, policy_cfg, device, init_ids, bench.warmup_chunks, timed, log), "baseline")
     payload["config"] = {"env": env_cfg.to_dict(), "policy": policy_cfg.to_dict(), "engine": engine_cfg.to_dict(),
                          "collector": coll_cfg.to_dict(), "bench": dataclasses.asdict(bench)}
     return payload
 
 
+def recorded_failure(measure, label: str) -> dict[str, Any]:
+    """A side measured after ours: its failure is recorded in the JSON (with ours' numbers kept), not raised."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - any failure of one side is that side's result
+        log(f"{label} failed: {exc!r}")
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+
 def summarize(env_cfg: EnvConfig, payload: dict) -> dict[str, Any]:
     ours, baseline = payload["ours"], payload.get("baseline")
+    if baseline is not None and "error" in baseline:
+        baseline = None  # the summary holds measured numbers only; the error is in the JSON
     collector = ours["collector"]
     summary: dict[str, Any] = {
         "suite": env_cfg.suite, "num_envs": env_cfg.num_envs, "image_size": env_cfg.image_size,
@@ -291,12 +322,13 @@ def summarize(env_cfg: EnvConfig, payload: dict) -> dict[str, Any]:
         "ours_prompt_tokens_max": ours["prompt_tokens_max"], "rollout_buffer_mib": ours["buffer_mib"],
     }
     for name, result in payload.get("variants", {}).items():
-        summary[f"ours_{name}_env_steps_per_s"] = result["env_steps_per_s"]
+        if "error" not in result:
+            summary[f"ours_{name}_env_steps_per_s"] = result["env_steps_per_s"]
     bounds = []
     if "env_only" in ours:
         summary["env_only_env_steps_per_s"] = ours["env_only"]["env_steps_per_s"]
         bounds.append(summary["env_only_env_steps_per_s"])
-    if "predict_only" in ours:
+    if "env_steps_per_s" in ours.get("predict_only", {}):
         summary["predict_only_sps"] = ours["predict_only"]["env_steps_per_s"]  # env steps of actions / s
         summary["predict_only_samples_per_s"] = ours["predict_only"]["samples_per_s"]
         bounds.append(summary["predict_only_sps"])
@@ -318,7 +350,8 @@ def main(cfg: DictConfig) -> None:
     bench_data = reject_unknown_keys(BenchRolloutConfig, OmegaConf.to_container(cfg.bench, resolve=True), "bench")
     bench = BenchRolloutConfig(**bench_data)
     payload = run(env_cfg, policy_cfg, rollout, bench)
-    write_result("bench_rollout", payload, summarize(env_cfg, payload), bench.out_dir, commit=bench.commit)
+    write_result("bench_rollout", payload, summarize(env_cfg, payload), bench.out_dir, commit=bench.commit,
+                 device=resolve_device(bench))
 
 
 if __name__ == "__main__":

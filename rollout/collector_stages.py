@@ -55,6 +55,12 @@ def plan_init_states(
             ids = np.repeat(given, group_size)
         elif len(given) == n:
             ids = given.copy()
+            mixed = [g for g in range(n // group_size) if len(set(ids[g * group_size:(g + 1) * group_size])) > 1]
+            if mixed:  # a GRPO group compares attempts from one init state: per-env ids must agree in it
+                g = mixed[0]
+                raise ValueError(
+                    f"init_state_ids: group {g} (envs {g * group_size}..{(g + 1) * group_size - 1}) gets init states "
+                    f"{ids[g * group_size:(g + 1) * group_size].tolist()}; the envs of a group must share one")
         else:
             raise ValueError(
                 f"init_state_ids must have num_envs / group_size ({n // group_size}) or num_envs ({n}) "

@@ -8,7 +8,14 @@ import pytest
 
 from envs.config import EnvConfig
 from envs.testing import CountdownEnv
-from experiments.bench_env import BenchConfig, checks, group_init_state_ids, make_actions, summarize
+from experiments.bench_env import (
+    BenchConfig,
+    check_episode_covers_bench,
+    checks,
+    group_init_state_ids,
+    make_actions,
+    summarize,
+)
 from experiments.bench_env_checks import (
     axis_angle_to_matrix,
     describe_checks,
@@ -33,6 +40,11 @@ def test_bench_config_validation():
         BenchConfig(step_modes=[])
     with pytest.raises(ValueError, match="bench.repeats must be >= 1"):
         BenchConfig(repeats=0)
+    short = EnvConfig(env_type="countdown", num_envs=2, chunk_size=4, max_episode_steps=10)
+    with pytest.raises(ValueError, match=r"\(1 \+ 2\) chunks of env.chunk_size \(4\) are 12 steps, past "
+                                         r"env.max_episode_steps \(10\)"):
+        check_episode_covers_bench(short, BenchConfig(num_chunks=2, warmup_chunks=1))
+    check_episode_covers_bench(short, BenchConfig(num_chunks=1, warmup_chunks=1))
 
 
 def test_actions_are_shared_and_deterministic():

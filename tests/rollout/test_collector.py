@@ -275,6 +275,10 @@ def test_config_and_shape_errors_name_the_key():
             c.collect([0, 1, 7, 2])
         with pytest.raises(ValueError, match=r"num_envs / group_size \(4\) or num_envs \(8\) entries, got 3"):
             c.collect([0, 1, 2])
+        with pytest.raises(ValueError, match=r"group 1 \(envs 2\.\.3\) gets init states \[1, 2\]; the envs of a "
+                                             r"group must share one"):
+            c.collect([0, 0, 1, 2, 3, 3, 4, 4])  # per env, but group 1 mixed
+        assert c.collect([0, 0, 1, 1, 2, 2, 3, 3]).init_state_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 @pytest.mark.slow

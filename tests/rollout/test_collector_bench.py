@@ -41,3 +41,27 @@ def test_bench_measures_ours_env_alone_engine_alone_and_variants(tmp_path):
     assert summary["predict_only_sps"] == pytest.approx(4 * summary["predict_only_samples_per_s"])
     assert "speedup" not in summary and summary["ours_no_pipeline_env_steps_per_s"] > 0
     assert set(payload["trace_exports"]) == {"json", "perfetto"}
+
+
+def test_bench_times_only_the_chunks_ours_ran_and_keeps_ours_when_a_side_fails(tmp_path, monkeypatch):
+    """Episodes end after 2 of the 4 chunks: engine alone predicts what ours predicted (not 4 chunks of
+    finished envs); a variant that fails is recorded beside ours' numbers instead of losing them."""
+    from experiments import bench_rollout
+
+    env_cfg = countdown_env(num_envs=4, group_size=2, max_episode_steps=8)  # chunks of 4: done after 2
+    rollout = RolloutConfig(engine=EngineConfig(seed=0), collector=CollectorConfig(stages=2, in_process=True))
+    bench = BenchRolloutConfig(warmup_chunks=1, timed_chunks=3, baseline=False, device="cpu", variants=["no_pipeline"])
+
+    def broken_variant(*args):
+        raise RuntimeError("variant broke")
+
+    monkeypatch.setattr(bench_rollout, "variant_config", broken_variant)
+    payload = run(env_cfg, tiny_policy(), rollout, bench)
+    # at most chunk 1 of each stage (a stage whose envs all succeed in chunk 0 has none); chunks 2-3 ran nothing
+    assert 1 <= payload["ours"]["predict_only"]["calls"] <= 2 < 2 * bench.timed_chunks
+    assert payload["variants"]["no_pipeline"]["error"] == "RuntimeError: variant broke"
+    summary = summarize(env_cfg, payload)
+    assert "ours_no_pipeline_env_steps_per_s" not in summary and summary["ours_env_steps_per_s"] > 0
+    no_images = RolloutConfig(engine=EngineConfig(seed=0), collector=CollectorConfig(record_images=False))
+    with pytest.raises(ValueError, match="bench.predict_only=true needs rollout.collector.record_images=true"):
+        run(env_cfg, tiny_policy(), no_images, bench)
