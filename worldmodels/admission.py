@@ -16,8 +16,11 @@ n's frames to act on chunk n+1) has one item in its ring at a time and needs pas
 ticks per chunk. Nothing spreads a ring's streams over its stages: streams opened and answered
 together (the world-model env's) stay in phase, so one stage runs all S of them in a tick while
 the others idle, and spreading them could even cost more (an idle stage costs nothing, each busy
-one its intercept). Whatever the phases, no stage runs more than S items and no tick more than S
-per ring, so the prediction takes S items on every stage:
+one its intercept). Whatever the phases, no stage runs more than S items, so the prediction takes S
+items on every stage (a tick may carry more than S items of a ring where a chunk's passes overlap,
+but a chunk then takes fewer ticks: with the linear tick models the interval below stays an upper
+bound, 108 vs 108 ms noisy and 135 vs 129.5 ms clean in a 4-stream, 2-stage simulation; the host's
+share is counted at S items a ring):
 
     interval = passes * R * (max_device sum_{r on device} t_r(S_ring(r)) + h(sum_rings S)).
 

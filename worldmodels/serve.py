@@ -266,6 +266,7 @@ class WorldModelServer:
             self.scheduler.requeue(planned)
             raise
         at_risk: set[int] = set()  # the streams an error now would leave unable to go on
+        completed = False  # the scheduler counted every planned item as done
         try:
             timers = []
             for (rank, items), batch in zip(stages, batches, strict=True):
@@ -277,9 +278,12 @@ class WorldModelServer:
             self.last_tick_items = len(planned)
             finished = self.scheduler.complete(planned)
             at_risk = {f.stream for f in finished}  # every item is done; only these chunks' outputs are pending
+            completed = True
             outputs = self._deliver(finished)
         except BaseException as error:  # an interrupt leaves the same half-run state
             self._recover(planned, at_risk, error)
+            if completed:  # the streams that go on still drop what their finished chunks held
+                self._retire([item for item in planned if item.stream not in at_risk])
             raise
         self._retire(planned)
         # what the tick took beyond its busiest device's stages is host work the admission must count too

@@ -150,6 +150,33 @@ def test_a_failed_delivery_fails_only_the_streams_whose_chunk_it_lost(model):
     _assert_chunk0_matches_reference(server, model, b, 1)
 
 
+def test_streams_that_go_on_after_a_failed_delivery_drop_their_finished_chunks():
+    """Clean schedule: stream b's re-cache pass of chunk 0 shares a tick with a's last step, whose delivery
+    raises. b goes on, and what its finished chunk held (latents, actions, noise) is dropped as usual."""
+    clean = build_model(WorldModelConfig.preset("tiny", kv_schedule="clean", dit={"num_contexts": 2, "num_blocks": 3}))
+    broken = [False]
+
+    def reward_fn(latents, frames):
+        if broken[0]:
+            raise RuntimeError("reward function broke")
+        return torch.zeros(latents.shape[0])
+
+    server = WorldModelServer(clean.cfg, ServeConfig(max_streams=2), model=clean, reward_fn=reward_fn)
+    b = server.open_stream(_context(1), seed=1, context_id=1)
+    server.submit(b, _actions(1, 0))
+    server.tick()
+    a = server.open_stream(_context(0), seed=0, context_id=0)
+    server.submit(a, _actions(0, 0))
+    for _ in range(clean.cfg.num_denoise_steps):
+        server.tick()
+    assert server.poll(b) is not None
+    broken[0] = True
+    with pytest.raises(RuntimeError, match="reward function broke"):
+        server.tick()
+    st = server.streams[b]
+    assert st.failed is None and not st.latents and not st.actions and not st.noise
+
+
 # ---------------------------------------------------------------------- finding 2: admission vs the phases
 def _simulated_interval(ctl: AdmissionController, passes: int, opens: list[int], ticks: int = 120) -> float:
     """Closed-loop streams (admitted in `ctl`, opened at the given ticks) through the real scheduler; each tick
