@@ -173,6 +173,10 @@ def _refuse_unsupported(data: Mapping[str, Any], openpi: Mapping[str, Any]) -> N
         "model.openpi.noise_anneal": (openpi.get("noise_anneal", False), False),
         "model.openpi.use_dsrl": (openpi.get("use_dsrl", False), False),
         "model.openpi.is_nft": (openpi.get("is_nft", False), False),
+        # RLinf's -(x - mu)^2 "log-prob" and its double-layer expert: its actor would recompute other numbers
+        # than the Gaussian log-probs this adapter rolls out with (a wrong PPO ratio from the first step)
+        "model.openpi.safe_get_logprob": (openpi.get("safe_get_logprob", False), False),
+        "model.openpi.double_layer": (openpi.get("double_layer", False), False),
     }
     for key, (value, supported) in refused.items():
         if value != supported and value is not None:

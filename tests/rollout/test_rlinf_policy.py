@@ -195,6 +195,8 @@ def test_bad_calls_are_refused_by_name(model):
         ({"add_value_head": True}, {}, {}, "model.add_value_head"),
         ({"is_lora": True}, {}, {}, "model.is_lora"),
         ({}, {"noise_anneal": True}, {}, "model.openpi.noise_anneal"),
+        ({}, {"safe_get_logprob": True}, {}, "model.openpi.safe_get_logprob"),
+        ({}, {"double_layer": True}, {}, "model.openpi.double_layer"),
         ({"num_action_chunks": 4}, {"action_chunk": 5}, {}, "model.num_action_chunks"),
         ({"num_action_chunks": 9}, {"action_chunk": 9}, {}, "chunk_size"),
         ({}, {}, {"colour": "red"}, "model.vla_rollout.colour"),
