@@ -253,7 +253,7 @@ class PolicyConfig:
         fast = self.fast
         if not fast.consistent_recompute:
             return
-        if len(fast.batch_buckets) != 1 or len(fast.prompt_buckets) != 1:
+        if not fast.pins_one_bucket:
             raise ValueError(
                 "policy.fast.consistent_recompute=true in training needs one-entry policy.fast.batch_buckets and "
                 "policy.fast.prompt_buckets (they pin the bucket every rollout row ran in, which the trainer's "

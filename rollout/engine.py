@@ -41,6 +41,7 @@ segment behind.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -304,13 +305,17 @@ class PolicyEngine:
         """What a receiver needs for a broadcast update. dist_timeout_s bounds each collective, so
         the client's wait (`engine_client.dist_wait`) counts them: our parameters in buckets of
         rollout.weights.bucket_mb, as `weights_push.BroadcastPush` sends them."""
+        w = self.weights_cfg
+        return {"format": w.format, "strict_dtype": w.strict_dtype, "bucket_bytes": w.bucket_bytes,
+                "timeout_s": w.dist_timeout_s, "collectives": self._broadcast_collectives}
+
+    @functools.cached_property
+    def _broadcast_collectives(self) -> int:
+        """The collectives of one broadcast update (counted once: the parameters and buckets are fixed)."""
         from rollout.weights_dist import update_collectives
 
-        w = self.weights_cfg
         metas = [TensorMeta.of(name, p) for name, p in self._meta().named_parameters()]
-        collectives = update_collectives(len(bucket_layout(metas, w.bucket_bytes)))
-        return {"format": w.format, "strict_dtype": w.strict_dtype, "bucket_bytes": w.bucket_bytes,
-                "timeout_s": w.dist_timeout_s, "collectives": collectives}
+        return update_collectives(len(bucket_layout(metas, self.weights_cfg.bucket_bytes)))
 
     @property
     def broadcast_wait_s(self) -> float:

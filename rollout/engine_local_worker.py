@@ -78,10 +78,12 @@ def rank_main(conn: Any, rank: int, device: str, policy_cfg: Any, profiler_env: 
 
 class _Server:
     def __init__(self, core):
+        from rollout.weights_ipc import RankIpc
+
         self.core = core
         self.request = self.reply = self.staging = None  # (SharedBlock, views)
         self.update = None  # (metas, plan, params) of the staged update in progress
-        self.ipc = None  # (handles, plan) of the handle set the last ipc_open opened
+        self.ipc_side = RankIpc()  # the handle set the last ipc_open opened
         self.receiver = None
 
     def loop(self, conn: Any) -> None:
@@ -141,20 +143,10 @@ class _Server:
         self.core._sync()
 
     def do_ipc_open(self, payload) -> None:
-        """Open before any rank copies, so that handles one rank cannot open are refused everywhere."""
-        from rollout.weights_ipc import open_handles
-
-        handles, plan = payload
-        open_handles(handles)  # WeightRefusedError when it cannot: answered "refused"
-        self.ipc = (handles, plan)
+        self.ipc_side.open(*payload)  # WeightRefusedError when it cannot: answered "refused"
 
     def do_ipc(self, uid: str) -> None:
-        from rollout.weights_ipc import open_handles
-
-        if self.ipc is None or self.ipc[0].uid != uid:
-            raise RuntimeError(f"IPC handles {uid} were not opened on this rank (ipc_open comes first)")
-        handles, plan = self.ipc
-        self.core.apply(plan, open_handles(handles), cache_key=uid)
+        self.ipc_side.apply(self.core, uid)
 
     def do_join(self, payload) -> None:
         from rollout.weights_dist import WeightReceiver

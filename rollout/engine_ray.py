@@ -39,11 +39,12 @@ class RankActor:
             device = "cuda:0"  # Ray makes the actor's GPU the only visible one
         from rollout.engine_client import make_timeline
         from rollout.engine_core import EngineCore
+        from rollout.weights_ipc import RankIpc
 
         self.core = EngineCore(policy_cfg, rank, device, make_timeline(rank, profiler_env, "engine_ray"),
                                owns_timeline=True)
         self.update = None
-        self.ipc_handles = None  # (handles, plan) of the handle set the last ipc_open opened
+        self.ipc_side = RankIpc()  # the handle set the last ipc_open opened
         self.receiver = None
 
     def info(self) -> dict:
@@ -64,19 +65,10 @@ class RankActor:
         self.core._sync()
 
     def ipc_open(self, handles, plan) -> None:
-        """Open before any rank copies, so that handles one rank cannot open are refused everywhere."""
-        from rollout.weights_ipc import open_handles
-
-        open_handles(handles)  # WeightRefusedError when it cannot
-        self.ipc_handles = (handles, plan)
+        self.ipc_side.open(handles, plan)  # WeightRefusedError when it cannot
 
     def ipc(self, uid: str) -> None:
-        from rollout.weights_ipc import open_handles
-
-        if self.ipc_handles is None or self.ipc_handles[0].uid != uid:
-            raise RuntimeError(f"IPC handles {uid} were not opened on this rank (ipc_open comes first)")
-        handles, plan = self.ipc_handles
-        self.core.apply(plan, open_handles(handles), cache_key=uid)
+        self.ipc_side.apply(self.core, uid)
 
     def join(self, init_method: str, world_size: int, rank: int, backend: str, timeout_s: float) -> None:
         from rollout.weights_dist import WeightReceiver

@@ -29,6 +29,7 @@ import pickle
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,6 +120,25 @@ def _open(handles: IpcHandles) -> tuple[list[Tensor], SharedBlock | None]:
     except Exception as exc:
         raise WeightRefusedError(f"cannot open the {handles.kind} IpcHandles {handles.uid} of pid "
                                  f"{handles.producer_pid} (is its IpcExporter still open?): {exc!r}") from exc
+
+
+class RankIpc:
+    """A rank process's side of a two-phase IPC update (the local and Ray rank shells share it): `open`
+    the handle set before any rank copies, so that a set one rank cannot open is refused everywhere
+    (WeightRefusedError) with nothing written; then `apply` copies from the set it opened."""
+
+    def __init__(self):
+        self.opened: tuple[IpcHandles, Any] | None = None  # (handles, plan) of the last set opened
+
+    def open(self, handles: IpcHandles, plan: Any) -> None:
+        open_handles(handles)
+        self.opened = (handles, plan)
+
+    def apply(self, core: Any, uid: str) -> None:
+        if self.opened is None or self.opened[0].uid != uid:
+            raise RuntimeError(f"IPC handles {uid} were not opened on this rank (ipc_open comes first)")
+        handles, plan = self.opened
+        core.apply(plan, open_handles(handles), cache_key=uid)
 
 
 def close_handles(uid: str | None = None) -> None:

@@ -117,6 +117,12 @@ class FastConfig:
     def __post_init__(self) -> None:
         self.validate("policy.fast")
 
+    @property
+    def pins_one_bucket(self) -> bool:
+        """One batch and one prompt bucket: every row's bucket is known without the rollout's record (what a
+        consistent recompute without `fast_buckets` needs)."""
+        return len(self.batch_buckets) == 1 and len(self.prompt_buckets) == 1
+
     def validate(self, key: str) -> None:
         if self.dtype not in FAST_DTYPES:
             raise ValueError(f"{key}.dtype must be one of {FAST_DTYPES}, got {self.dtype!r}")

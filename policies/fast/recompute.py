@@ -89,7 +89,7 @@ def row_buckets(fast, batch: int, fast_buckets: Tensor | None) -> Tensor:
     camera slots are re-derived from the rows' masks: exact for inputs from the policy's transform,
     whose unmapped slots are masked in every row)."""
     if fast_buckets is None:
-        if len(fast.batch_buckets) != 1 or len(fast.prompt_buckets) != 1:
+        if not fast.pins_one_bucket:
             raise ValueError(
                 "consistent log_prob needs the bucket each row ran in at rollout: pass fast_buckets "
                 "(FastSampler.last_buckets after the rollout's sample call), or pin one bucket with one-entry "

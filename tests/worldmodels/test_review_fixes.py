@@ -122,9 +122,8 @@ def test_a_stage_that_raises_fails_the_streams_that_ran_and_requeues_the_rest(mo
     _assert_chunk0_matches_reference(server, model, c, 2)
 
 
-def test_a_failed_delivery_fails_only_the_streams_whose_chunk_it_lost(model):
-    """Stream 0's last step and stream 1's prefill share a tick whose reward function raises: stream 0's
-    chunk is done but never delivered (it fails); stream 1's item is done and it goes on."""
+def _breakable_reward():
+    """A reward function that raises while broken[0] is True (a delivery that fails mid-tick)."""
     broken = [False]
 
     def reward_fn(latents, frames):
@@ -132,6 +131,13 @@ def test_a_failed_delivery_fails_only_the_streams_whose_chunk_it_lost(model):
             raise RuntimeError("reward function broke")
         return torch.zeros(latents.shape[0])
 
+    return broken, reward_fn
+
+
+def test_a_failed_delivery_fails_only_the_streams_whose_chunk_it_lost(model):
+    """Stream 0's last step and stream 1's prefill share a tick whose reward function raises: stream 0's
+    chunk is done but never delivered (it fails); stream 1's item is done and it goes on."""
+    broken, reward_fn = _breakable_reward()
     server = WorldModelServer(model.cfg, ServeConfig(max_streams=2), model=model, reward_fn=reward_fn)
     a = _open(server, 0)
     server.tick()
@@ -154,13 +160,7 @@ def test_streams_that_go_on_after_a_failed_delivery_drop_their_finished_chunks()
     """Clean schedule: stream b's re-cache pass of chunk 0 shares a tick with a's last step, whose delivery
     raises. b goes on, and what its finished chunk held (latents, actions, noise) is dropped as usual."""
     clean = build_model(WorldModelConfig.preset("tiny", kv_schedule="clean", dit={"num_contexts": 2, "num_blocks": 3}))
-    broken = [False]
-
-    def reward_fn(latents, frames):
-        if broken[0]:
-            raise RuntimeError("reward function broke")
-        return torch.zeros(latents.shape[0])
-
+    broken, reward_fn = _breakable_reward()
     server = WorldModelServer(clean.cfg, ServeConfig(max_streams=2), model=clean, reward_fn=reward_fn)
     b = server.open_stream(_context(1), seed=1, context_id=1)
     server.submit(b, _actions(1, 0))
