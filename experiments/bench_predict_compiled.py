@@ -390,7 +390,7 @@ def worker_main(spec_path: str) -> int:
     spec = WorkerSpec(**json.loads(Path(spec_path).read_text()))
     workdir, device = Path(spec.workdir), torch.device(spec.device)
     policy = dict(spec.policy)
-    cfg = PolicyConfig.preset(policy.pop("name"), **policy)
+    cfg = PolicyConfig.from_mapping(policy)
     emit = Emitter(workdir / "events.jsonl")
     try:
         if spec.static:  # a new batch size recompiles as a static graph, not one with a symbolic batch

@@ -286,9 +286,10 @@ class PolicyConfig:
         return _build(type(self), _merge(self.to_dict(), overrides), "policy")
 
     @staticmethod
-    def preset(name: str, **overrides: Any) -> PolicyConfig:
+    def preset(name: str, /, **overrides: Any) -> PolicyConfig:
         """The preset's config with `overrides` applied key by key: a partial sub-config such as
-        `expert={"mlp_dim": 2048}` changes only the keys it names."""
+        `expert={"mlp_dim": 2048}` changes only the keys it names. `name` is positional-only so that
+        the config's own `name` key can be overridden too (and `from_mapping(cfg.to_dict())` works)."""
         if name not in PRESETS:
             raise ValueError(f"policy.preset must be one of {sorted(PRESETS)}, got {name!r}")
         return _build(PolicyConfig, _merge(preset_tree(name), overrides), "policy")
@@ -297,7 +298,9 @@ class PolicyConfig:
     def from_mapping(mapping: Mapping[str, Any] | None = None, **overrides: Any) -> PolicyConfig:
         """Build from a dict / OmegaConf node: `preset` (default "pi05") plus overrides."""
         data = _merge(to_container(mapping) if mapping is not None else {}, overrides)
-        preset = data.pop("preset", None) or data.get("name") or "pi05"
+        # a `name` that is a preset picks it (a to_dict() round trip); any other name is just a label
+        name = data.get("name")
+        preset = data.pop("preset", None) or (name if name in PRESETS else "pi05")
         return PolicyConfig.preset(preset, **data)
 
 

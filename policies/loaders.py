@@ -236,6 +236,7 @@ def _load_ours(model: PI05Model, state: Mapping[str, Tensor]) -> LoadReport:
 
 def read_safetensors(path: str | Path) -> dict[str, Tensor]:
     """A .safetensors file, or a directory holding model.safetensors (LeRobot / openpi layout)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -243,7 +244,10 @@ def read_safetensors(path: str | Path) -> dict[str, Tensor]:
         path = path / "model.safetensors"
     if not path.is_file():
         raise FileNotFoundError(f"no safetensors checkpoint at {path}")
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except SafetensorError as exc:  # its message ("header too large") does not say which file
+        raise ValueError(f"checkpoint {path} is not a readable safetensors file: {exc}") from exc
 
 
 def load_checkpoint(model: PI05Model, path: str | Path, fmt: str = "auto") -> LoadReport:

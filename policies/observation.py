@@ -99,11 +99,13 @@ def model_inputs(
             )
         images.append(_image_to_model(obs.images[cam], cam, b, cfg.vision.image_size).to(device))
         masks.append(_image_mask(obs.image_masks.get(cam), cam, b).to(device))
-    extra = sorted(set(obs.images) - set(cfg.cameras))
-    if extra:
-        raise ValueError(
-            f"observation.images has unknown camera(s) {extra}; expected {cfg.cameras}"
-        )
+    for name, given in (("images", obs.images), ("image_masks", obs.image_masks)):
+        # a mask under a misspelt slot would otherwise be dropped and its camera read as valid
+        extra = sorted(set(given) - set(cfg.cameras))
+        if extra:
+            raise ValueError(
+                f"observation.{name} has unknown camera(s) {extra}; expected {cfg.cameras}"
+            )
     return ModelInputs(
         torch.stack(images, dim=1),
         torch.stack(masks, dim=1),

@@ -109,7 +109,7 @@ class Policy(nn.Module):
             denoise_inds = sampling.denoise_indices(
                 mode, k, b, scfg.exclude_last_step, generator, self.device
             )
-        stochastic = self._stochastic_steps(mode, denoise_inds)
+        stochastic = self._stochastic_steps(mode, denoise_inds, b)
         if reference_path or cfg.fast.enabled:
             eps = self._step_noise(step_noise, b)
             if eps is None and any(stochastic):
@@ -178,11 +178,14 @@ class Policy(nn.Module):
         if self._fast is not None:
             self._fast.refresh_weights()
 
-    def _stochastic_steps(self, mode: str, denoise_inds: Tensor) -> list[bool]:
+    def _stochastic_steps(self, mode: str, denoise_inds: Tensor, batch: int) -> list[bool]:
         k = self.cfg.sampling.num_steps
-        if tuple(denoise_inds.shape[1:]) != (k,):
+        # the whole shape: a (1, K) row would be returned as the output's denoise_inds and refused by
+        # log_prob later; another batch size would fail inside the log-prob gather
+        if tuple(denoise_inds.shape) != (batch, k):
             raise ValueError(
-                f"denoise_inds must be (B, {k}) (policy.sampling.num_steps), got {tuple(denoise_inds.shape)}"
+                f"denoise_inds must be (B, K) = {(batch, k)} (batch size, policy.sampling.num_steps), "
+                f"got {tuple(denoise_inds.shape)}"
             )
         if mode == "ode":
             return [False] * k

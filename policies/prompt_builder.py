@@ -56,7 +56,8 @@ class PromptBuilder:
         """prompts (N task strings), bins (N, S) int on any device -> ids (N, max_len) int64
         right-padded with the pad id, mask (N, max_len) bool, on bins' device."""
         n, state_dim = bins.shape
-        tasks, inverse = np.unique(np.asarray(list(prompts), dtype=str), return_inverse=True)
+        # dtype=object keeps the Python strings: numpy's fixed-width str dtype drops trailing "\x00"
+        tasks, inverse = np.unique(np.asarray(list(prompts), dtype=object), return_inverse=True)
         tasks = [str(t) for t in tasks]
         entries = [self._task(t, state_dim) for t in tasks]
         if all(e.composable for e in entries):
