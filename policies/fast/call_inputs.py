@@ -85,12 +85,13 @@ def drop_unused_cameras(inputs, image_masks: Tensor, cam_bits: int | None = None
     return type(inputs)(images, masks, inputs.tokens, inputs.token_mask), image_masks[:, keep], bits
 
 
-def pick(buckets: list[int], value: int, what: str) -> int:
-    """The smallest bucket that holds `value`."""
+def pick(buckets: list[int], value: int, what: str, key: str | None = None) -> int:
+    """The smallest bucket that holds `value`; `key` names the config list of `buckets` in the error."""
     for size in buckets:
         if value <= size:
             return size
-    raise ValueError(f"{what} {value} exceeds the largest fast-path bucket {buckets[-1]}")
+    where = f" ({key}={list(buckets)})" if key else ""
+    raise ValueError(f"{what} {value} exceeds the largest fast-path bucket {buckets[-1]}{where}")
 
 
 def pad_rows(values: Tensor, rows: int) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,6 +125,14 @@ class FastConfig:
         return len(self.batch_buckets) == 1 and len(self.prompt_buckets) == 1
 
     def validate(self, key: str) -> None:
+        # a quoted "false" from a YAML file or a dict is truthy: it would turn the fast path on
+        for name in ("enabled", "cuda_graphs", "consistent_recompute"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{key}.{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("batch_buckets", "prompt_buckets", "fp8_gemms"):  # a bare value would be iterated, or fail unnamed
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, Sequence):
+                raise ValueError(f"{key}.{name} must be a list, got {value!r}")
         if self.dtype not in FAST_DTYPES:
             raise ValueError(f"{key}.dtype must be one of {FAST_DTYPES}, got {self.dtype!r}")
         if self.precision not in PRECISIONS:
@@ -147,7 +156,8 @@ class FastConfig:
             raise ValueError(f"{key}.overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
-        if not isinstance(self.compile_workers, int) or self.compile_workers < -1:
+        workers = self.compile_workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < -1:
             raise ValueError(f"{key}.compile_workers must be -1 (auto), 0 (off) or a number of processes, "
                              f"got {self.compile_workers!r}")
         if not isinstance(self.tuning_cache, str) or not self.tuning_cache.strip():
@@ -156,7 +166,7 @@ class FastConfig:
             raise ValueError(f"{key}.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         for name in ("batch_buckets", "prompt_buckets"):
             values = list(getattr(self, name))
-            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"{key}.{name} must be a non-empty list of positive ints, got {values}")
             if values != sorted(set(values)):
                 raise ValueError(f"{key}.{name} must be strictly increasing, got {values}")

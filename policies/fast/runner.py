@@ -225,8 +225,9 @@ class FastSampler:
         columns = token_mask.numpy().any(axis=0).nonzero()[0]  # numpy: this host work delays vision's launch
         used = int(columns[-1]) + 1 if len(columns) else 0  # the longest prompt: up to its last valid token
         if key is None:
-            key = (call_inputs.pick(self.fast.batch_buckets, b, "batch size"),
-                   call_inputs.pick(self.fast.prompt_buckets, max(used, 1), "prompt length"))
+            key = (call_inputs.pick(self.fast.batch_buckets, b, "batch size", "policy.fast.batch_buckets"),
+                   call_inputs.pick(self.fast.prompt_buckets, max(used, 1), "prompt length",
+                                    "policy.fast.prompt_buckets"))
         elif (key[0] not in self.fast.batch_buckets or key[1] not in self.fast.prompt_buckets
               or b > key[0] or used > key[1]):
             raise ValueError(f"bucket {tuple(key)} (batch, prompt) cannot hold {b} rows with prompts of {used} tokens; "
