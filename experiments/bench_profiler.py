@@ -118,7 +118,7 @@ def main(argv=None) -> None:
     write_result("bench_profiler",
                  {"config": vars(args), "median_loop_ns_per_iter": median, "raw_ns_per_iter": raw,
                   "load_average": os.getloadavg()},
-                 summary, commit=args.commit)
+                 summary, commit=args.commit, device="cpu")  # span cost is CPU work, GPU host or not
 
 
 def _per_span(loop_ns: dict[str, float]) -> dict[str, float]:

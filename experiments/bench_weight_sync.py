@@ -327,7 +327,8 @@ def main(cfg: DictConfig) -> None:
     summary = summarise(results, goals_apply=policy_cfg.name == "pi05" and device.startswith("cuda"))
     print_table(summary)
     payload = {"bench": asdict(bench), "policy": policy_cfg.to_dict(), "results": results}
-    write_result("bench_weight_sync", payload, summary, bench.out_dir, commit=bench.commit)
+    # labelled with the device it ran on (bench.device=cpu on a GPU host is a CPU run)
+    write_result("bench_weight_sync", payload, summary, bench.out_dir, commit=bench.commit, device=device)
 
 
 if __name__ == "__main__":

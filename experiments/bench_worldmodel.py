@@ -273,10 +273,11 @@ def main(raw: DictConfig) -> None:
         from worldmodels.bench_pipeline import run_pipeline
 
         payload, summary = run_pipeline(cfg, bench, device)
-        write_result("bench_worldmodel_pipeline", payload, summary, bench.out_dir, commit=bench.commit)
+        write_result("bench_worldmodel_pipeline", payload, summary, bench.out_dir, commit=bench.commit, device=device)
         return
     payload, summary = run_single(cfg, bench, device)
-    write_result("bench_worldmodel", payload, summary, bench.out_dir, commit=bench.commit)
+    # labelled with the device it ran on (bench.device=cpu on a GPU host is a CPU run)
+    write_result("bench_worldmodel", payload, summary, bench.out_dir, commit=bench.commit, device=device)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,7 @@ class WandbConfig:
         _check_choice("logger.mode", self.mode, WANDB_MODES)
         if not isinstance(self.project, str) or not self.project:
             raise ValueError(f"logger.project must be a non-empty string, got {self.project!r}")
-        self.tags = [str(t) for t in self.tags]
+        self.tags = [str(t) for t in _as_list("logger.tags", self.tags)]
 
 
 @dataclass
@@ -77,12 +77,13 @@ class ProfilerConfig:
         if not isinstance(self.enabled, bool):
             raise ValueError(f"profiler.enabled must be true or false, got {self.enabled!r}")
         _check_choice("profiler.gpu_timing", self.gpu_timing, GPU_TIMING_MODES)
-        self.exports = list(self.exports)
+        self.exports = _as_list("profiler.exports", self.exports)
         for name in self.exports:
             _check_choice("profiler.exports[]", name, EXPORTS)
         if not isinstance(self.flush_every, int) or self.flush_every < 1:
             raise ValueError(f"profiler.flush_every must be an integer >= 1, got {self.flush_every!r}")
-        self.speedups = [float(s) for s in self.speedups]
+        self.speedups = [_as_float("profiler.speedups entries", s)
+                         for s in _as_list("profiler.speedups", self.speedups)]
         for s in self.speedups:
             if not s >= 1.0:
                 raise ValueError(f"profiler.speedups entries must be >= 1 (or .inf), got {s!r}")
@@ -93,7 +94,7 @@ class ProfilerConfig:
         for key in ("predict_name", "rollout_name"):
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 raise ValueError(f"profiler.{key} must be a non-empty span name, got {getattr(self, key)!r}")
-        self.amdahl_targets = [str(t) for t in self.amdahl_targets]
+        self.amdahl_targets = [str(t) for t in _as_list("profiler.amdahl_targets", self.amdahl_targets)]
 
     @classmethod
     def from_dict(cls, data: Any, logger: Any = None) -> ProfilerConfig:
@@ -126,6 +127,22 @@ def _plain(data: Any) -> Any:
 
         return OmegaConf.to_container(data, resolve=True)
     return data
+
+
+def _as_list(key: str, value: Any) -> list:
+    """A list-valued key as a list. A single string is refused rather than split into characters: a
+    command-line override `profiler.amdahl_targets=actor_train` gives a string, and list() of it made
+    targets 'a', 'c', 't', ... (no projection, no error) or exports 'j', 's', 'o', 'n'."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"{key} must be a list, got {value!r} (on the command line: {key}=[{value}])")
+    return list(value)
+
+
+def _as_float(key: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be numbers (.inf for infinity), got {value!r}") from None
 
 
 def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -50,7 +50,8 @@ def step_table(report, skip_first: int = 0):
         table.add_column(col, justify="right")
     rows = [(str(s.step), s) for s in report.steps]
     if len(rows) > 1:  # labelled as the mean even when it averages one step (skip_first = steps - 1)
-        first = report.steps[min(skip_first, len(report.steps) - 1)].step
+        # skipping every step, StepReport.mean averages them all: the label says so
+        first = report.steps[skip_first if skip_first < len(report.steps) else 0].step
         rows.append((f"mean (from step {first})", report.mean(skip_first)))
     for label, s in rows:
         table.add_row(

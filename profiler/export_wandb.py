@@ -57,8 +57,10 @@ def step_metrics(step: StepBreakdown) -> dict[str, float]:
 
 
 def log_report(report, cfg: WandbConfig, run_dir: str | os.PathLike,
-               images: dict[str, Path] | None = None, config: dict[str, Any] | None = None) -> Path | None:
-    """Log every step's metrics, the projection table and the PNGs; returns the run's directory."""
+               images: dict[str, Path] | None = None, config: dict[str, Any] | None = None,
+               skip_first: int = 0) -> Path | None:
+    """Log every step's metrics, the projection table and the PNGs; returns the run's directory.
+    The table and the `mean/*` summary are of the mean over steps[skip_first:], as report.json's."""
     if cfg.mode == "disabled":
         return None
     import wandb
@@ -73,7 +75,7 @@ def log_report(report, cfg: WandbConfig, run_dir: str | os.PathLike,
         for step in report.steps:
             index = step.step if isinstance(step.step, int) else None
             run.log(step_metrics(step), step=index)
-        mean = report.mean()
+        mean = report.mean(skip_first)
         table = wandb.Table(columns=["target", "speedup", "phase_s", "ideal_step_s", "ideal_speedup",
                                      "critical_path_step_s", "critical_path_speedup"])
         for p in mean.projections:

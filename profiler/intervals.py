@@ -66,6 +66,13 @@ def exclusive_pieces(spans: Sequence[Any]) -> list[Piece]:
                 inherited = {k: parent[k] for k in INHERITED_ATTRS if k in parent}
             attrs.append({**inherited, **s.attrs})
             stack.append(i)
+        # A child may end past its parent, and a grandchild past its own parent (a cuda_event span
+        # holds GPU times, which need not nest in the CPU spans around it): a parent resumes after
+        # the furthest end below it, or that stretch would be counted twice.
+        reach = [s.end_ns for s in lane_spans]
+        for i in range(len(lane_spans) - 1, -1, -1):  # children come after their parent
+            for k in children.get(i, ()):
+                reach[i] = max(reach[i], reach[k])
         for i, s in enumerate(lane_spans):
             kids = children.get(i)
             if not kids:
@@ -76,7 +83,7 @@ def exclusive_pieces(spans: Sequence[Any]) -> list[Piece]:
                 child = lane_spans[k]
                 if child.start_ns > cursor:
                     pieces.append(Piece(s.name, s.rank, s.lane, cursor, child.start_ns, attrs[i], s))
-                cursor = max(cursor, min(child.end_ns, s.end_ns))
+                cursor = max(cursor, min(reach[k], s.end_ns))
             if s.end_ns > cursor:
                 pieces.append(Piece(s.name, s.rank, s.lane, cursor, s.end_ns, attrs[i], s))
     pieces.sort(key=lambda p: (p.start_ns, p.end_ns))

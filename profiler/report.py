@@ -2,12 +2,14 @@
 
     python -m profiler.report RUN_DIR [--exports json,console,perfetto,png,wandb]
                                       [--predict-speedup 2.55] [--control-budget-ms 500]
-                                      [--skip-first 1] [--wandb-mode offline|online|disabled]
+                                      [--skip-first N] [--wandb-mode offline|online|disabled]
 
 Reads RUN_DIR/trace (see profiler.trace for the format) and writes RUN_DIR/profile/:
 report.json, report.txt, trace.perfetto.json, profiler_timeline.png, profiler_steps.png,
 profiler_control_roofline.png, profiler_stage_roofline.png; the wandb run goes under RUN_DIR
-(offline unless asked otherwise).
+(offline unless asked otherwise). The mean step leaves out the first step (warm-up) when the
+trace holds more than one, as the report.json a run writes (grpo/artifacts.py); --skip-first
+chooses otherwise.
 """
 
 from __future__ import annotations
@@ -28,11 +30,20 @@ from profiler.trace import load_trace, strict_json
 PROFILE_SUBDIR = "profile"
 
 
+def default_skip_first(steps: int) -> int:
+    """Warm-up steps the mean leaves out unless told: the first, when there is more than one step
+    (the rule of a run's own report, grpo/artifacts.py, and of experiments.profile_rollout)."""
+    return 1 if steps > 1 else 0
+
+
 def build_exports(
     run_dir: str | os.PathLike, config: ProfilerConfig | None = None, exports: Sequence[str] | None = None,
-    skip_first: int = 0, out_dir: str | os.PathLike | None = None, quiet: bool = False,
+    skip_first: int | None = None, out_dir: str | os.PathLike | None = None, quiet: bool = False,
 ) -> tuple[StepReport, dict[str, Path]]:
-    """Load RUN_DIR's trace, compute the StepReport, write the requested exports."""
+    """Load RUN_DIR's trace, compute the StepReport, write the requested exports.
+    `skip_first`: steps the mean leaves out (None: `default_skip_first`)."""
+    if skip_first is not None and skip_first < 0:
+        raise ValueError(f"skip_first must be >= 0 (steps left out of the mean), got {skip_first}")
     run_dir = Path(run_dir)
     trace = load_trace(run_dir)
     if config is None:
@@ -45,6 +56,8 @@ def build_exports(
     report = StepReport.from_trace(trace, config)
     if not report.steps:
         raise ValueError(f"{run_dir}: the trace holds no spans")
+    if skip_first is None:
+        skip_first = default_skip_first(len(report.steps))
     out = Path(out_dir) if out_dir else run_dir / PROFILE_SUBDIR
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
@@ -71,7 +84,8 @@ def build_exports(
         from profiler.export_wandb import log_report
 
         run_path = log_report(report, config.wandb, run_dir, images=images,
-                              config={"profiler": dataclasses.asdict(config), "meta": trace.meta})
+                              config={"profiler": dataclasses.asdict(config), "meta": trace.meta},
+                              skip_first=skip_first)
         if run_path is not None:
             written["wandb"] = run_path
     return report, written
@@ -114,10 +128,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="measured or given predict speed-up for the PhyAI-style projection")
     parser.add_argument("--control-budget-ms", type=float, default=None,
                         help="control-loop budget per chunk for the control-margin distribution")
-    parser.add_argument("--skip-first", type=int, default=0, help="steps to leave out of the mean (warm-up)")
+    parser.add_argument("--skip-first", type=int, default=None,
+                        help="steps to leave out of the mean (warm-up); default: 1 when the trace holds more "
+                             "than one step, else 0, as in the report.json a run writes")
     parser.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], default=None)
     parser.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/profile)")
     args = parser.parse_args(argv)
+    if args.skip_first is not None and args.skip_first < 0:
+        parser.error(f"--skip-first must be >= 0, got {args.skip_first}")
     from profiler.trace import read_meta
 
     raw = read_meta(args.run_dir).get("profiler_config") or {}

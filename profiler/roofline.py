@@ -216,4 +216,7 @@ def stages_from_spans(spans: Sequence[Any], under: str | None = None) -> list[St
         t[0] += float(s.attrs["flops"])
         t[1] += float(s.attrs["bytes"])
         t[2] += s.duration_s
-    return [StageMeasurement(name, f, b, t) for name, (f, b, t) in totals.items() if t > 0]
+    # a name that moved no bytes (or carried NaN counts) has no intensity to place: it is left out
+    # rather than failing StageMeasurement's check, which took the whole report (step breakdown
+    # included) down even when no ceilings were given and no roofline was to be drawn
+    return [StageMeasurement(name, f, b, t) for name, (f, b, t) in totals.items() if t > 0 and b > 0 and f >= 0]

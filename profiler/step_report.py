@@ -104,9 +104,9 @@ class StepReport:
             rollout_name=self.options.rollout_name,
             dropped_edges=sum(s.dropped_edges for s in steps),
         )
-        exposed = [s.exposed_predict_s for s in steps if s.exposed_predict_s is not None]
-        if exposed:
-            out.exposed_predict_s = _avg(exposed)
+        # a step without predict exposes none: averaged over every step, as the phases are
+        if any(s.exposed_predict_s is not None for s in steps):
+            out.exposed_predict_s = _avg(s.exposed_predict_s or 0.0 for s in steps)
             out.overlapped_predict_s = _avg(s.overlapped_predict_s or 0.0 for s in steps)
         out.projections = _mean_projections(out, steps)
         return out
@@ -142,8 +142,10 @@ class StepReport:
             rows.append(PhyaiRow("  exposed on the critical path", step.exposed_predict_s,
                                  f"overlapped {fmt_s(step.overlapped_predict_s or 0.0)}"))
         rows.append(PhyaiRow("Predict speed-up", None, f"{speedup:g}x ({source})"))
-        if step.predict_max_s > 0:
-            ideal = ideal_projection(step.total_s, step.predict_max_s, speedup)
+        if step.predict_max_s > 0 and step.total_s > 0:
+            # capped at the step as the projections are (breakdown._projections): a rank's predict can
+            # run past the step window (spans taken in by their attribute or midpoint, another host's clock)
+            ideal = ideal_projection(step.total_s, min(step.predict_max_s, step.total_s), speedup)
             rows.append(PhyaiRow("Projected step time (Amdahl)", ideal.step_s,
                                  f"{-ideal.saving:+.1%}, {ideal.end_to_end:.3f}x end-to-end"))
             cp = step.projection(self.options.predict_name, speedup)
