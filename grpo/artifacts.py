@@ -15,7 +15,7 @@ from pathlib import Path
 from grpo.reporting import WandbRun
 from profiler.config import ProfilerConfig
 from profiler.export_wandb import step_metrics
-from profiler.report import build_exports
+from profiler.report import build_exports, default_skip_first
 
 # profiler export name -> file name in the run directory
 RENAMES = {"perfetto": "trace.json", "timeline": "timeline.png", "steps": "breakdown.png"}
@@ -25,8 +25,9 @@ def write_profile(run_dir: Path, prof: ProfilerConfig, wandb_run: WandbRun | Non
                   ) -> dict[str, Path]:
     """Exports of the trace into run_dir; returns name -> path of what was written."""
     exports = [e for e in prof.exports if e != "wandb"]  # our own wandb run carries it (below)
-    skip = 1 if _step_count(run_dir) > 1 else 0  # the mean leaves out the warm-up step
-    report, written = build_exports(run_dir, prof, exports=exports, skip_first=skip, out_dir=run_dir, quiet=quiet)
+    # skip_first=None: the mean leaves out the warm-up step, as `python -m profiler.report` does
+    report, written = build_exports(run_dir, prof, exports=exports, skip_first=None, out_dir=run_dir, quiet=quiet)
+    skip = default_skip_first(len(report.steps))
     for name, target in RENAMES.items():
         if name in written:
             written[name] = written[name].replace(run_dir / target)
@@ -43,8 +44,3 @@ def write_profile(run_dir: Path, prof: ProfilerConfig, wandb_run: WandbRun | Non
         wandb_run.log_images({k: v for k, v in written.items() if v.suffix == ".png"})
     return written
 
-
-def _step_count(run_dir: Path) -> int:
-    from profiler.trace import load_trace
-
-    return sum(1 for s in load_trace(run_dir).spans if s.name == "step")
