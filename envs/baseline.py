@@ -42,6 +42,7 @@ from envs.libero_env import NOOP_ACTION, quat_to_axis_angle, rotate_180, state_v
 from envs.vector.subproc import EnvWorkerError, WorkerCrashedError, gather_replies
 
 CLOSE_GRACE_S = 10.0
+BASELINE_ENV_TYPES = ("libero", "countdown")  # the env processes below
 
 
 def _timed_camera_sensors(robosuite_env: Any, totals: dict) -> None:
@@ -178,6 +179,9 @@ class RlinfStyleVectorEnv:
     def __init__(self, cfg: EnvConfig, task_ids: list[int]):
         from envs.vector.catalog import worker_specs
 
+        if cfg.env_type not in BASELINE_ENV_TYPES:  # else each worker fails to build with a bare TypeError
+            raise ValueError(f"the RLinf-style baseline runs env.env_type {list(BASELINE_ENV_TYPES)}, got "
+                             f"{cfg.env_type!r}")
         if len(task_ids) != cfg.num_envs:
             raise ValueError(f"baseline needs one task id per env ({cfg.num_envs}), got {len(task_ids)}")
         self.cfg = cfg

@@ -353,11 +353,21 @@ def check_episode_covers_bench(env_cfg: EnvConfig, bench: BenchConfig) -> None:
                          f"({env_cfg.max_episode_steps}): lower the chunks or raise the episode length")
 
 
+def check_baseline_runs(env_cfg: EnvConfig, bench: BenchConfig) -> None:
+    """Refused before ours is timed, not after: the baseline has env processes for these types only."""
+    from envs.baseline import BASELINE_ENV_TYPES
+
+    if bench.baseline and env_cfg.env_type not in BASELINE_ENV_TYPES:
+        raise ValueError(f"bench.baseline=true runs env.env_type {list(BASELINE_ENV_TYPES)} only, got "
+                         f"{env_cfg.env_type!r} (set bench.baseline=false)")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_env")
 def main(cfg: DictConfig) -> None:
     env_cfg = EnvConfig.from_mapping(cfg.env)
     bench = BenchConfig.from_mapping(OmegaConf.to_container(cfg.bench, resolve=True))
     check_episode_covers_bench(env_cfg, bench)
+    check_baseline_runs(env_cfg, bench)
     log(f"{os.cpu_count()} CPUs; env: {env_cfg.suite}, {env_cfg.num_envs} envs, "
         f"{env_cfg.num_workers} workers, {env_cfg.image_size} px, cameras {env_cfg.cameras}, "
         f"chunk {env_cfg.chunk_size}")

@@ -135,7 +135,7 @@ class RolloutCollector:
         (each stage's vector env with `stage_seed(seed, stage)`); `mode` goes to
         engine.predict; `step` tags the profiler spans with the RL step."""
         batch = out if out is not None else self.batch
-        self.shapes.check_batch(batch, self.num_envs, self.max_chunks)
+        self.shapes.check_batch(batch, self.num_envs, self.max_chunks, self.cfg.record_images)
         seed = self.cfg.seed if seed is None else int(seed)
         rng = np.random.default_rng([seed, self.epochs])
         ids = plan_init_states(self.slots, self.group_size, init_state_ids, rng)
@@ -229,6 +229,7 @@ class RolloutCollector:
         with self.timeline.span("rollout/transfer", **attrs, data="actions"):
             clip = self.cfg.action_clip
             actions = np.clip(out.actions[:, : self.shapes.action_chunk].numpy(), -clip, clip)
+            self._check_finite(actions, stage, rows, where)
             record_prediction(batch, stage.start + rows, t, out, actions)
             env_actions = np.zeros((stage.size, self.shapes.action_chunk, self.shapes.action_dim), np.float32)
             env_actions[rows] = actions
@@ -236,6 +237,16 @@ class RolloutCollector:
         finished_at: list[float] = []
         future = self._pool.submit(stage.step, env_actions, t, step, finished_at)
         stage.pending = StageChunk(t, stepped, future, finished_at)
+
+    def _check_finite(self, actions: np.ndarray, stage: Stage, rows: np.ndarray, where: str) -> None:
+        """NaN/inf actions are refused here, naming the collector's env: the stage's vector env
+        would refuse them too, but numbered within the stage (env 0 of stage 1 is env N/S)."""
+        bad = ~np.isfinite(actions)
+        if bad.any():
+            i, h, d = np.argwhere(bad)[0]
+            env = stage.start + int(rows[i])
+            raise ValueError(f"engine output actions for {where} are not finite: env {env} ({self.slots[env].label}) "
+                             f"has {actions[i, h, d]} at sub-step {h}, dim {d}")
 
     def _collect_result(self, stage: Stage, batch: RolloutBatch, stats: CollectStats) -> None:
         """Wait for the stage's chunk in flight (if any) and record the env's answer."""

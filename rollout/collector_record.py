@@ -71,15 +71,37 @@ class BatchShapes:
             group_size=group_size, action_chunk=self.action_chunk,
         )
 
-    def check_batch(self, batch: RolloutBatch, num_envs: int, max_chunks: int) -> None:
-        """A caller-provided batch must have been allocated for this collector."""
-        expected = (num_envs, max_chunks, self.num_steps + 1, self.chunk, self.max_action_dim)
-        if batch.chains.shape != expected or batch.actions.shape[2] != self.action_chunk:
+    def check_batch(self, batch: RolloutBatch, num_envs: int, max_chunks: int, record_images: bool) -> None:
+        """A caller-provided batch must have been allocated for this collector: every array's shape
+        (a smaller image or token buffer would fail mid-epoch on a bare broadcast error) and the
+        cameras it records (a batch without images would silently lose them)."""
+        expected = self.array_shapes(num_envs, max_chunks, record_images)
+        got = {name: tuple(getattr(batch, name).shape) for name in expected if not name.startswith("images")}
+        got.update({f"images[{key}]": tuple(value.shape) for key, value in batch.images.items()})
+        wrong = [name for name in sorted(set(expected) | set(got)) if expected.get(name) != got.get(name)]
+        if wrong:
+            details = "; ".join(f"{name} {got.get(name, 'missing')} (needs {expected.get(name, 'none')})"
+                                for name in wrong)
             raise ValueError(
-                f"the RolloutBatch passed as `out` has chains {batch.chains.shape} and actions "
-                f"{batch.actions.shape}; this collector needs chains {expected} and {self.action_chunk} "
-                "actions per chunk (allocate it with collector.allocate_batch())"
+                f"the RolloutBatch passed as `out` does not fit this collector: {details} (allocate it with "
+                "collector.allocate_batch())"
             )
+
+    def array_shapes(self, num_envs: int, max_chunks: int, record_images: bool) -> dict[str, tuple[int, ...]]:
+        """The shape of every per-chunk array of a batch for this collector (as `allocate` makes them)."""
+        n, t, ha = num_envs, max_chunks, self.action_chunk
+        shapes = {
+            "states": (n, t, self.state_dim), "tokens": (n, t, self.token_len),
+            "token_mask": (n, t, self.token_len),
+            "chains": (n, t, self.num_steps + 1, self.chunk, self.max_action_dim),
+            "denoise_inds": (n, t, self.num_steps), "actions": (n, t, ha, self.action_dim),
+            "logprobs": (n, t, self.logprob_chunk, self.action_dim), "chunk_logprob": (n, t),
+            "versions": (n, t), "rewards": (n, t, ha), "substep_valid": (n, t, ha), "dones": (n, t, ha),
+            "chunk_valid": (n, t),
+        }
+        if record_images:
+            shapes.update({f"images[{key}]": (n, t, *shape) for key, shape in self.cameras.items()})
+        return shapes
 
     def check_output(self, out: PolicyOutput, rows: int, where: str) -> None:
         """Shapes of one predict's output; errors name the field, expected and received shape."""

@@ -10,6 +10,7 @@ from envs.config import EnvConfig
 from envs.testing import CountdownEnv
 from experiments.bench_env import (
     BenchConfig,
+    check_baseline_runs,
     check_episode_covers_bench,
     checks,
     group_init_state_ids,
@@ -45,6 +46,14 @@ def test_bench_config_validation():
                                          r"env.max_episode_steps \(10\)"):
         check_episode_covers_bench(short, BenchConfig(num_chunks=2, warmup_chunks=1))
     check_episode_covers_bench(short, BenchConfig(num_chunks=1, warmup_chunks=1))
+
+
+def test_baseline_env_type_is_refused_before_ours_is_timed():
+    reach = EnvConfig(env_type="reach", num_envs=2)
+    with pytest.raises(ValueError, match=r"bench.baseline=true runs env.env_type .* got 'reach'"):
+        check_baseline_runs(reach, BenchConfig())
+    check_baseline_runs(reach, BenchConfig(baseline=False))
+    check_baseline_runs(EnvConfig(env_type="countdown", num_envs=2), BenchConfig())
 
 
 def test_actions_are_shared_and_deterministic():
