@@ -139,7 +139,8 @@ class Trainer:
             self.pusher = make_pusher(self.engine, self.placement, cfg.rollout.weights)
             self.collector = RolloutCollector(cfg.env, self.engine, cfg.collector, policy_cfg=cfg.policy,
                                               timeline=self.timeline, stage_timelines=self.lanes)
-            self.actor = build_actor(self.policy, cfg.grpo, self.actor_plan, cfg.env.group_size,
+            # the collector's group size: rollout.collector.group_size may override env.group_size
+            self.actor = build_actor(self.policy, cfg.grpo, self.actor_plan, self.collector.group_size,
                                      show_progress=cfg.run.show_progress)
             self.state = checkpoint.TrainState(step=1)
             if resume_from is not None:
@@ -158,7 +159,8 @@ class Trainer:
     def describe(self) -> str:
         c = self.cfg
         return (f"experiments.grpo: {c.env.env_type}/{c.env.suite} tasks {c.env.task_ids}, {c.env.num_envs} envs in "
-                f"groups of {c.env.group_size}, {c.collector.stages} stages, {c.policy.name} policy, "
+                f"groups of {c.collector.group_size or c.env.group_size}, {c.collector.stages} stages, "
+                f"{c.policy.name} policy, "
                 f"{c.grpo.rollout_epochs} epochs x {c.grpo.steps} steps; trainer on {self.device}"
                 f"{self._actor_ranks()}, engine {c.rollout.engine.backend} x{c.rollout.engine.num_ranks} on "
                 f"{self.placement.engine_devices}, "

@@ -217,3 +217,22 @@ def test_consistent_recompute_needs_do_not_apply_to_evaluation(tmp_path):
     exp.policy = exp.policy.replace(train_expert_only=False,
                                     fast={"batch_buckets": [1, 2], "prompt_buckets": [32, 200]})
     exp.check_cross_group()  # an evaluation never recomputes log-probs
+
+
+@pytest.mark.slow
+def test_actor_ranks_shard_by_the_collectors_group_size(tmp_path):
+    """rollout.collector.group_size overrides env.group_size: the actor ranks must keep the
+    collector's GRPO groups whole, not groups of env.group_size."""
+    ddp = {"actor_parallel": {"mode": "ddp", "world_size": 2, "torch_threads": 1, "dist_timeout_s": 120,
+                              "start_timeout_s": 120}}
+    cfg = countdown_config(tmp_path, steps=1, env={"group_size": 1, "task_ids": [0, 0, 1, 1]},
+                           rollout={"engine": {"backend": "inproc", "devices": "cpu"},
+                                    "collector": {"stages": 2, "in_process": True, "group_size": 2}},
+                           grpo=ddp)
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        assert trainer.collector.group_size == 2
+        assert trainer.actor.group_size == 2
+        assert "groups of 2" in trainer.describe()
+    finally:
+        trainer.abort()
