@@ -142,13 +142,18 @@ class WorldModelConfig:
         check_choice("worldmodel.kv_schedule", self.kv_schedule, KV_SCHEDULES)
         check_choice("worldmodel.dtype", self.dtype, DTYPES)
         check_nonnegative_int("worldmodel.seed", self.seed)
-        factor = self.vae.stride[1] * self.dit.patch_size[1]
-        for name in ("height", "width"):
+        for axis, name in ((1, "height"), (2, "width")):  # each axis by its own patch size (patch_size[1] vs [2])
+            factor = self.vae.stride[axis] * self.dit.patch_size[axis]
             if getattr(self, name) % factor:
                 raise ValueError(
                     f"worldmodel.{name} ({getattr(self, name)}) must be a multiple of VAE stride x patch "
-                    f"({factor})"
+                    f"(vae.stride[{axis}] x dit.patch_size[{axis}] = {factor})"
                 )
+        if self.max_chunks < 1:  # the context chunk and one chunk after it must fit the RoPE table
+            raise ValueError(
+                f"worldmodel.dit.max_frames ({self.dit.max_frames}) must hold at least 2 x frames_per_chunk "
+                f"({2 * self.frames_per_chunk}) latent frames (the context chunk and one generated chunk)"
+            )
 
     # ------------------------------------------------------------------ derived sizes
     @property

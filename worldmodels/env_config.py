@@ -73,6 +73,10 @@ class WorldModelEnvConfig:
         if isinstance(self.worldmodel, Mapping):
             self.worldmodel = WorldModelSettings(
                 **reject_unknown_keys(WorldModelSettings, self.worldmodel, "env.worldmodel", "world-model env config"))
+        for key, example in (("model", "{preset: tiny}"), ("serve", "{}")):  # dict() of a name or null failed unnamed
+            value = getattr(self.worldmodel, key)
+            if not isinstance(value, Mapping):
+                raise ValueError(f"env.worldmodel.{key} must be a mapping of keys (e.g. {example}), got {value!r}")
         check_choice("env.env_type", self.env_type, ("worldmodel",))
         check_choice("env.render_every", self.render_every, RENDER_EVERY)
         for key in ("num_envs", "group_size", "image_size", "chunk_size", "num_workers"):
@@ -98,8 +102,23 @@ class WorldModelEnvConfig:
         if self.chunk_size > model.chunk_actions:
             raise ValueError(f"env.chunk_size ({self.chunk_size}) exceeds what one world-model chunk covers "
                              f"({model.chunk_actions} = frames_per_chunk x dit.actions_per_frame)")
+        if self.chunk_size > model.video_frames_per_chunk:  # sub-step h's observation is the chunk's video frame h
+            raise ValueError(f"env.chunk_size ({self.chunk_size}) exceeds the video frames one world-model chunk "
+                             f"decodes ({model.video_frames_per_chunk} = frames_per_chunk x vae.stride[0])")
+        self._check_frame_size(model)
         self._check_episode_fits(model)
         self._check_streams_fit(model, self.serve_config())  # validates the serve keys now too
+
+    def _check_frame_size(self, model: WorldModelConfig) -> None:
+        """The model's frame is the cameras side by side: an overridden height / width would only fail at reset,
+        when the encoded first frames do not have the model's latent shape."""
+        want = {"height": self.image_size, "width": self.image_size * len(self.cameras)}
+        for key, value in want.items():
+            if getattr(model, key) != value:
+                raise ValueError(
+                    f"env.worldmodel.model.{key} ({getattr(model, key)}) must be {value}: the model's frame is the "
+                    f"{len(self.cameras)} camera(s) of env.image_size ({self.image_size}) side by side (leave it unset)"
+                )
 
     def _check_episode_fits(self, model: WorldModelConfig) -> None:
         """An episode's chunks must fit a stream's RoPE table, or the env fails mid-episode (at the server's

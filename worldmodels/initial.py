@@ -52,10 +52,20 @@ class InitialFrames:
                     raise ValueError(f"{path}: {key} must be uint8 {want} (tasks, init states, S, S, 3), got "
                                      f"{array.dtype} {array.shape}")
                 self._images[camera] = array
+        # checked here, naming the array: a wrong shape failed at reset (a broadcast error) or on the first env of
+        # a task past the array (an IndexError)
         if "state" in data:
-            self._state = data["state"].astype(np.float32)
+            state = data["state"]
+            want_state = (self.num_tasks, self.num_init_states, self.state_dim)
+            if state.shape != want_state or not np.issubdtype(state.dtype, np.number):
+                raise ValueError(f"{path}: state must be numeric {want_state} (tasks, init states, state dim), got "
+                                 f"{state.dtype} {state.shape}")
+            self._state = state.astype(np.float32)
         if "prompts" in data:
-            self.prompts = [str(p) for p in data["prompts"]]
+            prompts = data["prompts"]
+            if prompts.shape != (self.num_tasks,):
+                raise ValueError(f"{path}: prompts must be ({self.num_tasks},) (one per task), got {prompts.shape}")
+            self.prompts = [str(p) for p in prompts]
 
     @property
     def has_images(self) -> bool:

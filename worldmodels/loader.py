@@ -74,9 +74,11 @@ def canonical_key(key: str) -> str:
 
 def load_state_dict_into(model: CausalWanDiT, state: dict[str, Tensor], strict: bool = False) -> LoadReport:
     """Copy matching tensors into the model (in place); raise on shape mismatch, or on
-    unexpected keys when strict."""
+    unexpected keys when strict. Every check runs before the first copy: a refused checkpoint
+    leaves the model as it was (not half-loaded, with caches of the old weights)."""
     report = LoadReport()
     params = model.state_dict()
+    copies: list[tuple[Tensor, Tensor]] = []
     seen = set()
     for raw_key, tensor in state.items():
         key = canonical_key(raw_key)
@@ -92,8 +94,7 @@ def load_state_dict_into(model: CausalWanDiT, state: dict[str, Tensor], strict: 
                 f"checkpoint key {raw_key!r} has shape {tuple(tensor.shape)}, but model key {key!r} "
                 f"has {tuple(target.shape)} (wrong preset? worldmodel.dit sizes must match the checkpoint)"
             )
-        with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))
+        copies.append((target, tensor))
         report.loaded.append(key)
         seen.add(key)
     for key in params:
@@ -104,6 +105,9 @@ def load_state_dict_into(model: CausalWanDiT, state: dict[str, Tensor], strict: 
         report.missing.append(key)
     if strict and report.unexpected:
         raise ValueError(f"unexpected checkpoint keys: {report.unexpected[:8]}")
+    with torch.no_grad():
+        for target, tensor in copies:
+            target.copy_(tensor.to(target.dtype))
     if any(k.startswith("action_embedding.") for k in report.missing):
         with torch.no_grad():
             model.action_embedding[2].weight.zero_()

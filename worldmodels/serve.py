@@ -157,6 +157,11 @@ class WorldModelServer:
         shape = (self.cfg.frames_per_chunk, self.cfg.dit.latent_channels, *self.cfg.latent_hw)
         if tuple(context_latents.shape) != shape:
             raise ValueError(f"context latents must have shape {shape}, got {tuple(context_latents.shape)}")
+        # checked here as submit checks the noise: clean-schedule passes write their K/V into the shared sentinel
+        # page, which every stream with a partial window reads (masked, but 0 x NaN is NaN): one stream's NaN
+        # would corrupt the others' chunks
+        if not torch.isfinite(context_latents.float()).all():  # as stored: float64 past float32's range is inf
+            raise ValueError("context latents are not finite")
         if not 0 <= context_id < self.cfg.dit.num_contexts:
             raise ValueError(f"context_id {context_id} out of range (worldmodel.dit.num_contexts = "
                              f"{self.cfg.dit.num_contexts})")

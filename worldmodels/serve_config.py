@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from common.config import check_positive_float, check_positive_int, reject_unknown_keys, to_container
 from worldmodels.admission import Placement, StageSpec
@@ -37,9 +40,10 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         key = "serve"
-        if not self.rings or any(not ring for ring in self.rings):
-            raise ValueError(f"{key}.rings must list at least one ring of at least one device, got {self.rings}")
-        self.rings = [[str(d) for d in ring] for ring in self.rings]
+        self._check_rings(key)
+        for name in ("cuda_graphs", "pad_to_bucket", "fuse_qkv", "record_timeline"):
+            if not isinstance(getattr(self, name), bool):  # a quoted "false" is truthy: it turned graphs on
+                raise ValueError(f"{key}.{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_streams", "max_batch"):
             check_positive_int(f"{key}.{name}", getattr(self, name))
         for name in ("max_inflight_chunks", "kv_pages_per_stage"):
@@ -48,14 +52,21 @@ class ServeConfig:
         for name in ("kv_memory_gb", "slo_interval_ms"):
             if getattr(self, name) is not None:
                 check_positive_float(f"{key}.{name}", getattr(self, name))
-        self.batch_buckets = sorted(int(b) for b in self.batch_buckets)
-        if not self.batch_buckets or self.batch_buckets[0] < 1:
-            raise ValueError(f"{key}.batch_buckets must be positive sizes, got {self.batch_buckets}")
+        if not _is_list(self.batch_buckets) or not self.batch_buckets or not all(
+                _is_int(b) and b >= 1 for b in self.batch_buckets):
+            raise ValueError(f"{key}.batch_buckets must be a list of positive integer sizes, "
+                             f"got {self.batch_buckets!r}")
+        self.batch_buckets = sorted(self.batch_buckets)
         if self.frames not in FRAME_MODES:
             raise ValueError(f"{key}.frames must be one of {list(FRAME_MODES)}, got {self.frames!r}")
-        if len(self.tick_prior_ms) != 2 or min(self.tick_prior_ms) < 0:
-            raise ValueError(f"{key}.tick_prior_ms must be [a, b] >= 0, got {self.tick_prior_ms}")
+        if not _is_list(self.tick_prior_ms) or len(self.tick_prior_ms) != 2 or not all(
+                _is_number(v) and 0 <= v < math.inf for v in self.tick_prior_ms):
+            raise ValueError(f"{key}.tick_prior_ms must be [a, b], finite numbers >= 0, got {self.tick_prior_ms!r}")
         if self.block_split is not None:
+            if not _is_list(self.block_split) or not all(
+                    _is_list(counts) and all(_is_int(c) for c in counts) for counts in self.block_split):
+                raise ValueError(f"{key}.block_split must list, per ring, the blocks of each stage (e.g. [[16, 14]]), "
+                                 f"got {self.block_split!r}")
             if len(self.block_split) != len(self.rings):
                 raise ValueError(f"{key}.block_split needs one entry per ring ({len(self.rings)}), "
                                  f"got {len(self.block_split)}")
@@ -63,6 +74,23 @@ class ServeConfig:
                 if len(counts) != len(ring) or min(counts) < 1:
                     raise ValueError(f"{key}.block_split[{g}] must give >= 1 block to each of the ring's "
                                      f"{len(ring)} stages, got {counts}")
+
+    def _check_rings(self, key: str) -> None:
+        """A list of rings, each a list of device names torch parses: a bare ["cpu"] would be split into the
+        devices "c", "p", "u", and an unknown name would fail only when the server builds its pools."""
+        if not _is_list(self.rings) or not self.rings or not all(_is_list(ring) and ring for ring in self.rings):
+            raise ValueError(f"{key}.rings must list at least one ring, each a list of at least one device "
+                             f"(e.g. [[cuda:0]]), got {self.rings!r}")
+        for g, ring in enumerate(self.rings):
+            for s, device in enumerate(ring):
+                try:
+                    if not isinstance(device, (str, torch.device)):
+                        raise TypeError(type(device).__name__)
+                    torch.device(device)
+                except (RuntimeError, TypeError) as error:
+                    raise ValueError(f"{key}.rings[{g}][{s}] must be a device name (cpu, cuda:0, ...), "
+                                     f"got {device!r}") from error
+        self.rings = [[str(d) for d in ring] for ring in self.rings]
 
     def placement(self, num_blocks: int) -> Placement:
         rings = []
@@ -87,3 +115,15 @@ class ServeConfig:
         data = dict(to_container(mapping) if mapping is not None else {})
         data.update(overrides)
         return cls(**reject_unknown_keys(cls, data, "serve", "serve config"))
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
