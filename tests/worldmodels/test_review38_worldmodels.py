@@ -20,14 +20,6 @@ from worldmodels.serve import WorldModelServer
 from worldmodels.serve_config import ServeConfig
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def test_non_finite_context_latents_are_refused_before_they_reach_the_shared_sentinel_page():
     # clean schedule: denoise passes write their K/V into the sentinel page, which a stream with a partial
     # window reads masked (0 x NaN = NaN): a NaN context used to turn the other stream's chunk into NaN
