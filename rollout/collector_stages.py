@@ -18,7 +18,7 @@ import numpy as np
 
 from envs.config import EnvConfig
 from envs.vector import ChunkResult, VectorEnvBase, make_vector_env
-from envs.vector.catalog import EnvSlot
+from envs.vector.catalog import EnvSlot, mixed_group
 from rollout.collector_config import PREFIX, CollectorConfig
 
 
@@ -42,15 +42,15 @@ def check_group_tasks(slots: Sequence[EnvSlot], group_size: int, overridden: boo
     """Every GRPO group must run one task. Checked when the collector is built: otherwise the
     first reset, after every worker has built its envs, refuses the layout without naming the
     collector key that made it."""
-    for start in range(0, len(slots), group_size):
-        tasks = sorted({slot.task_id for slot in slots[start:start + group_size]})
-        if len(tasks) > 1:
-            key = f"{PREFIX}.group_size" if overridden else "env.group_size"
-            raise ValueError(
-                f"{key} ({group_size}) puts envs {start}..{start + group_size - 1}, which run tasks {tasks}, in "
-                "one GRPO group; a group must share one task (env.task_ids assigns tasks per env.group_size "
-                "envs: use a collector group size that divides env.group_size, or give env.task_ids per group)"
-            )
+    mixed = mixed_group([slot.task_id for slot in slots], group_size)
+    if mixed is not None:
+        start, tasks = mixed
+        key = f"{PREFIX}.group_size" if overridden else "env.group_size"
+        raise ValueError(
+            f"{key} ({group_size}) puts envs {start}..{start + group_size - 1}, which run tasks {tasks}, in "
+            "one GRPO group; a group must share one task (env.task_ids assigns tasks per env.group_size "
+            "envs: use a collector group size that divides env.group_size, or give env.task_ids per group)"
+        )
 
 
 def plan_init_states(

@@ -20,7 +20,7 @@ import numpy as np
 
 from envs.config import EnvConfig
 from envs.vector.buffers import ACTION_DIM, SharedBuffers
-from envs.vector.catalog import EnvSlot, env_slots
+from envs.vector.catalog import EnvSlot, env_slots, mixed_group
 
 
 @dataclass
@@ -140,13 +140,13 @@ class VectorEnvBase:
         g = self.cfg.group_size if group_size is None else int(group_size)
         if g < 1 or n % g:
             raise ValueError(f"group_size must divide num_envs ({n}), got {group_size}")
-        for start in range(0, n, g):
-            tasks = {self.task_ids[i] for i in range(start, start + g)}
-            if len(tasks) > 1:
-                raise ValueError(
-                    f"group of envs {start}..{start + g - 1} mixes tasks {sorted(tasks)}: "
-                    "a group must share one task (set env.task_ids per group)"
-                )
+        mixed = mixed_group(self.task_ids, g)
+        if mixed is not None:
+            start, tasks = mixed
+            raise ValueError(
+                f"group of envs {start}..{start + g - 1} mixes tasks {tasks}: "
+                "a group must share one task (set env.task_ids per group)"
+            )
         base_seed = self.cfg.seed if seed is None else int(seed)
         count = self._reset_count + 1  # committed only once the plan is valid: a refused reset draws nothing
         if init_state_ids is None:
