@@ -88,19 +88,14 @@ class BatchShapes:
             )
 
     def array_shapes(self, num_envs: int, max_chunks: int, record_images: bool) -> dict[str, tuple[int, ...]]:
-        """The shape of every per-chunk array of a batch for this collector (as `allocate` makes them)."""
-        n, t, ha = num_envs, max_chunks, self.action_chunk
-        shapes = {
-            "states": (n, t, self.state_dim), "tokens": (n, t, self.token_len),
-            "token_mask": (n, t, self.token_len),
-            "chains": (n, t, self.num_steps + 1, self.chunk, self.max_action_dim),
-            "denoise_inds": (n, t, self.num_steps), "actions": (n, t, ha, self.action_dim),
-            "logprobs": (n, t, self.logprob_chunk, self.action_dim), "chunk_logprob": (n, t),
-            "versions": (n, t), "rewards": (n, t, ha), "substep_valid": (n, t, ha), "dones": (n, t, ha),
-            "chunk_valid": (n, t),
-        }
+        """The shape of every array of a batch for this collector (RolloutBatch.array_specs, which
+        `allocate` makes them from, and the recorded cameras)."""
+        specs = RolloutBatch.array_specs(num_envs, max_chunks, self.state_dim, self.token_len, self.num_steps,
+                                         self.chunk, self.max_action_dim, self.action_dim, self.logprob_chunk,
+                                         self.action_chunk)
+        shapes = {name: shape for name, (shape, _) in specs.items()}
         if record_images:
-            shapes.update({f"images[{key}]": (n, t, *shape) for key, shape in self.cameras.items()})
+            shapes.update({f"images[{key}]": (num_envs, max_chunks, *shape) for key, shape in self.cameras.items()})
         return shapes
 
     def check_output(self, out: PolicyOutput, rows: int, where: str) -> None:

@@ -95,6 +95,46 @@ class RolloutBatch:
         """Sub-steps executed in envs that were not lost (what the epoch produced)."""
         return int(self.substep_valid[~self.lost].sum())
 
+    @staticmethod
+    def array_specs(
+        num_envs: int,
+        max_chunks: int,
+        state_dim: int,
+        token_len: int,
+        num_steps: int,
+        chunk: int,
+        max_action_dim: int,
+        action_dim: int,
+        logprob_chunk: int,
+        action_chunk: int | None = None,
+    ) -> dict[str, tuple[tuple[int, ...], type]]:
+        """name -> (shape, dtype) of every array `allocate` makes, images and group ids aside (what a
+        caller's buffer is checked against). `chunk` is the policy's H (chains); `action_chunk` the
+        sub-steps executed per chunk (default `chunk`)."""
+        n, t = num_envs, max_chunks
+        ha = chunk if action_chunk is None else action_chunk
+        return {
+            "states": ((n, t, state_dim), np.float32),
+            "tokens": ((n, t, token_len), np.int32),
+            "token_mask": ((n, t, token_len), bool),
+            "chains": ((n, t, num_steps + 1, chunk, max_action_dim), np.float32),
+            "denoise_inds": ((n, t, num_steps), np.int64),
+            "actions": ((n, t, ha, action_dim), np.float32),
+            "logprobs": ((n, t, logprob_chunk, action_dim), np.float32),
+            "chunk_logprob": ((n, t), np.float32),
+            "versions": ((n, t), np.int64),
+            "rewards": ((n, t, ha), np.float32),
+            "substep_valid": ((n, t, ha), bool),
+            "chunk_valid": ((n, t), bool),
+            "num_chunks": ((n,), np.int64),
+            "success": ((n,), bool),
+            "lost": ((n,), bool),
+            "init_state_ids": ((n,), np.int64),
+            "task_ids": ((n,), np.int64),
+            "dones": ((n, t, ha), bool),
+            "done": ((n,), bool),
+        }
+
     @classmethod
     def allocate(
         cls,
@@ -111,34 +151,14 @@ class RolloutBatch:
         group_size: int = 1,
         action_chunk: int | None = None,
     ) -> RolloutBatch:
-        """Zeroed buffers; `cameras` maps observation key -> (S, S, 3). `chunk` is the policy's
-        H (chains); `action_chunk` the sub-steps executed per chunk (default `chunk`)."""
-        n, t = num_envs, max_chunks
-        ha = chunk if action_chunk is None else action_chunk
-        z = np.zeros
+        """Zeroed buffers (`array_specs`); `cameras` maps observation key -> (S, S, 3)."""
+        specs = cls.array_specs(num_envs, max_chunks, state_dim, token_len, num_steps, chunk, max_action_dim,
+                                action_dim, logprob_chunk, action_chunk)
         return cls(
-            images={key: z((n, t, *shape), np.uint8) for key, shape in cameras.items()},
-            states=z((n, t, state_dim), np.float32),
-            tokens=z((n, t, token_len), np.int32),
-            token_mask=z((n, t, token_len), bool),
-            chains=z((n, t, num_steps + 1, chunk, max_action_dim), np.float32),
-            denoise_inds=z((n, t, num_steps), np.int64),
-            actions=z((n, t, ha, action_dim), np.float32),
-            logprobs=z((n, t, logprob_chunk, action_dim), np.float32),
-            chunk_logprob=z((n, t), np.float32),
-            versions=z((n, t), np.int64),
-            rewards=z((n, t, ha), np.float32),
-            substep_valid=z((n, t, ha), bool),
-            chunk_valid=z((n, t), bool),
-            num_chunks=z((n,), np.int64),
-            success=z((n,), bool),
-            lost=z((n,), bool),
-            init_state_ids=z((n,), np.int64),
-            task_ids=z((n,), np.int64),
-            group_ids=np.arange(n, dtype=np.int64) // group_size,
-            prompts=[""] * n,
-            dones=z((n, t, ha), bool),
-            done=z((n,), bool),
+            images={key: np.zeros((num_envs, max_chunks, *shape), np.uint8) for key, shape in cameras.items()},
+            group_ids=np.arange(num_envs, dtype=np.int64) // group_size,
+            prompts=[""] * num_envs,
+            **{name: np.zeros(shape, dtype) for name, (shape, dtype) in specs.items()},
         )
 
     def clear(self) -> None:
