@@ -30,6 +30,12 @@ def check_choice(key: str, value: Any, choices: tuple) -> None:
         raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}")
 
 
+def check_bool(key: str, value: Any) -> None:
+    """A real boolean: a quoted "false" from YAML or a dict is truthy and would switch the thing on."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+
+
 def check_positive_int(key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{key} must be a positive integer, got {value!r}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import (
+    check_bool,
     check_choice,
     check_nonnegative_int,
     check_positive_float,
@@ -85,8 +86,7 @@ class GRPOConfig:
                 )
         check_positive_float("grpo.adv_eps", self.adv_eps)
         for key in ("std_unbiased", "filter_groups", "tis"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"grpo.{key} must be true or false, got {getattr(self, key)!r}")
+            check_bool(f"grpo.{key}", getattr(self, key))
         for key in ("filter_low", "filter_high"):
             _check_range(f"grpo.{key}", getattr(self, key), 0.0, 1.0)
         if self.filter_low > self.filter_high:

@@ -34,7 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from common.config import check_choice, check_positive_float, check_positive_int, reject_unknown_keys, to_container
+from common.config import (
+    check_bool,
+    check_choice,
+    check_positive_float,
+    check_positive_int,
+    reject_unknown_keys,
+    to_container,
+)
 
 MODES = ("none", "ddp", "fsdp2")
 BACKENDS = ("auto", "nccl", "gloo")
@@ -70,8 +77,7 @@ class ActorParallelConfig:
                                  f"{self.world_size}")
         check_choice(f"{KEY}.backend", self.backend, BACKENDS)
         check_choice(f"{KEY}.shard", self.shard, SHARDS)
-        if not isinstance(self.reshard_after_forward, bool):
-            raise ValueError(f"{KEY}.reshard_after_forward must be true or false, got {self.reshard_after_forward!r}")
+        check_bool(f"{KEY}.reshard_after_forward", self.reshard_after_forward)
         check_positive_float(f"{KEY}.start_timeout_s", self.start_timeout_s)
         check_positive_float(f"{KEY}.dist_timeout_s", self.dist_timeout_s)
         if self.torch_threads is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import (
+    check_bool,
     check_choice,
     check_nonnegative_int,
     check_positive_int,
@@ -60,8 +61,7 @@ class RunConfig:
         check_positive_int("run.keep_checkpoints", self.keep_checkpoints)
         if self.torch_threads is not None:
             check_positive_int("run.torch_threads", self.torch_threads)
-        if not isinstance(self.show_progress, bool):
-            raise ValueError(f"run.show_progress must be true or false, got {self.show_progress!r}")
+        check_bool("run.show_progress", self.show_progress)
 
 
 @dataclass
@@ -85,8 +85,7 @@ class EvalConfig:
         check_nonnegative_int("eval.every", self.every)
         check_positive_int("eval.repeats", self.repeats)
         check_choice("eval.sampling", self.sampling, EVAL_SAMPLING)
-        if not isinstance(self.at_start, bool):
-            raise ValueError(f"eval.at_start must be true or false, got {self.at_start!r}")
+        check_bool("eval.at_start", self.at_start)
         check_nonnegative_int("eval.videos", self.videos)
         check_positive_int("eval.video_fps", self.video_fps)
         check_choice("eval.video_format", self.video_format, VIDEO_FORMATS)

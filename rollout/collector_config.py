@@ -13,7 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import check_nonnegative_int, check_positive_float, check_positive_int, reject_unknown_keys
+from common.config import (
+    check_bool,
+    check_nonnegative_int,
+    check_positive_float,
+    check_positive_int,
+    reject_unknown_keys,
+)
 from envs.config import EnvConfig
 
 PREFIX = "rollout.collector"
@@ -62,8 +68,7 @@ class CollectorConfig:
         check_positive_float(f"{PREFIX}.action_clip", self.action_clip)
         check_nonnegative_int(f"{PREFIX}.seed", self.seed)
         for key in ("in_process", "predict_done_envs", "record_images"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"{PREFIX}.{key} must be true or false, got {getattr(self, key)!r}")
+            check_bool(f"{PREFIX}.{key}", getattr(self, key))
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None = None, key: str = PREFIX, **overrides: Any

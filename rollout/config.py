@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from common.config import (
+    check_bool,
     check_choice,
     check_nonnegative_int,
     check_positive_float,
@@ -173,8 +174,7 @@ class WeightSyncConfig:
         check_choice(f"{key}.dist_backend", self.dist_backend, DIST_BACKENDS)
         check_timeout(f"{key}.dist_timeout_s", self.dist_timeout_s)
         check_choice(f"{key}.transport", self.transport, TRANSPORTS)
-        if not isinstance(self.strict_dtype, bool):
-            raise ValueError(f"{key}.strict_dtype must be true or false, got {self.strict_dtype!r}")
+        check_bool(f"{key}.strict_dtype", self.strict_dtype)
 
     @property
     def bucket_bytes(self) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from common.config import check_positive_float, check_positive_int, reject_unknown_keys, to_container
+from common.config import check_bool, check_positive_float, check_positive_int, reject_unknown_keys, to_container
 from worldmodels.admission import Placement, StageSpec
 from worldmodels.split import equal_split
 
@@ -42,8 +42,7 @@ class ServeConfig:
         key = "serve"
         self._check_rings(key)
         for name in ("cuda_graphs", "pad_to_bucket", "fuse_qkv", "record_timeline"):
-            if not isinstance(getattr(self, name), bool):  # a quoted "false" is truthy: it turned graphs on
-                raise ValueError(f"{key}.{name} must be true or false, got {getattr(self, name)!r}")
+            check_bool(f"{key}.{name}", getattr(self, name))  # a quoted "false" turned graphs on
         for name in ("max_streams", "max_batch"):
             check_positive_int(f"{key}.{name}", getattr(self, name))
         for name in ("max_inflight_chunks", "kv_pages_per_stage"):

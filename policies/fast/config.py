@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.config import check_bool
+
 ATTENTION_CHOICES = ("auto", "sdpa", "flashinfer", "triton")
 # Backends whose result for one sample depends only on that sample (for a fixed bucket shape):
 # flashinfer's plan splits the KV by every sample's length, and "auto" picks by timing, which can
@@ -127,8 +129,7 @@ class FastConfig:
     def validate(self, key: str) -> None:
         # a quoted "false" from a YAML file or a dict is truthy: it would turn the fast path on
         for name in ("enabled", "cuda_graphs", "consistent_recompute"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{key}.{name} must be true or false, got {getattr(self, name)!r}")
+            check_bool(f"{key}.{name}", getattr(self, name))
         for name in ("batch_buckets", "prompt_buckets", "fp8_gemms"):  # a bare value would be iterated, or fail unnamed
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, Sequence):

@@ -49,7 +49,14 @@ from typing import Any
 
 import torch
 
-from common.config import check_choice, check_positive_float, check_positive_int, reject_unknown_keys, to_container
+from common.config import (
+    check_bool,
+    check_choice,
+    check_positive_float,
+    check_positive_int,
+    reject_unknown_keys,
+    to_container,
+)
 from policies.config import PolicyConfig
 
 ACTORS = ("openpi", "self")
@@ -74,8 +81,7 @@ class VLARolloutSection:
 
     def validate(self, key: str) -> None:
         check_choice(f"{key}.actor", self.actor, ACTORS)
-        if not isinstance(self.expose_expert_lm_head, bool):
-            raise ValueError(f"{key}.expose_expert_lm_head must be true or false, got {self.expose_expert_lm_head!r}")
+        check_bool(f"{key}.expose_expert_lm_head", self.expose_expert_lm_head)
         if not self.cameras:
             raise ValueError(f"{key}.cameras must map at least one env_obs image key to a camera slot")
         for env_key in self.cameras:
@@ -102,8 +108,7 @@ class RLinfAdapterConfig:
             check_positive_int(f"model.{name}", getattr(self, name))
         check_positive_float("model.openpi.noise_level", self.noise_level)
         for name in ("joint_logprob", "ignore_last"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"model.openpi.{name} must be true or false, got {getattr(self, name)!r}")
+            check_bool(f"model.openpi.{name}", getattr(self, name))
         if self.ignore_last and self.num_steps < 2:
             raise ValueError(f"model.openpi.ignore_last needs model.num_steps >= 2, got {self.num_steps}")
         self.vla_rollout.validate("model.vla_rollout")
