@@ -9,7 +9,7 @@ node with `EnvConfig.from_mapping(cfg.env)`, which rejects unknown keys by name.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,3 +194,13 @@ def register_hydra_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(group="env", name=HYDRA_SCHEMA_NAME, node=EnvConfig)
+
+
+def mixed_group(task_ids: Sequence[int], group_size: int) -> tuple[int, list[int]] | None:
+    """The first group of `group_size` consecutive envs that runs more than one task, as (its first
+    env, its sorted tasks), or None: a GRPO group must share one task."""
+    for start in range(0, len(task_ids), group_size):
+        tasks = sorted(set(task_ids[start:start + group_size]))
+        if len(tasks) > 1:
+            return start, tasks
+    return None

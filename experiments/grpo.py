@@ -26,14 +26,17 @@ register_grpo_schema()
 
 
 def run(cfg: DictConfig, force_mode: str | None = None) -> dict:
+    from common.config import to_container
     from grpo.run_config import ExperimentConfig
     from grpo.runs import check_checkpoints, make_run_dir, run_evaluation, write_config
 
     try:
-        exp = ExperimentConfig.from_hydra(cfg)
+        raw = to_container(cfg)
         if force_mode is not None:
-            exp.mode = force_mode
-            exp.check_cross_group()
+            # before validation: the train-only checks must not refuse an evaluation, and config.yaml must
+            # record the mode that ran
+            raw["mode"] = force_mode
+        exp = ExperimentConfig.from_hydra(raw)
         check_checkpoints(exp)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"config error: {exc}", file=sys.stderr)

@@ -101,13 +101,30 @@ def resolve(path: str | Path) -> Path:
     raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist (give a .pt file or a run directory)")
 
 
-def load(path: str | Path) -> dict[str, Any]:
-    # weights_only=False: the payload holds RNG states (tuples, numpy arrays) we wrote ourselves
-    return torch.load(resolve(path), map_location="cpu", weights_only=False)
+# What Trainer.resume reads from a payload, and what an evaluation reads (load_model_weights).
+RESUME_KEYS = ("step", "model", "optimizer", "actor_updates", "rng", "data", "history")
+WEIGHT_KEYS = ("step", "model")
+
+
+def load(path: str | Path, needed: tuple[str, ...] = RESUME_KEYS, mmap: bool = False) -> dict[str, Any]:
+    """The payload of one of our checkpoints; another file (a run's config.yaml, a truncated copy, someone
+    else's state dict) is refused naming the path and what it lacks, instead of an unpickling error or a
+    KeyError. `mmap=True` leaves the tensors on disk (a check before the run starts)."""
+    resolved = resolve(path)
+    try:
+        # weights_only=False: the payload holds RNG states (tuples, numpy arrays) we wrote ourselves
+        payload = torch.load(resolved, map_location="cpu", weights_only=False, mmap=mmap)
+    except Exception as exc:  # torch raises RuntimeError, pickle's errors, OSError, ... by format
+        raise ValueError(f"{resolved} is not a readable checkpoint of experiments.grpo "
+                         f"({type(exc).__name__}: {str(exc)[:200]})") from None
+    missing = [key for key in needed if not isinstance(payload, dict) or key not in payload]
+    if missing:
+        raise ValueError(f"{resolved} is not a checkpoint of experiments.grpo (it lacks {missing})")
+    return payload
 
 
 def load_model_weights(model: torch.nn.Module, path: str | Path) -> int:
     """Only the model (evaluation); returns the checkpoint's step. Strict: names must match."""
-    payload = load(path)
+    payload = load(path, WEIGHT_KEYS)
     model.load_state_dict(payload["model"], strict=True)
     return int(payload["step"])

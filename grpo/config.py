@@ -118,6 +118,11 @@ class GRPOConfig:
                 "policy.sampling.noise_level for more exploration")
         for key in ("tis_cap", "lr", "adam_eps", "grad_clip"):
             check_positive_float(f"grpo.{key}", getattr(self, key))
+        for key in ("adv_eps", "lr", "adam_eps", "weight_decay", "kl_coef"):
+            # inf passed the range checks: lr / weight_decay / kl_coef inf gave NaN weights (refused a step later
+            # as non-finite engine actions), adv_eps / adam_eps inf silently zero updates
+            if math.isinf(getattr(self, key)):
+                raise ValueError(f"grpo.{key} must be finite, got {getattr(self, key)!r}")
         if self.tis and self.tis_cap < 1:
             raise ValueError(f"grpo.tis_cap must be >= 1 (1 would ignore the gap), got {self.tis_cap!r}")
         self.actor_parallel = ActorParallelConfig.coerce(self.actor_parallel)

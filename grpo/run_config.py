@@ -53,9 +53,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.dir, str) or not self.dir:
             raise ValueError(f"run.dir must be a non-empty path, got {self.dir!r}")
-        kind, _, index = str(self.device).partition(":")
-        if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        kind, colon, index = str(self.device).partition(":")
+        # "cuda:" (no index) passed here but torch.device refuses it, after the run directory exists
+        if kind not in ("auto", "cpu", "cuda") or (colon and (kind != "cuda" or not index.isdigit())):
             raise ValueError(f"run.device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
+        _check_path_or_none("run.resume", self.resume)
         check_nonnegative_int("run.seed", self.seed)
         check_nonnegative_int("run.checkpoint_every", self.checkpoint_every)
         check_positive_int("run.keep_checkpoints", self.keep_checkpoints)
@@ -91,10 +93,29 @@ class EvalConfig:
         check_choice("eval.video_format", self.video_format, VIDEO_FORMATS)
         if self.num_envs is not None:
             check_positive_int("eval.num_envs", self.num_envs)
+        _check_path_or_none("eval.checkpoint", self.checkpoint)
         if self.tasks is not None:
-            self.tasks = [int(t) for t in self.tasks]
-            if not self.tasks or min(self.tasks) < 0 or len(set(self.tasks)) != len(self.tasks):
-                raise ValueError(f"eval.tasks must be distinct task ids >= 0, got {self.tasks!r}")
+            # a list of ints as given: int() truncated 1.5 to task 1, made True task 1 and failed on "abc"
+            # with a message naming no key
+            tasks = self.tasks
+            if (not isinstance(tasks, (list, tuple)) or not tasks
+                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in tasks)
+                    or min(tasks) < 0 or len(set(tasks)) != len(tasks)):
+                raise ValueError(f"eval.tasks must be a list of distinct integer task ids >= 0, got {tasks!r}")
+            self.tasks = list(tasks)
+
+
+def _check_path_or_none(key: str, value: Any) -> None:
+    """A path is a string: Hydra reads `run.resume=5` as an int, which failed later in Path() naming no key."""
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{key} must be a path (a string) or null, got {type(value).__name__} {value!r}")
+
+
+def _check_group_tasks(env: EnvConfig, col: CollectorConfig) -> None:
+    """Per-env env.task_ids may mix tasks inside a GRPO group: the collector refuses that when it is
+    built, after the run directory, the policy and the engine; the same check, here."""
+    if env.task_ids is not None:
+        col.check_group_tasks(env, env.env_task_ids(max(env.task_ids) + 1))
 
 
 def _build(cls: type, data: Any, key: str) -> Any:
@@ -147,6 +168,8 @@ class ExperimentConfig:
     def check_cross_group(self) -> None:
         env, pol, col = self.env, self.policy, self.collector
         col.check_against_env(env)
+        if self.mode == "train":  # the evaluation lays out its own envs (grpo/evaluate.py eval_env_config)
+            _check_group_tasks(env, col)
         check_static(self.rollout)  # the weight transport (the GPU count is checked at the trainer's start)
         BatchShapes.from_configs(env, pol)  # chunk sizes, log-prob chunk == env chunk, action dims
         obs_keys = {f"{c}_image" for c in env.cameras}

@@ -11,20 +11,22 @@ CONFIG_FILE = "config.yaml"
 
 
 def check_checkpoints(cfg: ExperimentConfig) -> None:
-    """The checkpoints the run reads, checked before its directory exists: a missing path, and a resume
-    with no step left to train (the checkpoint's step, from its step_NNNNNN.pt name, at grpo.steps)."""
+    """The checkpoint the run reads (run.resume, or eval.checkpoint in mode eval), checked before the run
+    directory exists: a missing path, a file that is not one of our checkpoints, and a resume with no step
+    left to train (the step inside the file: a copy under another name counts too)."""
     from grpo import checkpoint
 
-    if cfg.mode == "eval":
-        if cfg.eval.checkpoint:
-            checkpoint.resolve(cfg.eval.checkpoint)
+    key, path, needed = (("eval.checkpoint", cfg.eval.checkpoint, checkpoint.WEIGHT_KEYS) if cfg.mode == "eval"
+                         else ("run.resume", cfg.run.resume, checkpoint.RESUME_KEYS))
+    if not path:
         return
-    if not cfg.run.resume:
-        return
-    path = checkpoint.resolve(cfg.run.resume)
-    named = checkpoint.PATTERN.match(path.name)
-    if named is not None and int(named.group(1)) >= cfg.grpo.steps:
-        raise ValueError(f"run.resume: {path} is step {int(named.group(1))} and grpo.steps is {cfg.grpo.steps}: "
+    try:
+        payload = checkpoint.load(path, needed, mmap=True)
+    except ValueError as exc:
+        raise ValueError(f"{key}={path}: {exc}") from None
+    step = int(payload["step"])
+    if cfg.mode == "train" and step >= cfg.grpo.steps:
+        raise ValueError(f"run.resume: {checkpoint.resolve(path)} is step {step} and grpo.steps is {cfg.grpo.steps}: "
                          f"nothing is left to train (raise grpo.steps to go on)")
 
 

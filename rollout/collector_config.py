@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from common.config import (
     check_positive_int,
     reject_unknown_keys,
 )
-from envs.config import EnvConfig
+from envs.config import EnvConfig, mixed_group
 
 PREFIX = "rollout.collector"
 
@@ -115,4 +115,19 @@ class CollectorConfig:
             raise ValueError(
                 f"each of the {s} stages ({PREFIX}.stages) holds {n // s} envs, not a multiple of the "
                 f"group size {g}: a GRPO group would straddle two stages"
+            )
+
+    def check_group_tasks(self, env_cfg: EnvConfig, task_ids: Sequence[int]) -> None:
+        """Every GRPO group must run one task (`task_ids`: one per env). Checked when the collector is
+        built and by the run config: otherwise the first reset, after every worker has built its envs,
+        refuses the layout without naming the collector key that made it."""
+        group_size = self.effective_group_size(env_cfg)
+        mixed = mixed_group(task_ids, group_size)
+        if mixed is not None:
+            start, tasks = mixed
+            key = f"{PREFIX}.group_size" if self.group_size is not None else "env.group_size"
+            raise ValueError(
+                f"{key} ({group_size}) puts envs {start}..{start + group_size - 1}, which run tasks {tasks}, in "
+                "one GRPO group; a group must share one task (env.task_ids assigns tasks per env.group_size "
+                "envs: use a collector group size that divides env.group_size, or give env.task_ids per group)"
             )

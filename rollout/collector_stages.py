@@ -18,8 +18,8 @@ import numpy as np
 
 from envs.config import EnvConfig
 from envs.vector import ChunkResult, VectorEnvBase, make_vector_env
-from envs.vector.catalog import EnvSlot, mixed_group
-from rollout.collector_config import PREFIX, CollectorConfig
+from envs.vector.catalog import EnvSlot
+from rollout.collector_config import CollectorConfig
 
 
 def stage_env_configs(env_cfg: EnvConfig, cfg: CollectorConfig, slots: Sequence[EnvSlot]) -> list[EnvConfig]:
@@ -27,7 +27,7 @@ def stage_env_configs(env_cfg: EnvConfig, cfg: CollectorConfig, slots: Sequence[
     cfg.check_against_env(env_cfg)
     per_stage = cfg.envs_per_stage(env_cfg)
     group = cfg.effective_group_size(env_cfg)
-    check_group_tasks(slots, group, cfg.group_size is not None)
+    cfg.check_group_tasks(env_cfg, [slot.task_id for slot in slots])
     configs = []
     for s in range(cfg.stages):
         tasks = [slot.task_id for slot in slots[s * per_stage:(s + 1) * per_stage]]
@@ -36,21 +36,6 @@ def stage_env_configs(env_cfg: EnvConfig, cfg: CollectorConfig, slots: Sequence[
             group_size=group, task_ids=tasks,
         ))
     return configs
-
-
-def check_group_tasks(slots: Sequence[EnvSlot], group_size: int, overridden: bool) -> None:
-    """Every GRPO group must run one task. Checked when the collector is built: otherwise the
-    first reset, after every worker has built its envs, refuses the layout without naming the
-    collector key that made it."""
-    mixed = mixed_group([slot.task_id for slot in slots], group_size)
-    if mixed is not None:
-        start, tasks = mixed
-        key = f"{PREFIX}.group_size" if overridden else "env.group_size"
-        raise ValueError(
-            f"{key} ({group_size}) puts envs {start}..{start + group_size - 1}, which run tasks {tasks}, in "
-            "one GRPO group; a group must share one task (env.task_ids assigns tasks per env.group_size "
-            "envs: use a collector group size that divides env.group_size, or give env.task_ids per group)"
-        )
 
 
 def plan_init_states(

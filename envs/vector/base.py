@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from envs.config import EnvConfig
+from envs.config import EnvConfig, mixed_group
 from envs.vector.buffers import ACTION_DIM, SharedBuffers
-from envs.vector.catalog import EnvSlot, env_slots, mixed_group
+from envs.vector.catalog import EnvSlot, env_slots
 
 
 @dataclass

@@ -6,7 +6,6 @@ MuJoCo scene; workers use `make_env` to build the env itself, lazily.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,16 +21,6 @@ class EnvSlot:
     prompt: str
     num_init_states: int
     label: str  # human-readable task name for error messages
-
-
-def mixed_group(task_ids: Sequence[int], group_size: int) -> tuple[int, list[int]] | None:
-    """The first group of `group_size` consecutive envs that runs more than one task, as (its first
-    env, its sorted tasks), or None: a GRPO group must share one task."""
-    for start in range(0, len(task_ids), group_size):
-        tasks = sorted(set(task_ids[start:start + group_size]))
-        if len(tasks) > 1:
-            return start, tasks
-    return None
 
 
 def env_slots(cfg: EnvConfig) -> list[EnvSlot]:
