@@ -118,6 +118,20 @@ def _check_group_tasks(env: EnvConfig, col: CollectorConfig) -> None:
         col.check_group_tasks(env, env.env_task_ids(max(env.task_ids) + 1))
 
 
+def _policy_for_env(raw_policy: Mapping[str, Any], env: EnvConfig) -> PolicyConfig:
+    """The policy config. conf/grpo_main.yaml sets policy.sampling.logprob_chunk to env.chunk_size, so an
+    env chunk longer than one policy call (e.g. env=libero_spatial's 10 with the tiny policy's 8) was
+    refused naming only the log-prob chunk: name the env's chunk and the policy's instead."""
+    try:
+        return PolicyConfig.from_mapping(raw_policy)
+    except ValueError:
+        logprob_chunk = (raw_policy.get("sampling") or {}).get("logprob_chunk")
+        if logprob_chunk == env.chunk_size:
+            alone = PolicyConfig.from_mapping(raw_policy, sampling={"logprob_chunk": None})
+            BatchShapes.from_configs(env, alone)  # "policy.chunk_size (8) is shorter than env.chunk_size (10)"
+        raise
+
+
 def _build(cls: type, data: Any, key: str) -> Any:
     data = reject_unknown_keys(cls, data if data is not None else {}, key)
     try:
@@ -149,10 +163,11 @@ class ExperimentConfig:
         mode = raw.get("mode", "train")
         check_choice("mode", mode, MODES)
         rollout = RolloutConfig.from_mapping(raw.get("rollout") or {})
+        env = EnvConfig.from_mapping(raw.get("env") or {})
         out = ExperimentConfig(
             mode=mode,
-            env=EnvConfig.from_mapping(raw.get("env") or {}),
-            policy=PolicyConfig.from_mapping(raw.get("policy") or {}),
+            env=env,
+            policy=_policy_for_env(raw.get("policy") or {}, env),
             rollout=rollout,
             collector=rollout.collector if rollout.collector is not None else CollectorConfig(),
             grpo=GRPOConfig.from_mapping(raw.get("grpo") or {}),

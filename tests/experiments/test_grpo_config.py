@@ -34,6 +34,22 @@ def test_default_is_the_smoke_run_on_a_real_libero_task():
     assert exp.to_dict() == smoke.to_dict()
 
 
+@pytest.mark.parametrize("group", ["reach", "countdown", "wm_tiny", "libero_spatial"])
+def test_an_env_group_on_the_command_line_brings_its_own_values(group):
+    # grpo_main.yaml's own env block (the smoke sizes) used to override the chosen group's file:
+    # `env=reach` ran 4 envs in groups of 2 with chunks of 5 instead of reach.yaml's 16 / 8 / 8
+    import yaml
+
+    fit = ["env.chunk_size=8"] if group.startswith("libero") else []  # the tiny policy's call: 8 actions
+    exp = ExperimentConfig.from_hydra(composed(f"env={group}", *fit))
+    own = {k: v for k, v in yaml.safe_load((ROOT / "conf" / "env" / f"{group}.yaml").read_text()).items()
+           if k != "defaults"} | ({"chunk_size": 8} if fit else {})
+    chosen = exp.env.to_dict()
+    assert {k: chosen[k] for k in own} == own
+    defaults = {k: v for k, v in type(exp.env)().to_dict().items() if k not in own and k != "env_type"}
+    assert {k: chosen[k] for k in defaults} == defaults  # nothing from the smoke run's env
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_composes_and_validates(preset):
     exp = ExperimentConfig.from_hydra(composed(f"+experiment={preset}"))
