@@ -23,8 +23,10 @@ GRPO can treat both alike; everything specific to the world model sits under `wo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,7 +166,8 @@ class WorldModelEnvConfig:
         overrides.setdefault("width", self.image_size * len(self.cameras))
         dit = dict(overrides.pop("dit", {}) or {})
         dit.setdefault("num_contexts", self.worldmodel.num_tasks)
-        return WorldModelConfig.from_mapping(overrides, dit=dit)
+        with _keys_under("worldmodel", "env.worldmodel.model"):
+            return WorldModelConfig.from_mapping(overrides, dit=dit)
 
     def serve_config(self) -> ServeConfig:
         data = dict(self.worldmodel.serve)
@@ -173,7 +176,8 @@ class WorldModelEnvConfig:
         # a ring admits at most max_batch streams: never fewer than it serves here (ServeConfig's 64 at least)
         per_ring = -(-self.num_envs // max(len(data["rings"]), 1))
         data.setdefault("max_batch", max(ServeConfig.max_batch, per_ring))
-        return ServeConfig.from_mapping(data)
+        with _keys_under("serve", "env.worldmodel.serve"):
+            return ServeConfig.from_mapping(data)
 
     def env_task_ids(self) -> list[int]:
         return expand_task_ids(self.task_ids, self.num_envs, self.group_size, self.worldmodel.num_tasks,
@@ -196,3 +200,14 @@ class WorldModelEnvConfig:
 # EnvConfig keys that mean nothing for the world model (dropped when building from an EnvConfig)
 _ENV_ONLY = {"num_settle_steps", "render_backend", "step_mode", "restart_on_crash", "worker_timeout_s",
              "create_timeout_s", "start_method", "worker_nice"}
+
+
+@contextlib.contextmanager
+def _keys_under(own: str, full: str) -> Iterator[None]:
+    """The model and serve configs name their keys from their own root (`worldmodel.dit.width`,
+    `serve.rings`), as `bench_worldmodel` spells them; inside an env config they live under
+    `env.worldmodel.model` / `env.worldmodel.serve`: errors name the keys as the env's YAML spells them."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(re.sub(rf"(?<![\w.]){own}\.", f"{full}.", str(exc))) from None

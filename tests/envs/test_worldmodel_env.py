@@ -5,6 +5,7 @@ named by env, closing; plus its own: frames follow the actions, Hydra configs.""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -153,7 +154,7 @@ def test_config_errors_and_hydra_files():
         WorldModelEnvConfig(worldmodel={"gpu": 1})
     with pytest.raises(ValueError, match="env 0 has task 4, but the world model has 4 tasks"):
         wm_cfg(task_ids=[4]).env_task_ids()
-    with pytest.raises(ValueError, match="worldmodel.dit.num_heads must divide"):
+    with pytest.raises(ValueError, match=r"env\.worldmodel\.model\.dit\.num_heads must divide"):
         wm_cfg(worldmodel={"model": {"preset": "tiny", "dit": {"num_heads": 5}}})
     for name in ("wm_tiny", "wm_small", "wm_wan1_3b"):
         node = OmegaConf.load(ROOT / "conf" / "env" / f"{name}.yaml")
@@ -210,3 +211,17 @@ def test_a_failed_tick_fails_the_streams_and_reset_recovers(monkeypatch):
                 vec.server.poll(sid)
         vec.reset()  # closes the failed streams, opens new ones
         assert vec.step_chunk(actions(2, 8)).valid.all()
+
+
+@pytest.mark.parametrize("settings,named", [
+    ({"model": {"preset": "tiny", "bogus": 1}}, "env.worldmodel.model.bogus"),
+    ({"model": {"preset": "tiny", "dit": {"bogus": 1}}}, "env.worldmodel.model.dit.bogus"),
+    ({"model": {"preset": "tiny", "dit": {"num_heads": 3}}}, "env.worldmodel.model.dit.num_heads must divide"),
+    ({"serve": {"bogus": 1}}, "env.worldmodel.serve.bogus"),
+    ({"serve": {"max_streams": 0}}, "env.worldmodel.serve.max_streams must be"),
+])
+def test_model_and_serve_errors_name_the_key_as_the_env_config_spells_it(settings, named):
+    # they named `worldmodel.bogus` / `serve.bogus`, keys the env's YAML does not have
+    with pytest.raises(ValueError, match=re.escape(named)):
+        WorldModelEnvConfig(num_envs=4, group_size=2, chunk_size=8,
+                            worldmodel={"model": {"preset": "tiny"}, **settings})
