@@ -51,6 +51,15 @@ def check_positive_float(key: str, value: Any) -> None:
         raise ValueError(f"{key} must be a positive number, got {value!r}")
 
 
+class UnknownTaskError(ValueError):
+    """A task id outside a suite's tasks; its fields let a caller whose ids came from another key
+    (eval.tasks) name that key instead of env.task_ids."""
+
+    def __init__(self, key: str, task_id: int, source: str, num_tasks: int) -> None:
+        self.task_id, self.source, self.num_tasks = task_id, source, num_tasks
+        super().__init__(f"{key} has task {task_id}, but {source} has {num_tasks} tasks (0..{num_tasks - 1})")
+
+
 def expand_task_ids(task_ids: list[int] | None, num_envs: int, group_size: int, num_tasks: int,
                     source: str) -> list[int]:
     """The task of every env from `env.task_ids`: None (group g runs task g % num_tasks), one id
@@ -68,6 +77,5 @@ def expand_task_ids(task_ids: list[int] | None, num_envs: int, group_size: int, 
     ids = [t for t in per_group for _ in range(group_size)] if per_group is not None else list(task_ids)
     for env_index, task_id in enumerate(ids):
         if not 0 <= task_id < num_tasks:
-            raise ValueError(f"env.task_ids: env {env_index} has task {task_id}, but {source} has "
-                             f"{num_tasks} tasks (0..{num_tasks - 1})")
+            raise UnknownTaskError(f"env.task_ids: env {env_index}", task_id, source, num_tasks)
     return ids

@@ -14,12 +14,12 @@ the chunk-end agent-view observations (turned upright).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from common.config import UnknownTaskError
 from envs.config import EnvConfig
 from envs.vector.catalog import env_slots
 from grpo.run_config import EvalConfig
@@ -85,23 +85,15 @@ def eval_env_config(env_cfg: EnvConfig, eval_cfg: EvalConfig) -> tuple[EnvConfig
                                  num_workers=min(env_cfg.num_workers, num_envs), show_progress=False)
     try:
         slots = env_slots(cfg)
-    except ValueError as exc:
+    except UnknownTaskError as exc:
         if eval_cfg.tasks is None:
             raise  # the training env's own tasks: its message names env.task_ids rightly
-        raise eval_tasks_error(exc, eval_cfg.tasks) from exc
+        raise UnknownTaskError("eval.tasks", exc.task_id, exc.source, exc.num_tasks) from None
     for slot in slots:
         if eval_cfg.init_states > slot.num_init_states:
             raise ValueError(f"eval.init_states ({eval_cfg.init_states}) exceeds the {slot.num_init_states} "
                              f"init states of {slot.label}")
     return cfg, tasks, per_task
-
-
-def eval_tasks_error(exc: ValueError, tasks: list[int]) -> ValueError:
-    """The eval env's task check speaks of env.task_ids (its own config), but its ids came from
-    eval.tasks: "env.task_ids: env 3 has task 999, but countdown has 4 tasks" -> "eval.tasks has
-    task 999, but countdown has 4 tasks"."""
-    message, found = re.subn(r"^env\.task_ids: env \d+ has", "eval.tasks has", str(exc))
-    return ValueError(message if found else f"eval.tasks {tasks}: {exc}")
 
 
 class Evaluator:
