@@ -36,18 +36,47 @@ def check_bool(key: str, value: Any) -> None:
         raise ValueError(f"{key} must be true or false, got {value!r}")
 
 
+def is_int(value: Any) -> bool:
+    """An integer, not a bool (True is an int to Python and would count as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def check_list(key: str, value: Any) -> list:
+    """A list: a bare value would be iterated (a string character by character) or fail unnamed."""
+    if not is_list(value):
+        raise ValueError(f"{key} must be a list, got {value!r}")
+    return list(value)
+
+
+def check_int_list(key: str, value: Any, minimum: int, distinct: bool = False) -> list[int]:
+    """A non-empty list of integers >= `minimum` as given: int() would truncate 1.5 and count True as 1."""
+    if (not is_list(value) or not value or not all(is_int(v) and v >= minimum for v in value)
+            or (distinct and len(set(value)) != len(value))):
+        what = "distinct integers" if distinct else "integers"
+        raise ValueError(f"{key} must be a non-empty list of {what} >= {minimum}, got {value!r}")
+    return list(value)
+
+
 def check_positive_int(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{key} must be a positive integer, got {value!r}")
 
 
 def check_nonnegative_int(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
 
 
 def check_positive_float(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if not is_number(value) or not value > 0:
         raise ValueError(f"{key} must be a positive number, got {value!r}")
 
 

@@ -35,6 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from common.config import is_int
 from experiments import bench_predict_common as common
 from experiments import bench_predict_compiled as compiled_side
 from experiments import bench_predict_lerobot as lerobot_side
@@ -122,10 +123,10 @@ class BenchPredictConfig:
                              f"default), got {cache!r}")
         if not 0 < self.clip < 1:
             raise ValueError(f"bench.clip must be in (0, 1), got {self.clip}")
-        if isinstance(self.gap_batch, bool) or not isinstance(self.gap_batch, int) or self.gap_batch < 1:
+        if not is_int(self.gap_batch) or self.gap_batch < 1:
             raise ValueError(f"bench.gap_batch must be a positive batch size (the gap is measured when it is one of "
                              f"bench.batch_sizes={self.batch_sizes}), got {self.gap_batch!r}")
-        if isinstance(self.gap_calls, bool) or not isinstance(self.gap_calls, int) or self.gap_calls < 0:
+        if not is_int(self.gap_calls) or self.gap_calls < 0:
             raise ValueError(f"bench.gap_calls must be a number of rollout calls >= 0 (0: no gap), "
                              f"got {self.gap_calls!r}")
 

@@ -16,6 +16,7 @@ from typing import Any
 from common.config import (
     check_bool,
     check_choice,
+    check_int_list,
     check_nonnegative_int,
     check_positive_int,
     reject_unknown_keys,
@@ -95,14 +96,7 @@ class EvalConfig:
             check_positive_int("eval.num_envs", self.num_envs)
         _check_path_or_none("eval.checkpoint", self.checkpoint)
         if self.tasks is not None:
-            # a list of ints as given: int() truncated 1.5 to task 1, made True task 1 and failed on "abc"
-            # with a message naming no key
-            tasks = self.tasks
-            if (not isinstance(tasks, (list, tuple)) or not tasks
-                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in tasks)
-                    or min(tasks) < 0 or len(set(tasks)) != len(tasks)):
-                raise ValueError(f"eval.tasks must be a list of distinct integer task ids >= 0, got {tasks!r}")
-            self.tasks = list(tasks)
+            self.tasks = check_int_list("eval.tasks", self.tasks, 0, distinct=True)
 
 
 def _check_path_or_none(key: str, value: Any) -> None:

@@ -17,7 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import check_choice, check_positive_float, check_positive_int, reject_unknown_keys, to_container
+from common.config import (
+    check_choice,
+    check_nonnegative_int,
+    check_positive_float,
+    check_positive_int,
+    reject_unknown_keys,
+    to_container,
+)
 from policies.fast.config import FastConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -240,8 +247,7 @@ class PolicyConfig:
         check_choice("policy.dtype", self.dtype, DTYPES)
         check_choice("policy.checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
         check_positive_float("policy.init_scale", self.init_scale)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"policy.seed must be a non-negative integer, got {self.seed!r}")
+        check_nonnegative_int("policy.seed", self.seed)
         self.sampling.validate("policy.sampling", self.chunk_size)
         self.inputs.validate("policy.inputs", self.cameras, self.state_dim, self.action_dim)
 

@@ -10,7 +10,17 @@ from typing import Any
 
 import torch
 
-from common.config import check_bool, check_positive_float, check_positive_int, reject_unknown_keys, to_container
+from common.config import (
+    check_bool,
+    check_int_list,
+    check_positive_float,
+    check_positive_int,
+    is_int,
+    is_list,
+    is_number,
+    reject_unknown_keys,
+    to_container,
+)
 from worldmodels.admission import Placement, StageSpec
 from worldmodels.split import equal_split
 
@@ -51,19 +61,15 @@ class ServeConfig:
         for name in ("kv_memory_gb", "slo_interval_ms"):
             if getattr(self, name) is not None:
                 check_positive_float(f"{key}.{name}", getattr(self, name))
-        if not _is_list(self.batch_buckets) or not self.batch_buckets or not all(
-                _is_int(b) and b >= 1 for b in self.batch_buckets):
-            raise ValueError(f"{key}.batch_buckets must be a list of positive integer sizes, "
-                             f"got {self.batch_buckets!r}")
-        self.batch_buckets = sorted(self.batch_buckets)
+        self.batch_buckets = sorted(check_int_list(f"{key}.batch_buckets", self.batch_buckets, 1))
         if self.frames not in FRAME_MODES:
             raise ValueError(f"{key}.frames must be one of {list(FRAME_MODES)}, got {self.frames!r}")
-        if not _is_list(self.tick_prior_ms) or len(self.tick_prior_ms) != 2 or not all(
-                _is_number(v) and 0 <= v < math.inf for v in self.tick_prior_ms):
+        if not is_list(self.tick_prior_ms) or len(self.tick_prior_ms) != 2 or not all(
+                is_number(v) and 0 <= v < math.inf for v in self.tick_prior_ms):
             raise ValueError(f"{key}.tick_prior_ms must be [a, b], finite numbers >= 0, got {self.tick_prior_ms!r}")
         if self.block_split is not None:
-            if not _is_list(self.block_split) or not all(
-                    _is_list(counts) and all(_is_int(c) for c in counts) for counts in self.block_split):
+            if not is_list(self.block_split) or not all(
+                    is_list(counts) and all(is_int(c) for c in counts) for counts in self.block_split):
                 raise ValueError(f"{key}.block_split must list, per ring, the blocks of each stage (e.g. [[16, 14]]), "
                                  f"got {self.block_split!r}")
             if len(self.block_split) != len(self.rings):
@@ -77,7 +83,7 @@ class ServeConfig:
     def _check_rings(self, key: str) -> None:
         """A list of rings, each a list of device names torch parses: a bare ["cpu"] would be split into the
         devices "c", "p", "u", and an unknown name would fail only when the server builds its pools."""
-        if not _is_list(self.rings) or not self.rings or not all(_is_list(ring) and ring for ring in self.rings):
+        if not is_list(self.rings) or not self.rings or not all(is_list(ring) and ring for ring in self.rings):
             raise ValueError(f"{key}.rings must list at least one ring, each a list of at least one device "
                              f"(e.g. [[cuda:0]]), got {self.rings!r}")
         for g, ring in enumerate(self.rings):
@@ -114,15 +120,3 @@ class ServeConfig:
         data = dict(to_container(mapping) if mapping is not None else {})
         data.update(overrides)
         return cls(**reject_unknown_keys(cls, data, "serve", "serve config"))
-
-
-def _is_list(value: Any) -> bool:
-    return isinstance(value, (list, tuple))
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from common.config import check_nonnegative_int
 from envs.config import EnvConfig, mixed_group
 from envs.vector.buffers import ACTION_DIM, SharedBuffers
 from envs.vector.catalog import EnvSlot, env_slots
@@ -124,8 +125,7 @@ class VectorEnvBase:
 
     @reset_count.setter
     def reset_count(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"reset_count must be a non-negative integer, got {value!r}")
+        check_nonnegative_int("reset_count", value)
         self._reset_count = value
 
     # ------------------------------------------------------------------ shared helpers

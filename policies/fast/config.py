@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import check_bool
+from common.config import check_bool, check_int_list, check_list, is_int
 
 ATTENTION_CHOICES = ("auto", "sdpa", "flashinfer", "triton")
 # Backends whose result for one sample depends only on that sample (for a fixed bucket shape):
@@ -131,9 +130,7 @@ class FastConfig:
         for name in ("enabled", "cuda_graphs", "consistent_recompute"):
             check_bool(f"{key}.{name}", getattr(self, name))
         for name in ("batch_buckets", "prompt_buckets", "fp8_gemms"):  # a bare value would be iterated, or fail unnamed
-            value = getattr(self, name)
-            if isinstance(value, str) or not isinstance(value, Sequence):
-                raise ValueError(f"{key}.{name} must be a list, got {value!r}")
+            check_list(f"{key}.{name}", getattr(self, name))
         if self.dtype not in FAST_DTYPES:
             raise ValueError(f"{key}.dtype must be one of {FAST_DTYPES}, got {self.dtype!r}")
         if self.precision not in PRECISIONS:
@@ -158,7 +155,7 @@ class FastConfig:
         if self.pdl not in PDL_CHOICES:
             raise ValueError(f"{key}.pdl must be one of {PDL_CHOICES}, got {self.pdl!r}")
         workers = self.compile_workers
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < -1:
+        if not is_int(workers) or workers < -1:
             raise ValueError(f"{key}.compile_workers must be -1 (auto), 0 (off) or a number of processes, "
                              f"got {self.compile_workers!r}")
         if not isinstance(self.tuning_cache, str) or not self.tuning_cache.strip():
@@ -166,9 +163,7 @@ class FastConfig:
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"{key}.attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         for name in ("batch_buckets", "prompt_buckets"):
-            values = list(getattr(self, name))
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"{key}.{name} must be a non-empty list of positive ints, got {values}")
+            values = check_int_list(f"{key}.{name}", getattr(self, name), 1)
             if values != sorted(set(values)):
                 raise ValueError(f"{key}.{name} must be strictly increasing, got {values}")
         if self.consistent_recompute:

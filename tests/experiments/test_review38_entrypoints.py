@@ -98,7 +98,7 @@ def test_a_file_that_is_not_a_checkpoint_is_refused_before_the_run_dir(tmp_path,
 
 @pytest.mark.parametrize("tasks", ["abc", 3, [1.5], [True], [[1]]])
 def test_eval_tasks_must_be_integer_ids(tasks):
-    with pytest.raises(ValueError, match=r"eval\.tasks must be a list of distinct integer task ids"):
+    with pytest.raises(ValueError, match=r"eval\.tasks must be a non-empty list of distinct integers >= 0"):
         EvalConfig(tasks=tasks)
     assert EvalConfig(tasks=[2, 8]).tasks == [2, 8]
 

@@ -83,7 +83,7 @@ def test_env_config_names_a_model_or_serve_that_is_not_a_mapping(key, value):
     ({"fuse_qkv": "false"}, r"serve.fuse_qkv must be true or false"),
     ({"pad_to_bucket": 1}, r"serve.pad_to_bucket must be true or false"),
     ({"record_timeline": "no"}, r"serve.record_timeline must be true or false"),
-    ({"batch_buckets": 4}, r"serve.batch_buckets must be a list of positive integer sizes, got 4"),
+    ({"batch_buckets": 4}, r"serve.batch_buckets must be a non-empty list of integers >= 1, got 4"),
     ({"batch_buckets": [1.5, 4]}, r"serve.batch_buckets must be .* got \[1.5, 4\]"),  # was truncated to [1, 4]
     ({"batch_buckets": [True, 4]}, r"serve.batch_buckets must be"),
     ({"block_split": [2]}, r"serve.block_split must list, per ring, the blocks of each stage"),
