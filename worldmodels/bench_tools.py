@@ -17,6 +17,7 @@ import torch
 
 from worldmodels.baselines import regenerate_chunk
 from worldmodels.functional import chunk_noise
+from worldmodels.kvpool import DISCARD
 from worldmodels.model import CausalWanDiT
 from worldmodels.reference import SequentialStream
 from worldmodels.serve import WorldModelServer
@@ -179,7 +180,8 @@ def steady_batch(runner: StageRunner, n: int) -> StageBatch:
         t=torch.full((n,), 500.0), dt=torch.full((n,), -0.1),
         actions_pf=torch.zeros(n, cfg.frames_per_chunk, d.actions_per_frame * (d.action_dim + 1)),
         frame0=torch.full((n,), 3 * cfg.frames_per_chunk, dtype=torch.long), ctx_ids=torch.zeros(n, dtype=torch.long),
-        read_pages=torch.zeros(n, cfg.context_chunks, dtype=torch.long), write_pages=torch.zeros(n, dtype=torch.long),
+        read_pages=torch.zeros(n, cfg.context_chunks, dtype=torch.long),
+        write_pages=torch.full((n,), DISCARD, dtype=torch.long),
         latents=torch.zeros(n, cfg.frames_per_chunk, d.latent_channels, *cfg.latent_hw)
         if (runner.first or runner.last) else None,
         hidden=None if runner.first else torch.zeros(n, cfg.chunk_tokens, d.width, dtype=runner.model.dtype),

@@ -5,8 +5,11 @@ block). A stream owns `step_slots x window` pages on every stage of its ring, re
 admission: one ring of `window` pages per step slot (a slot per denoise step in the noisy
 schedule, one in the clean schedule). Position p lives in ring slot p mod window, so writing p
 overwrites p - window, whose last reader is p itself (it gathers its window before writing,
-and the scheduler runs positions in order per pass). Page 0 is a sentinel: padding rows read
-it (masked) and passes that write nothing write there.
+and the scheduler runs positions in order per pass). Two pages belong to no stream: page 0
+(SENTINEL) is only read, by the empty slots of partial windows and by padding rows, and stays
+zero; page 1 (DISCARD) is only written, by passes that keep no K/V and by padding rows. They were
+one page once: a masked read still multiplies its V by 0, and 0 x NaN is NaN, so one stream's
+non-finite K/V written there spoiled every stream with a partial window.
 
 `PageAllocator` and `StreamPages` are plain Python (tested without tensors); `KVPool` owns the
 tensors, laid out (blocks, pages, tokens, heads, head_dim) so one block's pages are contiguous.
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-SENTINEL = 0
+SENTINEL = 0  # read-only zeros
+DISCARD = 1  # write-only
+FIRST_PAGE = 2  # streams' pages: FIRST_PAGE .. FIRST_PAGE + capacity - 1
 
 
 class PoolExhausted(RuntimeError):
@@ -28,7 +33,7 @@ class PageAllocator:
         if capacity < 0:
             raise ValueError(f"page capacity must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._free = list(range(capacity, 0, -1))  # page ids 1..capacity; 0 is the sentinel
+        self._free = list(range(FIRST_PAGE + capacity - 1, FIRST_PAGE - 1, -1))
 
     @property
     def free_count(self) -> int:
@@ -41,7 +46,7 @@ class PageAllocator:
 
     def free(self, pages: list[int]) -> None:
         for page in pages:
-            if not 1 <= page <= self.capacity or page in self._free:
+            if not FIRST_PAGE <= page < FIRST_PAGE + self.capacity or page in self._free:
                 raise ValueError(f"page {page} is not an allocated page of this pool")
             self._free.append(page)
 
@@ -69,11 +74,11 @@ class StreamPages:
 
 
 class KVPool:
-    """K and V pages of one stage: (blocks, 1 + capacity, tokens, heads, head_dim) each."""
+    """K and V pages of one stage: (blocks, FIRST_PAGE + capacity, tokens, heads, head_dim) each."""
 
     def __init__(self, num_blocks: int, capacity: int, page_tokens: int, heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (num_blocks, capacity + 1, page_tokens, heads, head_dim)
+        shape = (num_blocks, FIRST_PAGE + capacity, page_tokens, heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.allocator = PageAllocator(capacity)

@@ -35,7 +35,7 @@ from torch import Tensor
 from worldmodels.admission import AdmissionController, TickTimeModel, VirtualRank
 from worldmodels.config import WorldModelConfig
 from worldmodels.functional import chunk_noise, frame_actions, sigma_schedule
-from worldmodels.kvpool import KVPool, StreamPages
+from worldmodels.kvpool import DISCARD, FIRST_PAGE, KVPool, StreamPages
 from worldmodels.model import CausalWanDiT, build_model
 from worldmodels.readout import RewardFn, SuccessHead, build_readout, read_chunk
 from worldmodels.scheduler import ChunkFinished, StageScheduler, WorkItem
@@ -128,7 +128,7 @@ class WorldModelServer:
         per_device: dict[str, int] = {}
         for r in self.placement.ranks:
             blocks = r.blocks[1] - r.blocks[0]
-            nbytes = (capacity + 1) * KVPool.page_bytes(blocks, cfg.chunk_tokens, cfg.dit.width, dtype)
+            nbytes = (FIRST_PAGE + capacity) * KVPool.page_bytes(blocks, cfg.chunk_tokens, cfg.dit.width, dtype)
             per_device[r.device] = per_device.get(r.device, 0) + nbytes
             if serve.kv_memory_gb is not None and per_device[r.device] > serve.kv_memory_gb * 1e9:
                 raise ValueError(
@@ -157,9 +157,7 @@ class WorldModelServer:
         shape = (self.cfg.frames_per_chunk, self.cfg.dit.latent_channels, *self.cfg.latent_hw)
         if tuple(context_latents.shape) != shape:
             raise ValueError(f"context latents must have shape {shape}, got {tuple(context_latents.shape)}")
-        # checked here as submit checks the noise: clean-schedule passes write their K/V into the shared sentinel
-        # page, which every stream with a partial window reads (masked, but 0 x NaN is NaN): one stream's NaN
-        # would corrupt the others' chunks
+        # checked here as submit checks the noise: a non-finite context spoils every chunk of its stream
         if not torch.isfinite(context_latents.float()).all():  # as stored: float64 past float32's range is inf
             raise ValueError("context latents are not finite")
         if not 0 <= context_id < self.cfg.dit.num_contexts:
@@ -454,7 +452,7 @@ class WorldModelServer:
             actions_pf=torch.zeros(n, cfg.frames_per_chunk, d.actions_per_frame * (d.action_dim + 1)),
             frame0=torch.full((n,), cfg.frames_per_chunk, dtype=torch.long), ctx_ids=torch.zeros(n, dtype=torch.long),
             read_pages=torch.zeros(n, cfg.context_chunks, dtype=torch.long),
-            write_pages=torch.zeros(n, dtype=torch.long),
+            write_pages=torch.full((n,), DISCARD, dtype=torch.long),
             latents=torch.zeros(latent_shape) if (runner.first or runner.last) else None,
             hidden=None if runner.first else torch.zeros(n, cfg.chunk_tokens, d.width, dtype=runner.model.dtype),
         ).to(runner.device)

@@ -7,7 +7,7 @@ full windows run unmasked), write the item's own K/V. The first stage embeds the
 last one applies the head and the Euler update x + (sigma_next - sigma) v.
 
 Graphs: one per (batch bucket, masked) on the static input buffers; a batch is copied into
-the smallest bucket that holds it, the pad rows read the sentinel page and write into it.
+the smallest bucket that holds it, the pad rows read the sentinel page and write into the discard page.
 `pad_to_bucket` without graphs runs that same padded path eagerly (how the CPU tests check it).
 """
 
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from common.devices import device_context
-from worldmodels.kvpool import SENTINEL, KVPool
+from worldmodels.kvpool import DISCARD, SENTINEL, KVPool
 from worldmodels.model import CausalWanDiT
 
 
@@ -154,21 +154,24 @@ def _static_batch(like: StageBatch, bucket: int, masked: bool, device: torch.dev
 
     static = StageBatch(**{f.name: buffer(getattr(like, f.name)) for f in fields(like) if f.name != "page_mask"})
     static.read_pages.fill_(SENTINEL)
-    static.write_pages.fill_(SENTINEL)
+    static.write_pages.fill_(DISCARD)
     if masked:
         static.page_mask = torch.ones((bucket, like.read_pages.shape[1]), dtype=torch.bool, device=device)
     return static
 
 
 def _fill(static: StageBatch, b: StageBatch, n: int) -> None:
-    """Copy the batch into rows [0, n); pad rows become harmless items (t = 0, sentinel pages)."""
+    """Copy the batch into rows [0, n); pad rows become harmless items (t = 0, read the sentinel page,
+    write the discard page)."""
     for f in fields(b):
         src, dst = getattr(b, f.name), getattr(static, f.name)
         if dst is None or src is None:
             continue
         dst[:n].copy_(src, non_blocking=True)
-        if f.name in ("read_pages", "write_pages"):
+        if f.name == "read_pages":
             dst[n:].fill_(SENTINEL)
+        elif f.name == "write_pages":
+            dst[n:].fill_(DISCARD)
         elif f.name == "page_mask":
             dst[n:].fill_(True)
         else:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from worldmodels.admission import VirtualRank
 from worldmodels.config import WorldModelConfig
-from worldmodels.kvpool import SENTINEL, StreamPages
+from worldmodels.kvpool import DISCARD, SENTINEL, StreamPages
 from worldmodels.scheduler import WorkItem
 from worldmodels.stage import StageBatch
 
@@ -102,7 +102,7 @@ class BatchBuilder:
                 actions.append(st.actions[item.chunk])
             reads.append(read)
             real.append(count)
-            writes.append(pages.write(item.position, slot) if self.writes_kv(item) else SENTINEL)
+            writes.append(pages.write(item.position, slot) if self.writes_kv(item) else DISCARD)
             frame0.append(item.position * frames)
             ctx.append(st.context_id)
             if first or last:

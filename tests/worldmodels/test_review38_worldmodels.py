@@ -165,3 +165,26 @@ def test_a_refused_checkpoint_leaves_the_model_as_it_was(tmp_path, damage):
         load_checkpoint(model, tmp_path / "bad.pt", strict=damage == "strict")
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed == []
+
+
+@pytest.mark.parametrize("kv_schedule", ["clean", "noisy"])
+def test_a_stream_whose_forward_goes_non_finite_spoils_no_other_stream(kv_schedule):
+    # Review round 36: passes that keep no K/V (and padding rows) wrote into the page every partial window reads
+    # masked (0 x NaN = NaN); checked inputs do not cover a forward that overflows by itself (bf16), so the noise
+    # of stream A is made NaN behind submit's back. Now they write a discard page nobody reads.
+    cfg = WorldModelConfig.preset("tiny", kv_schedule=kv_schedule)
+    model = build_model(cfg)
+    server = WorldModelServer(cfg, ServeConfig(), model=model)
+    context = torch.randn(3, 4, 4, 4, generator=torch.Generator().manual_seed(0))
+    actions = torch.zeros(12, 7)
+    # opened second: in a batch holding both, its row's write to a shared page lands last
+    healthy, spoiled = server.open_stream(context, seed=2), server.open_stream(context, seed=1)
+    for sid in (spoiled, healthy):
+        server.submit(sid, actions)
+    noise = server.streams[spoiled].noise[0]
+    server.streams[spoiled].noise[0] = torch.full_like(noise, float("nan"))
+    server.run_until_idle()
+    assert not torch.isfinite(server.poll(spoiled).latents).any()
+    reference = SequentialStream(model, seed=2)
+    reference.prefill(context)
+    torch.testing.assert_close(server.poll(healthy).latents, reference.step(actions), atol=1e-5, rtol=1e-5)
