@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from envs.config import EnvConfig
+from envs.vector.base import first_non_finite
 from envs.vector.catalog import env_slots
 from policies.config import PolicyConfig
 from profiler import NULL_TIMELINE
@@ -241,9 +242,9 @@ class RolloutCollector:
     def _check_finite(self, actions: np.ndarray, stage: Stage, rows: np.ndarray, where: str) -> None:
         """NaN/inf actions are refused here, naming the collector's env: the stage's vector env
         would refuse them too, but numbered within the stage (env 0 of stage 1 is env N/S)."""
-        bad = ~np.isfinite(actions)
-        if bad.any():
-            i, h, d = np.argwhere(bad)[0]
+        bad = first_non_finite(actions)
+        if bad is not None:
+            i, h, d = bad
             env = stage.start + int(rows[i])
             raise ValueError(f"engine output actions for {where} are not finite: env {env} ({self.slots[env].label}) "
                              f"has {actions[i, h, d]} at sub-step {h}, dim {d}")

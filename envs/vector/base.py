@@ -24,6 +24,15 @@ from envs.vector.buffers import ACTION_DIM, SharedBuffers
 from envs.vector.catalog import EnvSlot, env_slots
 
 
+def first_non_finite(actions: np.ndarray) -> tuple[int, int, int] | None:
+    """(env row, sub-step, dim) of the first NaN/inf entry of (N, H, D) actions, or None."""
+    bad = ~np.isfinite(actions)
+    if not bad.any():
+        return None
+    row, h, dim = (int(i) for i in np.argwhere(bad)[0])
+    return row, h, dim
+
+
 @dataclass
 class ChunkResult:
     """What one `step_chunk` returns (arrays (N, H) are per sub-step)."""
@@ -191,9 +200,9 @@ class VectorEnvBase:
             raise ValueError(
                 f"actions chunk length H={horizon} must be in 1..env.chunk_size ({max_h})"
             )
-        finite = np.isfinite(actions)
-        if not finite.all():
-            env, h, dim = np.argwhere(~finite)[0]
+        bad = first_non_finite(actions)
+        if bad is not None:
+            env, h, dim = bad
             raise ValueError(
                 f"actions for env {env} ({self.slots[env].label}) are not finite: "
                 f"value {actions[env, h, dim]} at sub-step {h}, dim {dim}"
