@@ -13,6 +13,7 @@ Sizes of the full model are LeRobot 0.6.1's `get_gemma_config` ("gemma_2b" prefi
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ from common.config import (
     check_nonnegative_int,
     check_positive_float,
     check_positive_int,
+    is_list,
+    is_number,
     reject_unknown_keys,
     to_container,
 )
@@ -158,10 +161,20 @@ class InputConfig:
             if (low is None) != (high is None):
                 raise ValueError(f"{key}.{name}_q01 and {key}.{name}_q99 must be given together")
             for stat, values in ((f"{name}_q01", low), (f"{name}_q99", high)):
-                if values is not None and len(values) != dim:
+                if values is None:
+                    continue
+                # NaN, inf or text came back only as non-finite actions from the engine, naming no key
+                if not is_list(values) or not all(is_number(v) and math.isfinite(v) for v in values):
+                    raise ValueError(f"{key}.{stat} must be a list of finite numbers, got {values!r}")
+                if len(values) != dim:
                     raise ValueError(
                         f"{key}.{stat} must have {dim} entries ({name}_dim), got {len(values)}"
                     )
+            flipped = [i for i in range(dim) if low is not None and low[i] > high[i]]
+            if flipped:
+                i = flipped[0]
+                raise ValueError(f"{key}.{name}_q01 exceeds {key}.{name}_q99 at dim {i} ({low[i]} > {high[i]}): "
+                                 "the normalisation would flip its sign")
 
 
 @dataclass

@@ -86,3 +86,15 @@ def test_config_name_key_can_be_given_and_round_trips():
     assert PolicyConfig.from_mapping({"preset": "tiny", "name": "run_a"}).name == "run_a"
     # no preset and a name that is not one: the documented default preset, pi05
     assert PolicyConfig.from_mapping({"name": "run_b"}).prefix.width == 2048
+
+
+@pytest.mark.parametrize("stats,match", [
+    ({"state_q01": [0.0] * 7 + [float("nan")], "state_q99": [1.0] * 8}, r"inputs\.state_q01 must be a list of finite"),
+    ({"action_q01": [0.0] * 7, "action_q99": [1.0] * 6 + [float("inf")]}, r"inputs\.action_q99 must be a list of finite"),
+    ({"state_q01": "stats.json", "state_q99": [1.0] * 8}, r"inputs\.state_q01 must be a list of finite"),
+    ({"action_q01": [0.0] * 6 + [2.0], "action_q99": [1.0] * 7}, r"action_q01 exceeds .*action_q99 at dim 6"),
+])
+def test_normalisation_stats_must_be_finite_and_ordered(stats, match):
+    # review round 36: a NaN or inf quantile came back only as non-finite actions from the engine
+    with pytest.raises(ValueError, match=match):
+        PolicyConfig.preset("tiny", inputs=stats)
