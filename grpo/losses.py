@@ -28,11 +28,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# exp() overflows float32 past 88.7 nats, and a chunk log-prob (a sum over chunk x action dims of a
+# narrow Gaussian) can move that far within one RL step. Such a row's clipped branch (or its zero
+# advantage) has no gradient, but exp's backward multiplied that 0 by inf: NaN, which
+# clip_grad_norm_ spreads to every weight. Exponents are capped here; nothing below the cap changes.
+MAX_EXPONENT = 80.0
+
 
 def clipped_surrogate(log_ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float,
                       dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
     """Per-row PPO clipped surrogate (to minimise) and where the clipped branch is active."""
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio.clamp(max=MAX_EXPONENT))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -64,6 +70,7 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, estimator: str = "k3") -> T
     if estimator == "k2":
         return 0.5 * diff**2
     if estimator == "k3":
+        diff = diff.clamp(min=-MAX_EXPONENT)  # exp(-diff) (see MAX_EXPONENT)
         return torch.exp(-diff) + diff - 1.0
     raise ValueError(f"kl estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
 

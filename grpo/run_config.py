@@ -25,6 +25,8 @@ from common.config import (
 from envs.config import EnvConfig
 from grpo.actor_group import check_actor_config
 from grpo.config import GRPOConfig
+from grpo.video import FORMATS as VIDEO_FORMATS
+from grpo.video import check_format
 from policies.config import PolicyConfig
 from profiler.config import ProfilerConfig, WandbConfig
 from rollout.collector_config import CollectorConfig
@@ -33,7 +35,6 @@ from rollout.config import RolloutConfig
 from rollout.placement import check_static
 
 MODES = ("train", "eval")
-VIDEO_FORMATS = ("auto", "mp4", "gif")
 EVAL_SAMPLING = ("ode", "sde")
 TOP_LEVEL_KEYS = ("mode", "run", "eval", "env", "policy", "rollout", "grpo", "profiler", "logger")
 
@@ -91,7 +92,10 @@ class EvalConfig:
         check_bool("eval.at_start", self.at_start)
         check_nonnegative_int("eval.videos", self.videos)
         check_positive_int("eval.video_fps", self.video_fps)
-        check_choice("eval.video_format", self.video_format, VIDEO_FORMATS)
+        if self.videos:  # an mp4 this machine cannot write failed at the first evaluation, after a step's training
+            check_format("eval.video_format", self.video_format)
+        else:
+            check_choice("eval.video_format", self.video_format, VIDEO_FORMATS)
         if self.num_envs is not None:
             check_positive_int("eval.num_envs", self.num_envs)
         _check_path_or_none("eval.checkpoint", self.checkpoint)
