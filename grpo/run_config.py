@@ -183,6 +183,10 @@ class ExperimentConfig:
         col.check_against_env(env)
         if self.mode == "train":  # the evaluation lays out its own envs (grpo/evaluate.py eval_env_config)
             _check_group_tasks(env, col)
+            if col.effective_group_size(env) < 2:
+                key = "rollout.collector.group_size" if col.group_size is not None else "env.group_size"
+                raise ValueError(f"{key} is 1: GRPO's advantage compares the rollouts of a group, so every row's "
+                                 "is 0 and nothing would be learnt; training needs groups of 2 or more")
         check_static(self.rollout)  # the weight transport (the GPU count is checked at the trainer's start)
         BatchShapes.from_configs(env, pol)  # chunk sizes, log-prob chunk == env chunk, action dims
         obs_keys = {f"{c}_image" for c in env.cameras}

@@ -40,10 +40,11 @@ def test_an_env_group_on_the_command_line_brings_its_own_values(group):
     # `env=reach` ran 4 envs in groups of 2 with chunks of 5 instead of reach.yaml's 16 / 8 / 8
     import yaml
 
-    fit = ["env.chunk_size=8"] if group.startswith("libero") else []  # the tiny policy's call: 8 actions
+    # the tiny policy's call: 8 actions; a GRPO group of 2 (EnvConfig's default is 1)
+    fit = ["env.chunk_size=8", "env.group_size=2"] if group.startswith("libero") else []
     exp = ExperimentConfig.from_hydra(composed(f"env={group}", *fit))
     own = {k: v for k, v in yaml.safe_load((ROOT / "conf" / "env" / f"{group}.yaml").read_text()).items()
-           if k != "defaults"} | ({"chunk_size": 8} if fit else {})
+           if k != "defaults"} | ({"chunk_size": 8, "group_size": 2} if fit else {})
     chosen = exp.env.to_dict()
     assert {k: chosen[k] for k in own} == own
     defaults = {k: v for k, v in type(exp.env)().to_dict().items() if k not in own and k != "env_type"}

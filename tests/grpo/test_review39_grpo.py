@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,3 +111,20 @@ def test_an_mp4_this_machine_cannot_write_is_refused_by_the_config(monkeypatch):
     with pytest.raises(ValueError, match=r"eval\.video_format=mp4 needs the imageio"):
         EvalConfig(video_format="mp4")
     assert EvalConfig(video_format="mp4", videos=0).video_format == "mp4"  # no video is written
+
+
+@pytest.mark.parametrize("overrides,key", [(["env.group_size=1"], "env.group_size"),
+                                           (["rollout.collector.group_size=1"], "rollout.collector.group_size")])
+def test_training_with_groups_of_one_is_refused(overrides, key):
+    # every advantage is 0 (and filter_groups drops every group): a run that trains nothing, silently
+    from hydra import compose, initialize_config_dir
+
+    import experiments.grpo  # noqa: F401  (registers the schemas)
+    from grpo.run_config import ExperimentConfig
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
+        cfg = compose("grpo_main", overrides=overrides)
+    with pytest.raises(ValueError, match=rf"{key} is 1: GRPO's advantage"):
+        ExperimentConfig.from_hydra(cfg)
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
+        assert ExperimentConfig.from_hydra(compose("grpo_main", overrides=[*overrides, "mode=eval"])).mode == "eval"

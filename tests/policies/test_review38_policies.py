@@ -90,7 +90,8 @@ def test_config_name_key_can_be_given_and_round_trips():
 
 @pytest.mark.parametrize("stats,match", [
     ({"state_q01": [0.0] * 7 + [float("nan")], "state_q99": [1.0] * 8}, r"inputs\.state_q01 must be a list of finite"),
-    ({"action_q01": [0.0] * 7, "action_q99": [1.0] * 6 + [float("inf")]}, r"inputs\.action_q99 must be a list of finite"),
+    ({"action_q01": [0.0] * 7, "action_q99": [1.0] * 6 + [float("inf")]},
+     r"inputs\.action_q99 must be a list of finite"),
     ({"state_q01": "stats.json", "state_q99": [1.0] * 8}, r"inputs\.state_q01 must be a list of finite"),
     ({"action_q01": [0.0] * 6 + [2.0], "action_q99": [1.0] * 7}, r"action_q01 exceeds .*action_q99 at dim 6"),
 ])
