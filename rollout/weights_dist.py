@@ -2,7 +2,9 @@
 
 A trainer process and the engine's receivers (one per rank process; one for all cores in the
 in-process backend) join one group. One update, in protocol order:
-1. the trainer broadcasts a manifest: version, names, shapes, dtypes, the bucket layout;
+1. the trainer broadcasts a manifest: version, names, shapes, dtypes, the bucket layout (a trainer
+   that cannot build it, e.g. a value that is no tensor, sends its error instead: every receiver
+   refuses at once, `WeightRefusedError`, and nothing else follows);
 2. every receiver validates it against its model (`rollout.weights.build_plan`: names in any of
    our layouts, shapes, dtypes, full coverage unless partial) and all members agree through an
    all-reduce (MIN) of an "accepted" flag: a refusal anywhere stops everyone before any byte
@@ -88,11 +90,17 @@ def broadcast_weights(named: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
     """Trainer side of one update (see the module docstring). Raises WeightRefusedError when a
     receiver refused the manifest (nothing was sent then). `on_bucket(i, total)` runs after
     bucket i was sent (progress bars)."""
-    source = as_tensor_source(named)
-    metas = source.metas
-    buckets = bucket_layout(metas, bucket_bytes)
-    manifest = {"version": int(version), "metas": [(m.name, m.shape, str(m.dtype)) for m in metas],
-                "bucket_bytes": int(bucket_bytes)}
+    try:
+        source = as_tensor_source(named)
+        metas = source.metas
+        buckets = bucket_layout(metas, bucket_bytes)
+        manifest = {"version": int(version), "metas": [(m.name, m.shape, str(m.dtype)) for m in metas],
+                    "bucket_bytes": int(bucket_bytes)}
+    except Exception as exc:
+        # the receivers already wait for a manifest: without one they would wait dist_timeout_s and
+        # then refuse to predict as if a write had failed; this one makes them refuse by name at once
+        dist.broadcast_object_list([{"version": repr(version), "error": f"{type(exc).__name__}: {exc}"}], src=src)
+        raise
     dist.broadcast_object_list([manifest], src=src)
     device = _device()
     if not _agree(True, device):
@@ -125,6 +133,9 @@ class WeightReceiver:
         holder = [None]
         dist.broadcast_object_list(holder, src=src)
         manifest = holder[0]
+        if "error" in manifest:  # the trainer failed before sending anything (and skips the agreements too)
+            raise WeightRefusedError(f"the trainer could not send weight version {manifest['version']}: "
+                                     f"{manifest['error']}")
         metas = [TensorMeta(n, tuple(s), getattr(torch, d.split(".")[-1])) for n, s, d in manifest["metas"]]
         try:
             if manifest["version"] != version:

@@ -82,6 +82,9 @@ class VLARolloutSection:
     def validate(self, key: str) -> None:
         check_choice(f"{key}.actor", self.actor, ACTORS)
         check_bool(f"{key}.expose_expert_lm_head", self.expose_expert_lm_head)
+        for name in ("policy", "cameras"):  # a list or a string here failed later as "dictionary update sequence"
+            if not isinstance(getattr(self, name), Mapping):
+                raise ValueError(f"{key}.{name} must be a mapping, got {getattr(self, name)!r}")
         if not self.cameras:
             raise ValueError(f"{key}.cameras must map at least one env_obs image key to a camera slot")
         for env_key in self.cameras:
@@ -109,6 +112,8 @@ class RLinfAdapterConfig:
         check_positive_float("model.openpi.noise_level", self.noise_level)
         for name in ("joint_logprob", "ignore_last"):
             check_bool(f"model.openpi.{name}", getattr(self, name))
+        if self.train_expert_only is not None:  # a quoted "false" is truthy: it froze all but the expert
+            check_bool("model.openpi.train_expert_only", self.train_expert_only)
         if self.ignore_last and self.num_steps < 2:
             raise ValueError(f"model.openpi.ignore_last needs model.num_steps >= 2, got {self.num_steps}")
         self.vla_rollout.validate("model.vla_rollout")

@@ -215,6 +215,21 @@ def test_config_errors_name_the_key(top, openpi, vla, match):
         ext.build_model(cfg)
 
 
+@pytest.mark.parametrize(
+    "openpi,vla,match",
+    [
+        # a quoted "false" is truthy: it froze everything but the expert
+        ({"train_expert_only": "false"}, {}, "model.openpi.train_expert_only must be true or false, got 'false'"),
+        # these failed later as "dictionary update sequence element #0 has length ..."
+        ({}, {"cameras": ["main_images"]}, r"model.vla_rollout.cameras must be a mapping, got \['main_images'\]"),
+        ({}, {"policy": "pi05"}, "model.vla_rollout.policy must be a mapping, got 'pi05'"),
+    ],
+)
+def test_review39_wrong_types_are_refused_by_key(openpi, vla, match):
+    with pytest.raises(ValueError, match=match):
+        ext.build_model(model_cfg(openpi=openpi, **vla))
+
+
 def test_precision_maps_to_the_policy_dtype():
     model = build(model_cfg(top={"precision": "bf16"}))
     assert model.policy.cfg.dtype == "bfloat16"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -48,6 +49,9 @@ def trainer_main(conn, init_method: str, world_size: int, steps: list[tuple]) ->
                 weights = {n: weights[n] for n in expert_set()}
             if kind == "bad_shape":
                 weights = {"expert.final_norm.dense.bias": torch.zeros(3)}
+            if kind == "not_a_tensor":  # a trainer mistake found before anything is sent
+                name = "expert.final_norm.dense.bias"
+                weights = {**weights, name: weights[name].numpy()}
             if kind == "crash":
                 on_bucket = lambda i, total: os._exit(3)  # noqa: E731 - dies after the first bucket
             try:
@@ -55,6 +59,8 @@ def trainer_main(conn, init_method: str, world_size: int, steps: list[tuple]) ->
                 conn.send(("ok", version))
             except WeightRefusedError as exc:
                 conn.send(("refused", str(exc)))
+            except TypeError as exc:
+                conn.send(("trainer error", str(exc)))
     finally:
         leave()
 
@@ -104,6 +110,32 @@ def test_broadcast_updates_refusal_and_trainer_crash():
         if trainer.is_alive():
             trainer.kill()
     assert trainer.exitcode == 3  # it died where the script said
+
+
+def test_a_trainer_that_cannot_send_makes_the_receivers_refuse_at_once():
+    """A source the trainer cannot send (a numpy array among the tensors) fails before the manifest: the
+    receivers, already waiting for one, refuse by name at once; the engine keeps serving and the group takes
+    the next update. They used to wait on: for the trainer's next update, taken as the failed one (here), or
+    dist_timeout_s, then refusing to predict as if a write had failed."""
+    trainer, conn, init_method = start_trainer(2, [("not_a_tensor", 61, 1), ("full", 62, 1)])
+    try:
+        with PolicyEngine(rollout_cfg("inproc", 1), TINY) as e:
+            e.join_weight_group(init_method, world_size=2, first_rank=1)
+            start = time.monotonic()
+            with pytest.raises(WeightRefusedError, match=r"trainer could not send weight version 1: TypeError: "
+                                                         r"weight 'expert.final_norm.dense.bias' must be a torch"):
+                e.update_weights(DistBroadcast(src=0), version=1)
+            assert time.monotonic() - start < 20  # not the group's 30 s timeout
+            kind, message = conn.recv()
+            assert kind == "trainer error" and "ndarray" in message
+            assert e.predict(obs(2)).version == 0  # refused before any write: still serving
+            e.update_weights(DistBroadcast(src=0), version=1)
+            assert conn.recv() == ("ok", 1)
+            assert_params(e.state_dict(), perturbed_weights(TINY, 62))
+    finally:
+        trainer.join(30)
+        if trainer.is_alive():
+            trainer.kill()
 
 
 def test_broadcast_to_local_rank_processes_partial_expert():
