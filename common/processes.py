@@ -52,3 +52,23 @@ def stop_processes(handles: Iterable[tuple[Any, Any]], grace_s: float, ask: bool
         process.join(max(deadline - time.monotonic(), 0.1))
         end_process(process, join_s)
         conn.close()
+
+
+def start_with_pipe(ctx: Any, target: Callable, args: tuple, name: str,
+                    failed: Callable[[Exception], Exception]) -> tuple[Any, Any]:
+    """Start `target(child_conn, *args)` as a daemon process of `ctx`; returns (process, parent_conn). A start
+    that fails (spawn refused, arguments that do not pickle) closes both pipe ends, which are in no handle yet
+    for the caller's close() to find, and raises `failed(exc)` (an error naming the rank) from it."""
+    parent, child = ctx.Pipe(duplex=True)
+    try:
+        process = ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
+        process.start()
+    except Exception as exc:
+        parent.close()
+        raise failed(exc) from exc
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()  # the started process holds its own copy
+    return process, parent

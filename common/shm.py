@@ -8,6 +8,7 @@ layout from the same specs, so only names and specs travel through pipes.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -68,3 +69,38 @@ def forget_mapping(shm: shared_memory.SharedMemory) -> None:
     if fd >= 0:
         os.close(fd)
         shm._fd = -1  # type: ignore[attr-defined]
+
+
+class SharedMemoryFullError(OSError):
+    """/dev/shm cannot hold a new segment (the message says how much was asked and how much is free)."""
+
+
+def create_segment(size: int, what: str) -> shared_memory.SharedMemory:
+    """A new shared-memory segment of `size` bytes with its pages reserved now. Creating one only sizes a
+    sparse file: on a /dev/shm (a tmpfs; 64 MB in a default Docker container) without room, the first write
+    past the free space killed the writing process with SIGBUS ("Bus error", no traceback) and left the
+    segment behind. Now `SharedMemoryFullError` names `what` (the block and the settings that size it)."""
+    shm = shared_memory.SharedMemory(create=True, size=max(int(size), 1))
+    try:
+        _reserve(shm, what)
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    return shm
+
+
+def _reserve(shm: shared_memory.SharedMemory, what: str) -> None:
+    fd = getattr(shm, "_fd", -1)  # CPython's POSIX SharedMemory keeps its descriptor open
+    if fd < 0 or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, shm.size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            return  # a file system that cannot reserve (EOPNOTSUPP...): pages come with the writes, as before
+        stat = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+        free = f"{stat.f_bavail * stat.f_frsize / 2**20:.1f} MB free" if stat else "free space unknown"
+        raise SharedMemoryFullError(
+            exc.errno, f"shared memory is full: {what} needs {shm.size / 2**20:.1f} MB, /dev/shm has {free}; "
+                       f"give the machine/container more (docker run --shm-size=...)") from exc

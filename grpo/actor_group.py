@@ -40,7 +40,7 @@ import torch
 import torch.multiprocessing as tmp
 from torch import Tensor
 
-from common.processes import finish_within, send_quietly, stop_processes
+from common.processes import finish_within, send_quietly, start_with_pipe, stop_processes
 from grpo.actor import Actor
 from grpo.config import GRPOConfig
 from grpo.distributed import ActorPlan, RankSpec, cpu_state, init_group, leave_group, plan_actor, shard_rows
@@ -126,12 +126,11 @@ class ActorGroup:
         ctx = tmp.get_context("spawn")
         try:
             for spec in specs[1:]:
-                parent, child = ctx.Pipe(duplex=True)
-                process = ctx.Process(target=worker_main, args=(child, spec, policy.cfg, cfg, threads),
-                                      name=f"vla-actor-rank-{spec.rank}", daemon=True)
-                process.start()
-                child.close()
-                self.workers.append(_Worker(spec.rank, spec.device, process, parent))
+                process, conn = start_with_pipe(
+                    ctx, worker_main, (spec, policy.cfg, cfg, threads), f"vla-actor-rank-{spec.rank}",
+                    lambda exc, spec=spec: ActorRankError(f"actor rank {spec.rank} ({spec.device}) could not "
+                                                          f"start its process: {exc!r}"))
+                self.workers.append(_Worker(spec.rank, spec.device, process, conn))
             self._together(lambda: self._start_local(specs[0]), {}, "start", pcfg.start_timeout_s, expect="ready")
         except BaseException:
             self.close()

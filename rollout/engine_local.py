@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as tmp
 
-from common.processes import stop_processes
+from common.processes import start_with_pipe, stop_processes
 from policies import PolicyConfig
 from rollout.config import EngineConfig
 from rollout.engine_client import EngineClient, RankError, RankFailedError, dist_wait, join_wait
@@ -44,6 +44,7 @@ from rollout.weights import TensorSource, WeightPlan, WeightRefusedError, bucket
 CLOSE_GRACE_S = 10.0
 MAX_WAIT_S = 3600.0  # one wait() at most (poll takes int32 milliseconds); the deadline loop waits again
 RANK_TIMEOUT_KEY = "rollout.engine.rank_timeout_s"
+STAGING_WHAT = "the weight staging block (one bucket; a smaller rollout.weights.bucket_mb needs less)"
 
 
 @dataclass
@@ -76,19 +77,20 @@ class LocalClient(EngineClient):
         self.broken: RankFailedError | None = None
         try:
             for rank, device in enumerate(devices):
-                parent, child = self._ctx.Pipe(duplex=True)
-                process = self._ctx.Process(
-                    target=rank_main, args=(child, rank, device, policy_cfg, profiler_env, cfg.torch_threads,
-                                            logging.getLogger().getEffectiveLevel()),
-                    name=f"vla-engine-rank-{rank}", daemon=True)
-                process.start()
-                child.close()
-                self._ranks.append(RankHandle(rank, device, process, parent))
+                self._ranks.append(self._spawn(rank, device, profiler_env))
             self.info = self._collect({h.rank: h for h in self._ranks}, "start", cfg.start_timeout_s,
                                       "rollout.engine.start_timeout_s", "ready")
         except BaseException:
             self.close()
             raise
+
+    def _spawn(self, rank: int, device: str, profiler_env: dict) -> RankHandle:
+        process, conn = start_with_pipe(
+            self._ctx, rank_main, (rank, device, self.policy_cfg, profiler_env, self.cfg.torch_threads,
+                                   logging.getLogger().getEffectiveLevel()), f"vla-engine-rank-{rank}",
+            lambda exc: RankFailedError(rank, f"engine rank {rank} ({device}) could not start its process "
+                                              f"(start_method {self.cfg.start_method}): {exc!r}"))
+        return RankHandle(rank, device, process, conn)
 
     # ------------------------------------------------------------------ messaging
     def _exchange(self, messages: dict[int, tuple], what: str, timeout_s: float | None = None,
@@ -204,7 +206,8 @@ class LocalClient(EngineClient):
         capacity = max(b, current.capacity if current is not None else 0)
         specs = [ArraySpec(k, (capacity, *shape), np.dtype(dtype).str) for k, (shape, dtype) in rows.items()]
         layout = Layout(specs, ALIGN)
-        block = SharedBlock.create(layout.nbytes)
+        block = SharedBlock.create(layout.nbytes, f"engine rank {h.rank}'s {which} block ({capacity} rows; fewer "
+                                                  f"rows per call or more ranks need less)")
         h.blocks.append(block)  # owned (unlinked by close()) before anything else can be cut short
         setattr(h, which, _Block(block, specs, layout.views(block.buf), capacity))
         if current is not None:  # the rank re-attaches by name with the next command; ours goes now
@@ -217,7 +220,7 @@ class LocalClient(EngineClient):
         buckets = bucket_layout(metas, bucket_bytes)
         size = max(b.nbytes for b in buckets)
         if not self._staging or self._staging[0].size < size:
-            old, self._staging[:] = list(self._staging), [SharedBlock.create(size)]
+            old, self._staging[:] = list(self._staging), [SharedBlock.create(size, STAGING_WHAT)]
             for block in old:  # after the swap: an interrupt never leaves a closed block in use
                 block.close()
         block = self._staging[0]
@@ -270,6 +273,8 @@ class LocalClient(EngineClient):
 
 def _numpy(value: Any) -> np.ndarray:
     if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bfloat16:  # numpy has no bfloat16 (check_raw and inproc take it); float32 is exact
+            value = value.float()
         return value.detach().cpu().numpy()
     return np.asarray(value)
 

@@ -14,9 +14,9 @@ import mmap
 import os
 from multiprocessing import shared_memory
 
-from common.shm import ArraySpec, Layout, forget_mapping
+from common.shm import ArraySpec, Layout, SharedMemoryFullError, create_segment, forget_mapping
 
-__all__ = ["ALIGN", "ArraySpec", "Layout", "SharedBlock"]
+__all__ = ["ALIGN", "ArraySpec", "Layout", "SharedBlock", "SharedMemoryFullError"]
 
 ALIGN = 256  # bytes: every array of an engine block starts aligned for any dtype
 
@@ -27,8 +27,9 @@ class SharedBlock:
         self._shm, self._mmap = owner_shm, mapping
 
     @classmethod
-    def create(cls, size: int) -> SharedBlock:
-        shm = shared_memory.SharedMemory(create=True, size=max(int(size), 1))
+    def create(cls, size: int, what: str = "a shared-memory block") -> SharedBlock:
+        """A new segment of `size` bytes, its pages reserved (common.shm.create_segment)."""
+        shm = create_segment(size, what)
         return cls(shm.name, shm.size, shm.buf, shm)
 
     @classmethod

@@ -69,7 +69,7 @@ class IpcExporter:
             self.handles = IpcHandles(uid, "cuda", self.metas, payload, os.getpid())
         else:
             offsets, size = aligned_offsets((m.nbytes for m in self.metas), ALIGN)
-            self._block = SharedBlock.create(size)
+            self._block = SharedBlock.create(size, "the CPU weight export (one copy of the weights)")
             views = _views(self._block.buf, self.metas, offsets)
             for view, tensor in zip(views, source.tensors):
                 view.copy_(tensor)

@@ -12,7 +12,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from common.shm import ArraySpec, Layout, forget_mapping
+from common.shm import ArraySpec, Layout, create_segment, forget_mapping
 from envs.config import EnvConfig
 
 ALIGN = 64  # bytes; keeps every array cache-line aligned
@@ -63,7 +63,8 @@ class SharedBuffers:
 
     @classmethod
     def create(cls, cfg: EnvConfig) -> SharedBuffers:
-        shm = shared_memory.SharedMemory(create=True, size=cls.nbytes(cfg))
+        shm = create_segment(cls.nbytes(cfg), f"the vector env's block ({cfg.num_envs} envs x {len(cfg.cameras)} "
+                                              f"cameras at {cfg.image_size} px, {cfg.chunk_size}-step chunks)")
         try:
             np.frombuffer(shm.buf, dtype=np.uint8)[:] = 0
             return cls(cfg, shm.buf, shm, owner=True)
