@@ -18,15 +18,16 @@ cameras render only when an observation with images is asked for.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import string
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
-from envs.config import EnvConfig, robosuite_camera
+from envs.config import CAMERA_ALIASES, EnvConfig, robosuite_camera
 from envs.suites import DEFAULT_MAX_EPISODE_STEPS, TaskSpec, get_task, load_init_states
 
 STATE_DIM = 8
@@ -72,6 +73,27 @@ def _readonly(states: np.ndarray) -> np.ndarray:
     states = states.copy() if states.flags.writeable else states
     states.setflags(write=False)
     return states
+
+
+@contextlib.contextmanager
+def naming_unknown_cameras(cameras: Sequence[str], where: str) -> Iterator[None]:
+    """Around a scene's build: an `env.cameras` entry the scene has no camera for is named as such.
+
+    robosuite reports it as "Current sensor for observable agentveiw_image is invalid." after the
+    whole build (~24 s for a LIBERO scene); MuJoCo's own message, with the scene's camera names,
+    is only in the exception's context. Other errors pass unchanged."""
+    try:
+        yield
+    except ValueError as exc:
+        for alias in cameras:
+            name = robosuite_camera(alias)
+            if f"observable {name}_image " in str(exc):
+                detail = f": {exc.__context__}" if exc.__context__ is not None else ""
+                raise ValueError(
+                    f"{where}: env.cameras entry {alias!r} (robosuite camera {name!r}) is not a camera "
+                    f"of this scene{detail} (env.cameras also takes the aliases {CAMERA_ALIASES})"
+                ) from exc
+        raise
 
 
 def reset_robosuite(libero_env: Any, max_attempts: int = 100) -> None:
@@ -195,13 +217,14 @@ class LiberoEnv(gym.Env):
         from envs.suites import make_robosuite_env
 
         configure_gl(self.render_backend)
-        env = make_robosuite_env(
-            self.task,
-            image_size=self.image_size,
-            cameras=tuple(robosuite_camera(c) for c in self.cameras),
-            use_camera_obs=bool(self.cameras),
-            ignore_done=True,  # episode length is tracked here, not by robosuite
-        )
+        with naming_unknown_cameras(self.cameras, self.task.label):
+            env = make_robosuite_env(
+                self.task,
+                image_size=self.image_size,
+                cameras=tuple(robosuite_camera(c) for c in self.cameras),
+                use_camera_obs=bool(self.cameras),
+                ignore_done=True,  # episode length is tracked here, not by robosuite
+            )
         try:
             self._stepper = make_stepper(self.step_mode, env)
         except BaseException:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 from pathlib import Path
 
 CONFIG_ENV_VAR = "LIBERO_CONFIG_PATH"
@@ -64,8 +65,14 @@ def link_assets(root: Path | None = None, source: Path | None = None) -> Path:
         return target
     source = source or assets_source_dir()
     if target.is_symlink():  # dangling link from an older install
-        target.unlink()
-    target.symlink_to(source, target_is_directory=True)
+        target.unlink(missing_ok=True)  # another process may replace it at the same time
+    try:
+        target.symlink_to(source, target_is_directory=True)
+    except FileExistsError:
+        # Processes started together on a fresh install (the ranks of one job) all link: the
+        # first wins, the others use its link.
+        if not target.exists():
+            raise
     return target
 
 
@@ -82,7 +89,10 @@ def write_config(config_dir: Path, root: Path) -> Path:
             "assets": root / "assets",
         }
         text = "".join(f"{key}: {value}\n" for key, value in entries.items())
-        tmp = config_file.with_suffix(".tmp")
+        # A name of this writer's own: processes writing at the same time (a fresh install,
+        # the ranks of one job) each move a complete file into place; with one shared temporary
+        # name, a writer found it already moved by another and failed with FileNotFoundError.
+        tmp = config_dir / f".config.yaml.{os.getpid()}.{threading.get_ident()}.tmp"
         tmp.write_text(text)
         tmp.replace(config_file)  # atomic: parallel workers never read half a file
     return config_file

@@ -14,9 +14,10 @@ init state and the actions; the episode seed is not used (there is nothing rando
 
 Observation (as envs/libero_env.py): "agentview_image" / "wrist_image" (S, S, 3) uint8 rotated by
 180 degrees, "state" (8,) float32 = eef position, axis-angle, gripper qpos; `prompt`.
-Action: Box(-1, 1, (7,)), OSC_POSE delta position / rotation + gripper, multiplied by
-`ACTION_SCALE` before it reaches robosuite's controller. Reward 1 and success on the control step
-that ends within the radius; the harness ends the episode there (or after max_episode_steps).
+Action: Box(-1, 1, (7,)), OSC_POSE delta position / rotation + gripper, clipped to [-1, 1] (as
+robosuite's controller clips LIBERO's actions) and multiplied by `ACTION_SCALE` before it reaches
+robosuite's controller. Reward 1 and success on the control step that ends within the radius; the
+harness ends the episode there (or after max_episode_steps).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from envs.config import EnvConfig, robosuite_camera
-from envs.libero_env import NOOP_ACTION, reset_gripper_memory, rotate_180, state_vector
+from envs.libero_env import NOOP_ACTION, naming_unknown_cameras, reset_gripper_memory, rotate_180, state_vector
 from envs.reach_mjcf import VISUALS
 
 # Tuned so that random actions sometimes succeed and a consistent push toward the target almost
@@ -179,14 +180,15 @@ class ReachEnv:
         from envs.reach_scene import ReachScene
         from envs.steppers import make_stepper
 
-        scene = ReachScene(
-            target_rgba=self.task.rgba,
-            target_size=TARGET_SIZE,
-            success_radius=SUCCESS_RADIUS,
-            camera_names=[robosuite_camera(c) for c in self.cameras],
-            image_size=self.image_size,
-            visuals=self.visuals,
-        )
+        with naming_unknown_cameras(self.cameras, self.task.label):
+            scene = ReachScene(
+                target_rgba=self.task.rgba,
+                target_size=TARGET_SIZE,
+                success_radius=SUCCESS_RADIUS,
+                camera_names=[robosuite_camera(c) for c in self.cameras],
+                image_size=self.image_size,
+                visuals=self.visuals,
+            )
         try:
             scene.set_initial_joints(HOME_JOINTS)
             scene.reset()
@@ -212,8 +214,15 @@ class ReachEnv:
             self._stepper.step(NOOP_ACTION)
 
     def control_step(self, action: np.ndarray) -> tuple[float, bool]:
-        """One control step (the action scaled by ACTION_SCALE), no images. Returns (reward, success)."""
-        return self._stepper.step(np.asarray(action, dtype=np.float64) * ACTION_SCALE)
+        """One control step (the action clipped to the action space, then scaled by ACTION_SCALE),
+        no images. Returns (reward, success).
+
+        The clip keeps LIBERO's semantics for actions outside [-1, 1] (rollout.collector.action_clip
+        > 1): robosuite's controller clips its input to [-1, 1], so in LIBERO a command of 2 acts as
+        1; scaled first, a reach command of 2 would reach the controller as 1.2 (position) or 0.2
+        (rotation, so up to 10x the documented range) and still act."""
+        action = np.clip(np.asarray(action, dtype=np.float64), -1.0, 1.0)
+        return self._stepper.step(action * ACTION_SCALE)
 
     def observation(self, render: bool = True) -> dict[str, np.ndarray]:
         raw = self._stepper.observe(render=render and bool(self.cameras))
