@@ -150,16 +150,28 @@ def timed(fn, device: str) -> tuple[float, Any]:
     return time.perf_counter() - start, value
 
 
-def run_actor(bench: Any, policy_cfg: PolicyConfig, cuda_count: int, clock: Any) -> list[dict]:
-    from experiments.bench_multigpu import attempt, log, observation_batches
+def actor_inputs(bench: Any, policy_cfg: PolicyConfig, device: str) -> dict[str, Any]:
+    """The policy's own samples of LIBERO-like observations and its initial trainable weights (CPU)."""
+    from experiments.bench_multigpu import observation_batches
 
-    first = actor_devices(1, cuda_count, bench.max_cpu_ranks)[0]
-    policy = build_policy(trainer_policy_config(policy_cfg), first)
+    policy = build_policy(trainer_policy_config(policy_cfg), device)
     batches = observation_batches(policy_cfg, bench.actor_micro_batch, bench.image_size, bench.batches, bench.seed)
     samples = synthetic_samples(policy, batches, bench.actor_rows, bench.actor_chunks, bench.actor_micro_batch,
                                 bench.seed)
     initial = trainable_cpu({n: p for n, p in policy.model.named_parameters() if p.requires_grad})
-    del policy
+    return {"samples": samples, "initial": initial}
+
+
+def run_actor(bench: Any, policy_cfg: PolicyConfig, cuda_count: int, clock: Any) -> list[dict]:
+    from experiments.bench_multigpu import attempt, log
+
+    first = actor_devices(1, cuda_count, bench.max_cpu_ranks)[0]
+    # the rows every configuration trains on; a failure here is the part's recorded result (raised, it lost
+    # the sync and throughput parts measured before it: no JSON was written)
+    setup = attempt(lambda: actor_inputs(bench, policy_cfg, first), {"mode": "none", "ranks": 1, "devices": [first]})
+    if "error" in setup:
+        return [setup]
+    samples, initial = setup["samples"], setup["initial"]
     configs = [("none", 1)] + [(m, k) for m in bench.actor_modes for k in bench.actor_ranks if k > 1]
     entries, single = [], None
     for mode, k in configs:

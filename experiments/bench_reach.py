@@ -252,7 +252,8 @@ def main(argv=None) -> None:
             summary[f"success_{name}"] = round(success[name]["success_rate"], 3)
     summary["total_s"] = round(time.perf_counter() - start, 1)
     payload["load_average"] = os.getloadavg()
-    write_result("bench_reach", payload, summary, commit=args.commit)
+    # CPU work whatever the host (envs, the tiny policy on the CPU): not labelled with a GPU's name
+    write_result("bench_reach", payload, summary, commit=args.commit, device="cpu")
 
 
 def _constants() -> dict:

@@ -136,23 +136,40 @@ def run_single(cfg: WorldModelConfig, bench: BenchWorldModelConfig, device: torc
     print(f"world model {cfg.name}: {block_parameters(cfg) / 1e9:.2f}B block parameters, {cfg.chunk_tokens} tokens "
           f"per chunk, {flops.total / 1e12:.3f} TFLOP per pass, {cfg.kv_schedule} KV, window {cfg.context_chunks}")
 
+    # each side's failure is recorded (payload["errors"]) and the others still run: raised, one side's
+    # error lost every number of the call (main exits non-zero after writing the JSON)
     # (a) the sequential per-stream loop, clean re-cache, batch 1: eager, and with our graphs
-    payload["sequential_eager"] = time_sequential(model, bench.sequential_chunks, 2, "clean")
-    payload["sequential_graphs"] = with_graph_fallback(
+    payload["sequential_eager"] = recorded(payload, "sequential_eager", lambda: time_sequential(
+        model, bench.sequential_chunks, 2, "clean"))
+    payload["sequential_graphs"] = recorded(payload, "sequential_graphs", lambda: with_graph_fallback(
         lambda g: sequential_with_graphs(cfg, model, vae, device, g, bench.sequential_chunks), graphs, payload,
-        "sequential_graphs")
+        "sequential_graphs"))
     release_memory()
 
     # (b) whole-clip regeneration, RLinf's way
-    payload["regenerate"] = time_regeneration(model, vae, bench.regenerate_calls, 1, bench.regen_condition_frames,
-                                              bench.regen_new_frames, bench.regen_steps)
+    payload["regenerate"] = recorded(payload, "regenerate", lambda: time_regeneration(
+        model, vae, bench.regenerate_calls, 1, bench.regen_condition_frames, bench.regen_new_frames,
+        bench.regen_steps))
 
     # ours
-    payload.update(with_graph_fallback(
-        lambda g: measure_ours(cfg, bench, model, vae, device, g, started, flops, peak), graphs, payload, "ours"))
+    payload.update(recorded(payload, "ours", lambda: with_graph_fallback(
+        lambda g: measure_ours(cfg, bench, model, vae, device, g, started, flops, peak), graphs, payload,
+        "ours")) or {"ours": {}})
     release_memory()
     payload["wall_s"] = time.perf_counter() - started
     return payload, summarize(payload)
+
+
+def recorded(payload: dict, label: str, measure):
+    """measure(), or None with its traceback in payload["errors"][label]."""
+    try:
+        return measure()
+    except Exception:  # noqa: BLE001 - recorded in the result; the other sides still run
+        error = traceback.format_exc()
+    print(f"{label} failed:\n{error[-1500:]}")
+    payload.setdefault("errors", {})[label] = error[-4000:]
+    release_memory()
+    return None
 
 
 def with_graph_fallback(run, graphs: bool, payload: dict, label: str):
@@ -226,12 +243,14 @@ def admission_demo(server: WorldModelServer, ours: dict) -> dict:
 
 
 def summarize(p: dict) -> dict:
+    """The RESULT line; a side that failed (p["errors"]) has None where its numbers would be."""
     ours = p["ours"]
     big = max((int(k) for k in ours), default=None)
-    seq_eager = p["sequential_eager"]["chunks_per_s"]
-    seq_graphs = p["sequential_graphs"]["chunks_per_s"]
-    sequential = max(seq_eager, seq_graphs)
-    seq_chunk_ms = 1e3 / sequential
+    seq_eager = (p["sequential_eager"] or {}).get("chunks_per_s")
+    seq_graphs = (p["sequential_graphs"] or {}).get("chunks_per_s")
+    sequential = max((r for r in (seq_eager, seq_graphs) if r is not None), default=None)
+    seq_chunk_ms = 1e3 / sequential if sequential else None
+    regenerate = (p["regenerate"] or {}).get("chunks_per_s")
     s64 = ours.get("64") or (ours.get(str(big)) if big else None)
     s1 = ours.get("1")
     out = {
@@ -246,14 +265,16 @@ def summarize(p: dict) -> dict:
         "sequential_chunks_per_s": sequential,
         "sequential_eager_chunks_per_s": seq_eager,
         "sequential_graphs_chunks_per_s": seq_graphs,
-        "regenerate_chunks_per_s": p["regenerate"]["chunks_per_s"],
-        "speedup_s64": s64["chunks_per_s"] / sequential if s64 else None,
-        "speedup_vs_regenerate_s64": s64["chunks_per_s"] / p["regenerate"]["chunks_per_s"] if s64 else None,
-        "interval_ratio_s1": s1["interval_ms_p50"] / seq_chunk_ms if s1 and s1["interval_ms_p50"] else None,
+        "regenerate_chunks_per_s": regenerate,
+        "speedup_s64": s64["chunks_per_s"] / sequential if s64 and sequential else None,
+        "speedup_vs_regenerate_s64": s64["chunks_per_s"] / regenerate if s64 and regenerate else None,
+        "interval_ratio_s1": s1["interval_ms_p50"] / seq_chunk_ms if s1 and s1["interval_ms_p50"] and seq_chunk_ms
+        else None,
         "mfu_s64": (p.get("gemm_profile") or {}).get("gemm_mfu"),
         "tick_mfu_s64": s64["tick_mfu"] if s64 else None,
-        "kv_pool_gb": sum(p["kv_pool_bytes"].values()) / 1e9,
-        "skipped_streams": p["skipped_streams"],
+        "kv_pool_gb": sum(p["kv_pool_bytes"].values()) / 1e9 if "kv_pool_bytes" in p else None,
+        "skipped_streams": p.get("skipped_streams", []),
+        "failed": sorted(p.get("errors", {})),
     }
     for key, run in ours.items():
         out[f"ours_chunks_per_s_s{key}"] = run["chunks_per_s"]
@@ -278,6 +299,8 @@ def main(raw: DictConfig) -> None:
     payload, summary = run_single(cfg, bench, device)
     # labelled with the device it ran on (bench.device=cpu on a GPU host is a CPU run)
     write_result("bench_worldmodel", payload, summary, bench.out_dir, commit=bench.commit, device=device)
+    if payload.get("errors"):
+        raise SystemExit(f"bench_worldmodel: {sorted(payload['errors'])} failed (their tracebacks are in the JSON)")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,18 @@ class RolloutProfileConfig:
         for key in ("steps", "chunks", "stages"):
             if getattr(self, key) < 1:
                 raise ValueError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")
+        if self.device != "auto" and _device_type(self.device) not in ("cpu", "cuda"):
+            raise ValueError(f"rollout.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    def resolved_device(self) -> str:
+        return ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+
+
+def _device_type(name: str) -> str | None:
+    try:
+        return torch.device(name).type
+    except (RuntimeError, TypeError):
+        return None
 
 
 def fresh_run_dir(path: str | Path) -> Path:
@@ -108,14 +120,17 @@ def perturbed_weights(engine: PolicyEngine, noise: float, generator: torch.Gener
 def main(cfg: DictConfig) -> None:
     rcfg = RolloutProfileConfig(**OmegaConf.to_container(cfg.rollout, resolve=True))
     env_cfg = EnvConfig.from_mapping(cfg.env)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if rcfg.device == "auto" else rcfg.device
+    device = rcfg.resolved_device()
+    # by type: rollout.device=cuda:0 is a GPU run too (compared with "cuda", it ran without the fast
+    # path and without GPU span timing)
+    on_gpu = torch.device(device).type == "cuda"
     pcfg = PolicyConfig.from_mapping(cfg.policy)
-    if device == "cuda":
+    if on_gpu:
         pcfg = pcfg.replace(fast={"enabled": True})
     ccfg = collector_config(env_cfg, rcfg)  # checked before the run directory exists
     run_dir = fresh_run_dir(rcfg.run_dir)
     prof = dataclasses.replace(ProfilerConfig.from_dict(cfg.profiler, logger=cfg.logger), out_dir=str(run_dir),
-                               gpu_timing="sync" if device == "cuda" else "none")
+                               gpu_timing="sync" if on_gpu else "none")
     write_meta(run_dir, profiler_config=dataclasses.asdict(prof),
                workload=f"experiments.profile_rollout: {env_cfg.suite}, {env_cfg.num_envs} envs / "
                         f"{env_cfg.num_workers} workers in {rcfg.stages} stages, chunk {env_cfg.chunk_size}, "
@@ -150,7 +165,8 @@ def main(cfg: DictConfig) -> None:
         print(f"{name}: {path}")
     payload = {"run_dir": str(run_dir), "config": OmegaConf.to_container(cfg, resolve=True),
                "report": strict_json(report.to_dict(skip_first))}
-    write_result("profile_rollout", payload, result_summary(report, skip_first), commit=rcfg.commit)
+    # labelled with the device it ran on (rollout.device=cpu on a GPU host is a CPU run)
+    write_result("profile_rollout", payload, result_summary(report, skip_first), commit=rcfg.commit, device=device)
 
 
 if __name__ == "__main__":

@@ -156,9 +156,26 @@ def make_plan(profiles: list[str], python: str, task_specs: list[str]) -> Plan:
     return plan
 
 
-def wheel_matches(path: Path, wheel: Wheel) -> bool:
+def wheel_matches(path: Path, wheel: Wheel, python: str | None = None) -> bool:
+    """`path` is `wheel`'s file; with `python`, also one that target's pip installs (a wheel kept from a
+    pack for another --python, e.g. mujoco's cp311 build, stopped the install on the machine)."""
     name, version = path.name.split("-")[:2]
-    return normalize(name) == wheel.key and version == wheel.version
+    if normalize(name) != wheel.key or version != wheel.version:
+        return False
+    return python is None or fits_python(path, python)
+
+
+def fits_python(path: Path, python: str) -> bool:
+    """The wheel's python/abi tags (name-version[-build]-python-abi-platform.whl) accept `python` ("3.12"):
+    py3 / py312 / cp312, or a stable-ABI (abi3) build for an older or equal CPython 3."""
+    py_tags, abi_tags = (part.split(".") for part in path.name[: -len(".whl")].split("-")[-3:-1])
+    minor = int(python.split(".")[1])
+    for tag in py_tags:
+        if tag in ("py3", f"py3{minor}", f"cp3{minor}"):
+            return True
+        if "abi3" in abi_tags and re.fullmatch(r"cp3\d+", tag) and int(tag[3:]) <= minor:
+            return True
+    return False
 
 
 def sync_wheels(plan: Plan, root: Path) -> None:
@@ -167,16 +184,16 @@ def sync_wheels(plan: Plan, root: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     present = list(folder.glob("*.whl"))
     for path in present:
-        if not any(wheel_matches(path, w) for w in plan.wheels):
-            print(f"removing {path.name} (not in this plan)")
+        if not any(wheel_matches(path, w, plan.python) for w in plan.wheels):
+            print(f"removing {path.name} (not in this plan for Python {plan.python})")
             path.unlink()
     for wheel in plan.wheels:
-        if any(wheel_matches(p, wheel) for p in folder.glob("*.whl")):
+        if any(wheel_matches(p, wheel, plan.python) for p in folder.glob("*.whl")):
             continue
         with tempfile.TemporaryDirectory() as tmp:
             run(plan.download_command(wheel, Path(tmp)), f"fetch {wheel.requirement}")
             built = list(Path(tmp).glob("*.whl"))
-            if len(built) != 1 or not wheel_matches(built[0], wheel):
+            if len(built) != 1 or not wheel_matches(built[0], wheel, plan.python):
                 raise SystemExit(f"{wheel.requirement}: expected one matching wheel, got {[p.name for p in built]}")
             if wheel.source_only and not built[0].name.endswith("-none-any.whl"):
                 raise SystemExit(f"{built[0].name}: built from source but not pure Python; it would not run there")
@@ -220,7 +237,10 @@ def fetch_gl(plan: Plan, root: Path) -> None:
 
 def write_git_sha(root: Path) -> str:
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root).returncode != 0
+    # the tree a call sends holds untracked files that are not ignored too (tree_mib): a new module
+    # there is a difference from the commit as much as an edit (git diff saw only the edits)
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=root,
+                                capture_output=True, text=True, check=True).stdout.strip())
     (root / GIT_SHA).parent.mkdir(parents=True, exist_ok=True)
     (root / GIT_SHA).write_text(sha + ("\ndirty\n" if dirty else "\n"))
     return sha + ("-dirty" if dirty else "")
