@@ -228,9 +228,9 @@ class RolloutCollector:
         where = f"stage {stage.index} chunk {t} ({len(rows)} rows)"
         self.shapes.check_output(out, len(rows), where)
         with self.timeline.span("rollout/transfer", **attrs, data="actions"):
-            clip = self.cfg.action_clip
-            actions = np.clip(out.actions[:, : self.shapes.action_chunk].numpy(), -clip, clip)
-            self._check_finite(actions, stage, rows, where)
+            raw = out.actions[:, : self.shapes.action_chunk].numpy()
+            self._check_finite(raw, stage, rows, where)  # before the clip, which turns +-inf into +-action_clip
+            actions = np.clip(raw, -self.cfg.action_clip, self.cfg.action_clip)
             record_prediction(batch, stage.start + rows, t, out, actions)
             env_actions = np.zeros((stage.size, self.shapes.action_chunk, self.shapes.action_dim), np.float32)
             env_actions[rows] = actions

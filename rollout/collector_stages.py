@@ -7,9 +7,10 @@ observation, done / lost masks, the env chunk in flight).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,7 +101,8 @@ class Stage:
         self.start = start
         self.stop = start + env_cfg.num_envs
         self.lane = lane
-        self.vec: VectorEnvBase = make_vector_env(env_cfg, in_process=in_process)
+        with self.numbering_note():
+            self.vec: VectorEnvBase = make_vector_env(env_cfg, in_process=in_process)
         self.obs: dict[str, Any] | None = None
         self.done = np.zeros(env_cfg.num_envs, dtype=bool)
         self.lost = np.zeros(env_cfg.num_envs, dtype=bool)
@@ -120,7 +122,9 @@ class Stage:
 
     def reset(self, init_state_ids: np.ndarray, group_size: int, seed: int) -> None:
         """init_state_ids: one per env of the collector; seed: the epoch's (stage_seed applied here)."""
-        self.obs = self.vec.reset(init_state_ids[self.rows], group_size=group_size, seed=stage_seed(seed, self.index))
+        with self.numbering_note():
+            self.obs = self.vec.reset(init_state_ids[self.rows], group_size=group_size,
+                                      seed=stage_seed(seed, self.index))
         self.done[:] = False
         self.lost[:] = False
         self.pending = None
@@ -130,10 +134,21 @@ class Stage:
         attrs = {"stage": self.index, "chunk": chunk}
         if step is not None:
             attrs["step"] = step
-        with self.lane.span("rollout/env_step", **attrs):
+        with self.lane.span("rollout/env_step", **attrs), self.numbering_note():
             result = self.vec.step_chunk(actions)
         finished_at.append(time.perf_counter())
         return result
+
+    @contextlib.contextmanager
+    def numbering_note(self) -> Iterator[None]:
+        """The stage's vector env names envs and workers in its own numbering (its env 0 is the
+        collector's env `start`; every stage has a worker 0): its errors get a note saying so."""
+        try:
+            yield
+        except Exception as exc:
+            exc.add_note(f"in rollout stage {self.index} (its own vector env and workers): env i of the stage is "
+                         f"the collector's env {self.start} + i (envs {self.start}..{self.stop - 1})")
+            raise
 
     def close(self) -> None:
         self.vec.close()
