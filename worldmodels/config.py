@@ -19,6 +19,7 @@ from typing import Any
 
 from common.config import (
     check_choice,
+    check_int_list,
     check_nonnegative_int,
     check_positive_float,
     check_positive_int,
@@ -64,8 +65,9 @@ class DiTConfig:
             raise ValueError(f"{key}: head dim width/num_heads = {head_dim} must be even and >= 6 (3-axis RoPE)")
         if self.freq_dim % 2:
             raise ValueError(f"{key}.freq_dim must be even, got {self.freq_dim}")
-        self.patch_size = [int(p) for p in self.patch_size]
-        if len(self.patch_size) != 3 or min(self.patch_size) < 1:
+        # as given, not through int(): 2.5 became 2 and True 1, silently; a bare 2 failed unnamed ("not iterable")
+        self.patch_size = check_int_list(f"{key}.patch_size", self.patch_size, 1)
+        if len(self.patch_size) != 3:
             raise ValueError(f"{key}.patch_size must be 3 positive ints (t, h, w), got {self.patch_size}")
         if self.patch_size[0] != 1:
             raise ValueError(f"{key}.patch_size[0] must be 1 (frames are the causal unit), got {self.patch_size}")
@@ -86,8 +88,8 @@ class VAEConfig:
     scale: float = 1.0  # latents are (z - 0) * scale; a real VAE brings its own mean/std
 
     def validate(self, key: str, latent_channels: int) -> None:
-        self.stride = [int(s) for s in self.stride]
-        if len(self.stride) != 3 or min(self.stride) < 1:
+        self.stride = check_int_list(f"{key}.stride", self.stride, 1)  # as patch_size: no int() truncation
+        if len(self.stride) != 3:
             raise ValueError(f"{key}.stride must be 3 positive ints (t, h, w), got {self.stride}")
         if self.stride[1] != self.stride[2] or self.stride[1] not in (1, 2, 4, 8, 16):
             raise ValueError(f"{key}.stride spatial factors must be equal powers of 2 <= 16, got {self.stride}")
