@@ -159,14 +159,15 @@ def stage_costs(
     batch: int = 1,
     prompt_len: int | None = None,
     num_cameras: int | None = None,
-    **options,
+    *,
+    full_last_layer: bool = False,
+    modulation_precomputed: bool = False,
 ) -> dict[str, StageCost]:
-    """{"vision", "prefix", "expert_step", "expert_total", "total"} for one `sample` call."""
+    """{"vision", "prefix", "expert_step", "expert_total", "total"} for one `sample` call. The two
+    options are named parameters: a misspelt one raises instead of silently counting the default."""
     vision = vision_cost(cfg, batch, num_cameras)
-    prefix = prefix_cost(cfg, batch, prompt_len, num_cameras, options.get("full_last_layer", False))
-    step = expert_step_cost(
-        cfg, batch, prompt_len, num_cameras, options.get("modulation_precomputed", False)
-    )
+    prefix = prefix_cost(cfg, batch, prompt_len, num_cameras, full_last_layer)
+    step = expert_step_cost(cfg, batch, prompt_len, num_cameras, modulation_precomputed)
     expert = step.scaled(cfg.sampling.num_steps)
     return {
         "vision": vision,

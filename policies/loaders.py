@@ -129,6 +129,7 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)  # source names we needed and did not find
     unexpected: list[str] = field(default_factory=list)  # source names we do not know
     ignored: list[str] = field(default_factory=list)  # known but unused (the LM heads)
+    source: str | None = None  # the file it came from (load_checkpoint), named in the refusal
 
     @property
     def complete(self) -> bool:
@@ -136,8 +137,9 @@ class LoadReport:
 
     def raise_if_incomplete(self) -> LoadReport:
         if not self.complete:
+            where = f" {self.source}" if self.source else ""
             raise ValueError(
-                f"checkpoint ({self.format}) does not match the model: {self.summary()}"
+                f"checkpoint{where} ({self.format}) does not match the model: {self.summary()}"
             )
         return self
 
@@ -251,7 +253,15 @@ def read_safetensors(path: str | Path) -> dict[str, Tensor]:
 
 
 def load_checkpoint(model: PI05Model, path: str | Path, fmt: str = "auto") -> LoadReport:
-    return load_state_dict(model, read_safetensors(path), fmt)
+    """`load_state_dict` of a file; its refusals (format, shape, key mismatch) name the file, which
+    the key lists alone do not (a rank building policy.checkpoint said only "cannot tell the format")."""
+    state = read_safetensors(path)
+    try:
+        report = load_state_dict(model, state, fmt)
+    except ValueError as exc:
+        raise ValueError(f"checkpoint {path}: {exc}") from exc
+    report.source = str(path)
+    return report
 
 
 @torch.no_grad()
