@@ -230,8 +230,14 @@ class WorkerPool:
         script = str(Path(__file__).with_name("compile_worker.py"))
         self.logs = [tempfile.TemporaryFile() for _ in range(size)]
         cmd = [sys.executable, script, *(["--with-torch"] if WORKERS_IMPORT_TORCH else [])]
-        self.procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                                       env=env) for log in self.logs]
+        self.procs = []
+        try:
+            for log in self.logs:
+                self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                                   text=True, env=env))
+        except OSError:  # e.g. a process or file limit: the workers started so far would idle on, unowned
+            self._stop_started()
+            raise
         self.idle: queue.Queue = queue.Queue()  # worker indices; None once every worker is dead
         for i in range(size):
             self.idle.put(i)
@@ -275,6 +281,17 @@ class WorkerPool:
         if "error" in result:
             raise RuntimeError(result["error"])
         return result
+
+    def _stop_started(self) -> None:
+        """Kill the workers of a pool that could not start all of them, and close their pipes and logs."""
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+                proc.stdout.close()
+        for log in self.logs:
+            log.close()
 
     def close(self) -> None:
         """Kill the workers (idle, starting, or compiling a kernel nobody waits for; Triton writes its cache
@@ -406,9 +423,14 @@ class Precompiler:
                 self._keep(*recall, kept, specs)
             if self._pool is None and len(missing) < MIN_TO_SPAWN:
                 return 0  # they compile in-process at their launches
+            try:
+                for spec in missing:
+                    self._submit(spec)
+            except OSError as exc:  # the pool cannot start (a process limit): the kernels compile at their launches
+                logger.warning("precompile: cannot start %d compile workers (%s: %s); the kernels compile at their "
+                               "launches", self.workers, type(exc).__name__, exc)
+                return 0
             self._count(submitted=len(missing))
-            for spec in missing:
-                self._submit(spec)
             if self._session == 1:  # no session around this call: nothing would wait for them otherwise
                 for spec in missing:
                     self._wait(spec)

@@ -210,27 +210,37 @@ class TuningCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _read(self, set_aside: bool = False) -> dict:
-        """The file's entries; {} when it does not exist. A file that does not parse, or whose fingerprint is
-        not this one, reads as {} with a warning, and with `set_aside` (only under the lock, in `_flush`) is
-        renamed to `<name>.bad` (the write then starts a new one). Lock-free reads (`get`) never rename: by
-        then a writer holding the lock may have replaced the bad file with a good one, which would move away."""
+        """The file's entries; {} when it does not exist. A file that does not parse (bytes that are not text
+        included: a damaged file), whose fingerprint is not this one, or whose entries are not tables, reads
+        as {} with a warning, and with `set_aside` (only under the lock, in `_flush`) is renamed to
+        `<name>.bad` (the write then starts a new one). Lock-free reads (`get`) never rename: by then a
+        writer holding the lock may have replaced the bad file with a good one, which would move away."""
         try:
             text = self.path.read_text()
         except FileNotFoundError:
             return {}
+        except UnicodeDecodeError as exc:  # a ValueError, not an OSError: it crashed the bucket's build
+            return self._unusable(exc, set_aside)
         except OSError as exc:
             logger.warning("tuning cache: cannot read %s (%s); timing afresh", self.path, exc)
             return {}
         try:
             kept = json.loads(text)
-            if kept.get("fingerprint") != self.fingerprint or not isinstance(kept.get("entries"), dict):
+            if kept.get("fingerprint") != self.fingerprint:
                 raise ValueError("its fingerprint is not this device's and software's")
-            return kept["entries"]
+            entries = kept.get("entries")
+            if not isinstance(entries, dict) or not all(isinstance(table, dict) for table in entries.values()):
+                raise ValueError("its entries are not one table per kind")  # `get` would fail on them
+            return entries
         except (ValueError, AttributeError) as exc:
-            if not set_aside:
-                logger.warning("tuning cache: %s is unusable (%s); timing afresh", self.path, exc)
-                return {}
-            logger.warning("tuning cache: %s is unusable (%s); set aside as .bad, timing afresh", self.path, exc)
-            with contextlib.suppress(OSError):
-                os.replace(self.path, self.path.with_name(self.path.name + ".bad"))
+            return self._unusable(exc, set_aside)
+
+    def _unusable(self, exc: Exception, set_aside: bool) -> dict:
+        """_read of a file it cannot use: a warning, the file renamed to `<name>.bad` with `set_aside`, no entries."""
+        if not set_aside:
+            logger.warning("tuning cache: %s is unusable (%s); timing afresh", self.path, exc)
             return {}
+        logger.warning("tuning cache: %s is unusable (%s); set aside as .bad, timing afresh", self.path, exc)
+        with contextlib.suppress(OSError):
+            os.replace(self.path, self.path.with_name(self.path.name + ".bad"))
+        return {}
