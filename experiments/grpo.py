@@ -7,8 +7,8 @@
     python -m experiments.grpo mode=eval eval.checkpoint=RUN_DIR
 
 Every group's config is validated (errors name the key and value) before the run directory is
-created, and so are the checkpoints it reads (run.resume, eval.checkpoint); a bad override stops
-here and nothing is written. Keys: grpo/run_config.py.
+created, and so are the checkpoints it reads (run.resume, eval.checkpoint) and the GPUs it names
+(against this machine's); a bad override stops here and nothing is written. Keys: grpo/run_config.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ register_grpo_schema()
 def run(cfg: DictConfig, force_mode: str | None = None) -> dict:
     from common.config import to_container
     from grpo.run_config import ExperimentConfig
-    from grpo.runs import check_checkpoints, make_run_dir, run_evaluation, write_config
+    from grpo.runs import check_checkpoints, check_devices, make_run_dir, run_evaluation, write_config
 
     try:
         raw = to_container(cfg)
@@ -38,6 +38,7 @@ def run(cfg: DictConfig, force_mode: str | None = None) -> dict:
             raw["mode"] = force_mode
         exp = ExperimentConfig.from_hydra(raw)
         check_checkpoints(exp)
+        check_devices(exp)  # the GPUs it names, against this machine's
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -74,8 +74,14 @@ def save(run_dir: Path, step: int, train: TrainState, model: torch.nn.Module, op
         "history": train.history, "wandb_id": train.wandb_id,
     }
     tmp = path.with_suffix(".pt.tmp")
-    torch.save(payload, tmp)
-    tmp.replace(path)
+    try:
+        torch.save(payload, tmp)
+        tmp.replace(path)
+    except BaseException:
+        # Ctrl-C or a full disk while writing (minutes and tens of GB for pi0.5 with its optimiser state): the
+        # half-written file stayed in the run directory, which nothing reads or removes
+        tmp.unlink(missing_ok=True)
+        raise
     for old in list_checkpoints(run_dir)[:-keep]:
         old.unlink()
     return path

@@ -30,6 +30,31 @@ def check_checkpoints(cfg: ExperimentConfig) -> None:
                          f"nothing is left to train (raise grpo.steps to go on)")
 
 
+def check_devices(cfg: ExperimentConfig) -> None:
+    """The devices the run names against this machine's GPUs, before the run directory exists: a GPU it
+    lacks (run.device=cuda:1 on one GPU, cuda on a CPU box) was refused only by the trainer, after the run
+    directory, with a traceback; an evaluation failed in torch ("Torch not compiled with CUDA enabled",
+    "invalid device ordinal") naming no key."""
+    import torch
+
+    from rollout.placement import plan_placement, resolve_device
+
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.mode == "train":
+        from grpo.actor_group import plan_actor_for_run
+
+        plan_actor_for_run(cfg, plan_placement(cfg.run.device, "run.device", cfg.rollout, cuda_count), cuda_count)
+        return
+    # an evaluation pushes weights to the engine as tensors: only its devices count, and run.device where it
+    # loads eval.checkpoint
+    engine = cfg.rollout.engine
+    listed = isinstance(engine.devices, list)
+    for r, device in enumerate(engine.rank_devices(cuda_count)):
+        resolve_device(f"rollout.engine.devices[{r}]" if listed else "rollout.engine.devices", device, cuda_count)
+    if cfg.eval.checkpoint:
+        resolve_device("run.device", cfg.run.device, cuda_count)
+
+
 def make_run_dir(path: str | Path) -> Path:
     """Create the run directory; an existing non-empty one gets a fresh sibling (-1, -2, ...)."""
     base = Path(path)
@@ -61,6 +86,10 @@ def run_evaluation(cfg: ExperimentConfig, run_dir: Path) -> dict:
     from rollout.engine import PolicyEngine
 
     seed_everything(cfg.run.seed)
+    if cfg.run.torch_threads:  # as the trainer: the inproc engine predicts in this process, beside the env workers
+        import torch
+
+        torch.set_num_threads(cfg.run.torch_threads)
     wandb_run = WandbRun(cfg.logger, run_dir, cfg.raw)
     engine = evaluator = None
     try:
@@ -73,11 +102,17 @@ def run_evaluation(cfg: ExperimentConfig, run_dir: Path) -> dict:
             del policy
         evaluator = Evaluator(cfg.env, cfg.eval, cfg.collector, engine, cfg.policy, seed=cfg.run.seed)
         result = evaluator.run(run_dir / "videos")
+    except BaseException:
+        # as Trainer.abort: the wandb run ends as failed (left open, the next wandb.init of this process, e.g. the
+        # next job of a sweep, finished it with exit code 0)
+        wandb_run.finish(exit_code=1)
+        raise
     finally:
         for part in (evaluator, engine):
             if part is not None:
                 part.close()
-    print(f"evaluation (ODE) of {cfg.eval.checkpoint or 'the initial weights'}:\n{result.table()}")
+    print(f"evaluation ({cfg.eval.sampling.upper()}) of {cfg.eval.checkpoint or 'the initial weights'}:\n"
+          f"{result.table()}")
     summary = {"checkpoint": cfg.eval.checkpoint, "step": step, **result.metrics(),
                "tasks": [dict(zip(result.COLUMNS, row)) for row in result.rows()],
                "videos": [str(p) for _, p in result.videos]}
