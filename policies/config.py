@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import (
+    check_bool,
     check_choice,
+    check_list,
     check_nonnegative_int,
     check_positive_float,
     check_positive_int,
@@ -111,6 +114,7 @@ class SamplingConfig:
         check_positive_int(f"{key}.num_steps", self.num_steps)
         check_choice(f"{key}.train_mode", self.train_mode, TRAIN_MODES)
         check_positive_float(f"{key}.noise_level", self.noise_level)
+        check_bool(f"{key}.exclude_last_step", self.exclude_last_step)  # a quoted "false" excluded the step
         if self.exclude_last_step and self.num_steps < 2:
             raise ValueError(
                 f"{key}.exclude_last_step needs {key}.num_steps >= 2, got {self.num_steps}"
@@ -144,6 +148,7 @@ class InputConfig:
     action_q99: list[float] | None = None
 
     def validate(self, key: str, cameras: list[str], state_dim: int, action_dim: int) -> None:
+        check_bool(f"{key}.resize_images", self.resize_images)  # a quoted "false" resized
         slots = list(self.camera_map.values())
         if not slots:
             raise ValueError(f"{key}.camera_map must map at least one env camera to a slot")
@@ -250,8 +255,10 @@ class PolicyConfig:
             raise ValueError(
                 f"policy.expert.width must be even (sincos time embedding), got {self.expert.width}"
             )
-        self.cameras = list(self.cameras)
-        if not self.cameras or len(set(self.cameras)) != len(self.cameras):
+        # a bare string became one camera per character (["b", "a", ...]) and then failed naming the slots
+        self.cameras = check_list("policy.cameras", self.cameras)
+        if (not self.cameras or not all(isinstance(c, str) and c for c in self.cameras)
+                or len(set(self.cameras)) != len(self.cameras)):
             raise ValueError(
                 f"policy.cameras must be non-empty camera slot names without duplicates, got {self.cameras}"
             )
@@ -260,6 +267,11 @@ class PolicyConfig:
         check_choice("policy.dtype", self.dtype, DTYPES)
         check_choice("policy.checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
         check_positive_float("policy.init_scale", self.init_scale)
+        check_bool("policy.train_expert_only", self.train_expert_only)  # a quoted "false" trained only the expert
+        for name in ("checkpoint", "tokenizer_path"):  # a number would reach open() as a file descriptor
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (str, os.PathLike)) and str(value)):
+                raise ValueError(f"policy.{name} must be a path (a non-empty string) or null, got {value!r}")
         check_nonnegative_int("policy.seed", self.seed)
         self.sampling.validate("policy.sampling", self.chunk_size)
         self.inputs.validate("policy.inputs", self.cameras, self.state_dim, self.action_dim)
