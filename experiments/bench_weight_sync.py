@@ -35,7 +35,7 @@ import torch.multiprocessing as tmp
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments.results import write_result
+from experiments.results import measured_or_recorded, write_result
 from policies import PolicyConfig
 from rollout.config import EngineConfig
 from rollout.engine import PolicyEngine
@@ -263,20 +263,27 @@ def run(bench: BenchWeightSyncConfig, policy_cfg: PolicyConfig, device: str) -> 
     try:
         trainer = None
         source = {n: p.detach().clone() + 1 for n, p in b.params.items()} if "inproc" in bench.methods else {}
-        for which in ("full", "expert"):
+        for which in ("full", "expert"):  # each method's side on its own: one that fails keeps the others' numbers
             if "ipc" in bench.methods:
-                times, cold, opened = b.ipc(which)
-                trainer = opened if which == "full" else trainer
-                out[f"ipc_{which}_times_s"], out[f"ipc_{which}_first_s"] = times, cold
+                ipc = measured_or_recorded(out, f"ipc_{which}", lambda which=which: b.ipc(which))
+                if ipc is not None:
+                    out[f"ipc_{which}_times_s"], out[f"ipc_{which}_first_s"], opened = ipc
+                    trainer = opened if which == "full" else trainer
             if "inproc" in bench.methods:
-                out[f"inproc_{which}_times_s"] = b.inproc(which, source)
+                times = measured_or_recorded(out, f"inproc_{which}", lambda which=which: b.inproc(which, source))
+                if times is not None:
+                    out[f"inproc_{which}_times_s"] = times
             out[f"device_copy_{which}_s"] = b.device_copy_s(which)
         if "rlinf_style" in bench.methods:
-            if trainer is None:
-                _, _, trainer = b.ipc("full")
             for which in ("full", "expert"):
-                times, buckets = b.rlinf_style(which, trainer)
-                out[f"rlinf_style_{which}_times_s"], out[f"rlinf_style_{which}_buckets"] = times, buckets
+                def rlinf_side(which=which):
+                    nonlocal trainer
+                    if trainer is None:  # the IPC side was not asked for, or failed: open the trainer here
+                        trainer = b.ipc("full")[2]
+                    return b.rlinf_style(which, trainer)
+                rlinf = measured_or_recorded(out, f"rlinf_style_{which}", rlinf_side)
+                if rlinf is not None:
+                    out[f"rlinf_style_{which}_times_s"], out[f"rlinf_style_{which}_buckets"] = rlinf
         out["final_version"] = b.engine.version
     finally:
         b.close()
@@ -290,9 +297,10 @@ def summarise(r: dict, goals_apply: bool) -> dict:
     s = {}
     full, expert = r.get("ipc_full_s"), r.get("ipc_expert_s")
     if full is not None:
-        s.update(full_s=full, full_gbps=r["bytes_full"] / full / 1e9, expert_s=expert,
-                 expert_gbps=r["bytes_expert"] / expert / 1e9, full_first_s=r["ipc_full_first_s"],
-                 full_goal_met=full <= GOAL_FULL_S if goals_apply else None,
+        s.update(full_s=full, full_gbps=r["bytes_full"] / full / 1e9, full_first_s=r["ipc_full_first_s"],
+                 full_goal_met=full <= GOAL_FULL_S if goals_apply else None)
+    if expert is not None:
+        s.update(expert_s=expert, expert_gbps=r["bytes_expert"] / expert / 1e9,
                  expert_goal_met=expert <= GOAL_EXPERT_S if goals_apply else None)
     for method in ("inproc", "rlinf_style"):
         for which in ("full", "expert"):
@@ -300,9 +308,15 @@ def summarise(r: dict, goals_apply: bool) -> dict:
                 s[f"{method}_{which}_s"] = r[f"{method}_{which}_s"]
     if full is not None and "rlinf_style_full_s" in r:
         s["speedup_vs_rlinf_style_full"] = r["rlinf_style_full_s"] / full
+    if r.get("errors"):
+        s["failed"] = sorted(r["errors"])  # their tracebacks are in the JSON's results.errors
     s.update(device_copy_full_s=r["device_copy_full_s"], params_full=r["params_full"], bytes_full=r["bytes_full"],
              params_expert=r["params_expert"], bytes_expert=r["bytes_expert"])
     return s
+
+
+def _ms(seconds: float | None) -> str:
+    return "failed" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
 def print_table(s: dict) -> None:
@@ -310,8 +324,8 @@ def print_table(s: dict) -> None:
     for label, key in (("in-process", "inproc"), ("IPC (steady)", "ipc"), ("RLinf-style", "rlinf_style")):
         full = s.get("full_s") if key == "ipc" else s.get(f"{key}_full_s")
         expert = s.get("expert_s") if key == "ipc" else s.get(f"{key}_expert_s")
-        if full is not None:
-            print(f"{label:<22}{full * 1e3:>10.2f}{expert * 1e3:>11.2f}")
+        if full is not None or expert is not None:
+            print(f"{label:<22}{_ms(full):>10}{_ms(expert):>11}")
     print(f"{'device copy (flat)':<22}{s['device_copy_full_s'] * 1e3:>10.2f}")
 
 

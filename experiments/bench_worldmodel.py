@@ -26,7 +26,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.results import write_result
+from experiments.results import measured_or_recorded, write_result
 from worldmodels.bench_tools import profile_gemms, run_closed_loop, time_regeneration, time_sequential
 from worldmodels.config import WorldModelConfig
 from worldmodels.flops import block_parameters, kv_bytes, pass_flops
@@ -161,15 +161,11 @@ def run_single(cfg: WorldModelConfig, bench: BenchWorldModelConfig, device: torc
 
 
 def recorded(payload: dict, label: str, measure):
-    """measure(), or None with its traceback in payload["errors"][label]."""
-    try:
-        return measure()
-    except Exception:  # noqa: BLE001 - recorded in the result; the other sides still run
-        error = traceback.format_exc()
-    print(f"{label} failed:\n{error[-1500:]}")
-    payload.setdefault("errors", {})[label] = error[-4000:]
-    release_memory()
-    return None
+    """measure(), or None with its traceback in payload["errors"][label]; the GPU memory freed either way."""
+    result = measured_or_recorded(payload, label, measure)
+    if result is None:
+        release_memory()
+    return result
 
 
 def with_graph_fallback(run, graphs: bool, payload: dict, label: str):

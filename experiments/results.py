@@ -21,7 +21,8 @@ import os
 import platform
 import re
 import subprocess
-from collections.abc import Mapping
+import traceback
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +147,15 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     return str(value)
+
+
+def measured_or_recorded(payload: dict, label: str, measure: Callable[[], Any]) -> Any:
+    """measure(), or None with its traceback in payload["errors"][label]: a bench's side that fails
+    keeps the other sides' numbers in the one JSON a device call brings back."""
+    try:
+        return measure()
+    except Exception:  # noqa: BLE001 - recorded in the result; the other sides still run
+        error = traceback.format_exc()
+    print(f"{label} failed:\n{error[-1500:]}")
+    payload.setdefault("errors", {})[label] = error[-4000:]
+    return None
