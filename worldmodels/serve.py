@@ -39,9 +39,9 @@ from worldmodels.kvpool import DISCARD, FIRST_PAGE, KVPool, StreamPages
 from worldmodels.model import CausalWanDiT, build_model
 from worldmodels.readout import RewardFn, SuccessHead, build_readout, read_chunk
 from worldmodels.scheduler import ChunkFinished, StageScheduler, WorkItem
-from worldmodels.serve_config import FRAME_MODES, ServeConfig
+from worldmodels.serve_config import FRAME_MODES, ServeConfig, device_key
 from worldmodels.stage import StageBatch, StageRunner
-from worldmodels.streams import BatchBuilder, ChunkOutput, StreamState, Timer, device_key, now
+from worldmodels.streams import BatchBuilder, ChunkOutput, StreamState, Timer, now
 from worldmodels.vae import SmallCausalVAE, build_vae, still_clip
 
 
@@ -81,6 +81,7 @@ class WorldModelServer:
         self.cfg = cfg
         self.serve = serve or ServeConfig()
         self.lock = threading.RLock()
+        self.serve.check_visible(torch.cuda.device_count() if torch.cuda.is_available() else 0)
         self.placement = self.serve.placement(cfg.dit.num_blocks)
         devices = self.placement.devices
         base = model if model is not None else build_model(cfg, devices[0])

@@ -27,6 +27,15 @@ from worldmodels.split import equal_split
 FRAME_MODES = ("none", "last", "all")
 
 
+def device_key(device: str | torch.device) -> str:
+    """"cuda" and "cuda:0" (the current device) name the same GPU: one model copy per GPU, and admission sums
+    the stages of one GPU together (it counted "cuda" and "cuda:0" as two devices, admitting twice the load)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return str(device)
+
+
 @dataclass
 class ServeConfig:
     # Devices of each ring's stages, in pipeline order: [["cuda:0"]] is one GPU; [["cuda:0", "cuda:1"]]
@@ -109,8 +118,17 @@ class ServeConfig:
                 for count in counts:
                     bounds.append((start, start + count))
                     start += count
-            rings.append([StageSpec(d, b) for d, b in zip(devices, bounds, strict=True)])
+            rings.append([StageSpec(device_key(d), b) for d, b in zip(devices, bounds, strict=True)])
         return Placement(rings, num_blocks)
+
+    def check_visible(self, cuda_count: int) -> None:
+        """Each ring's GPUs against this machine's before anything is built: serve.rings=[[cuda:1]] on one GPU
+        failed in the model copy with torch's "invalid device ordinal", naming no key."""
+        for g, ring in enumerate(self.rings):
+            for s, device in enumerate(ring):
+                index = torch.device(device).index or 0
+                if torch.device(device).type == "cuda" and index >= cuda_count:
+                    raise ValueError(f"serve.rings[{g}][{s}] is {device!r}, but {cuda_count} GPU(s) are visible")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -133,14 +133,6 @@ def now() -> float:
     return time.perf_counter()
 
 
-def device_key(device: str | torch.device) -> str:
-    """"cuda" and "cuda:0" (the current device) name the same GPU: one model copy per GPU."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return str(device)
-
-
 class Timer:
     """Wall time on the CPU; CUDA events on a GPU (read after the tick's synchronisation)."""
 
