@@ -80,6 +80,13 @@ def check_positive_float(key: str, value: Any) -> None:
         raise ValueError(f"{key} must be a positive number, got {value!r}")
 
 
+def check_positive_finite(key: str, value: Any) -> None:
+    """A positive number that is not inf: for a scale, an epsilon or a budget, inf passed the range
+    check and turned into NaN (or a zero-length step) in the arithmetic after, naming no key."""
+    if not is_number(value) or not 0 < value < float("inf"):
+        raise ValueError(f"{key} must be a positive finite number, got {value!r}")
+
+
 class UnknownTaskError(ValueError):
     """A task id outside a suite's tasks; its fields let a caller whose ids came from another key
     (eval.tasks) name that key instead of env.task_ids."""

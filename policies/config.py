@@ -24,7 +24,7 @@ from common.config import (
     check_choice,
     check_list,
     check_nonnegative_int,
-    check_positive_float,
+    check_positive_finite,
     check_positive_int,
     is_list,
     is_number,
@@ -68,7 +68,7 @@ class VisionConfig:
             raise ValueError(
                 f"{key}.width ({self.width}) must be divisible by {key}.num_heads ({self.num_heads})"
             )
-        check_positive_float(f"{key}.layer_norm_eps", self.layer_norm_eps)
+        check_positive_finite(f"{key}.layer_norm_eps", self.layer_norm_eps)
 
 
 @dataclass
@@ -96,8 +96,8 @@ class GemmaConfig:
             raise ValueError(
                 f"{key}.head_dim must be even (RoPE rotates halves), got {self.head_dim}"
             )
-        check_positive_float(f"{key}.rms_norm_eps", self.rms_norm_eps)
-        check_positive_float(f"{key}.rope_theta", self.rope_theta)
+        check_positive_finite(f"{key}.rms_norm_eps", self.rms_norm_eps)
+        check_positive_finite(f"{key}.rope_theta", self.rope_theta)
 
 
 @dataclass
@@ -113,7 +113,7 @@ class SamplingConfig:
     def validate(self, key: str, chunk_size: int) -> None:
         check_positive_int(f"{key}.num_steps", self.num_steps)
         check_choice(f"{key}.train_mode", self.train_mode, TRAIN_MODES)
-        check_positive_float(f"{key}.noise_level", self.noise_level)
+        check_positive_finite(f"{key}.noise_level", self.noise_level)
         check_bool(f"{key}.exclude_last_step", self.exclude_last_step)  # a quoted "false" excluded the step
         if self.exclude_last_step and self.num_steps < 2:
             raise ValueError(
@@ -262,11 +262,11 @@ class PolicyConfig:
             raise ValueError(
                 f"policy.cameras must be non-empty camera slot names without duplicates, got {self.cameras}"
             )
-        check_positive_float("policy.min_period", self.min_period)
-        check_positive_float("policy.max_period", self.max_period)
+        check_positive_finite("policy.min_period", self.min_period)
+        check_positive_finite("policy.max_period", self.max_period)
         check_choice("policy.dtype", self.dtype, DTYPES)
         check_choice("policy.checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
-        check_positive_float("policy.init_scale", self.init_scale)
+        check_positive_finite("policy.init_scale", self.init_scale)
         check_bool("policy.train_expert_only", self.train_expert_only)  # a quoted "false" trained only the expert
         for name in ("checkpoint", "tokenizer_path"):  # a number would reach open() as a file descriptor
             value = getattr(self, name)

@@ -21,7 +21,7 @@ from common.config import (
     check_choice,
     check_int_list,
     check_nonnegative_int,
-    check_positive_float,
+    check_positive_finite,
     check_positive_int,
     reject_unknown_keys,
     to_container,
@@ -72,7 +72,7 @@ class DiTConfig:
         if self.patch_size[0] != 1:
             raise ValueError(f"{key}.patch_size[0] must be 1 (frames are the causal unit), got {self.patch_size}")
         check_choice(f"{key}.action_init", self.action_init, ACTION_INITS)
-        check_positive_float(f"{key}.eps", self.eps)
+        check_positive_finite(f"{key}.eps", self.eps)
 
     @property
     def head_dim(self) -> int:
@@ -94,7 +94,7 @@ class VAEConfig:
         if self.stride[1] != self.stride[2] or self.stride[1] not in (1, 2, 4, 8, 16):
             raise ValueError(f"{key}.stride spatial factors must be equal powers of 2 <= 16, got {self.stride}")
         check_positive_int(f"{key}.hidden", self.hidden)
-        check_positive_float(f"{key}.scale", self.scale)
+        check_positive_finite(f"{key}.scale", self.scale)
 
 
 @dataclass
@@ -140,7 +140,7 @@ class WorldModelConfig:
         self.readout.validate("worldmodel.readout")
         for name in ("height", "width", "frames_per_chunk", "num_denoise_steps", "context_chunks"):
             check_positive_int(f"worldmodel.{name}", getattr(self, name))
-        check_positive_float("worldmodel.timestep_shift", self.timestep_shift)
+        check_positive_finite("worldmodel.timestep_shift", self.timestep_shift)
         check_choice("worldmodel.kv_schedule", self.kv_schedule, KV_SCHEDULES)
         check_choice("worldmodel.dtype", self.dtype, DTYPES)
         check_nonnegative_int("worldmodel.seed", self.seed)

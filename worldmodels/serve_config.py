@@ -13,7 +13,7 @@ import torch
 from common.config import (
     check_bool,
     check_int_list,
-    check_positive_float,
+    check_positive_finite,
     check_positive_int,
     is_int,
     is_list,
@@ -69,7 +69,7 @@ class ServeConfig:
                 check_positive_int(f"{key}.{name}", getattr(self, name))
         for name in ("kv_memory_gb", "slo_interval_ms"):
             if getattr(self, name) is not None:
-                check_positive_float(f"{key}.{name}", getattr(self, name))
+                check_positive_finite(f"{key}.{name}", getattr(self, name))
         self.batch_buckets = sorted(check_int_list(f"{key}.batch_buckets", self.batch_buckets, 1))
         if self.frames not in FRAME_MODES:
             raise ValueError(f"{key}.frames must be one of {list(FRAME_MODES)}, got {self.frames!r}")

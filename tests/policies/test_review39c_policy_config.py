@@ -28,3 +28,13 @@ def test_real_values_still_build(tmp_path):
                               inputs={"resize_images": False}, tokenizer_path=None)
     assert cfg.train_expert_only is False and cfg.sampling.exclude_last_step and not cfg.inputs.resize_images
     assert PolicyConfig.preset("tiny", checkpoint=tmp_path / "m.safetensors").checkpoint == tmp_path / "m.safetensors"
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    ({"sampling": {"noise_level": float("inf")}}, "policy.sampling.noise_level"),
+    ({"init_scale": float("inf")}, "policy.init_scale"),
+    ({"max_period": float("inf")}, "policy.max_period"),
+])
+def test_an_infinite_policy_scale_is_refused_by_key(overrides, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.") + " must be a positive finite number"):
+        PolicyConfig.preset("tiny", **overrides)

@@ -35,3 +35,18 @@ def test_a_gpu_the_machine_lacks_is_named_by_key(rings, count, key):
 def test_the_server_checks_its_rings_before_building():
     with pytest.raises(ValueError, match=r"serve.rings\[0\]\[0\] is 'cuda:0', but 0 GPU"):
         WorldModelServer(WorldModelConfig.preset("tiny"), ServeConfig(rings=[["cuda:0"]]))
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    ({"timestep_shift": float("inf")}, "worldmodel.timestep_shift"),  # sigma = inf * s / ... : NaN sigmas
+    ({"vae": {"scale": float("inf")}}, "worldmodel.vae.scale"),
+])
+def test_an_infinite_model_scale_is_refused_by_key(overrides, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.") + " must be a positive finite number"):
+        WorldModelConfig.preset("tiny", **overrides)
+
+
+@pytest.mark.parametrize("name", ["slo_interval_ms", "kv_memory_gb"])
+def test_an_infinite_serve_budget_is_refused_by_key(name):
+    with pytest.raises(ValueError, match=f"serve.{name} must be a positive finite number"):
+        ServeConfig(**{name: float("inf")})
