@@ -49,11 +49,11 @@ def test_out_batch_must_match_every_buffer_of_the_collector():
         assert c.collect(GROUP_INIT_STATES, seed=0, out=c.allocate_batch()).images == {}
 
 
-class NanActions:
-    """The real engine, with one NaN in the actions of the predict whose first row runs `task`."""
+class PoisonedActions:
+    """The real engine, with one `value` (NaN, inf) in the actions of the predict whose first row runs `task`."""
 
-    def __init__(self, task: int):
-        self.engine, self.task = make_engine(tiny_policy()), task
+    def __init__(self, task: int, value: float = float("nan")):
+        self.engine, self.task, self.value = make_engine(tiny_policy()), task, value
 
     @property
     def policy_config(self):
@@ -66,13 +66,13 @@ class NanActions:
     def predict(self, obs, **kwargs):
         out = self.engine.predict(obs, **kwargs)
         if obs["state"][0][4] == self.task:  # countdown state[4] is the task id
-            out.actions[0, 1, 2] = float("nan")
+            out.actions[0, 1, 2] = self.value
         return out
 
 
 def test_non_finite_actions_name_the_collectors_env():
     """Env 4 is row 0 of stage 1; before, the stage's vector env refused it as "env 0"."""
-    with RolloutCollector(countdown_env(), NanActions(task=2), CollectorConfig(stages=2, in_process=True)) as c:
+    with RolloutCollector(countdown_env(), PoisonedActions(task=2), CollectorConfig(stages=2, in_process=True)) as c:
         with pytest.raises(ValueError, match=r"actions for stage 1 chunk 0 \(4 rows\) are not finite: env 4 "
                                              r"\(countdown/2\) has nan at sub-step 1, dim 2"):
             c.collect(GROUP_INIT_STATES, seed=0)

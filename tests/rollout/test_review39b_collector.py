@@ -18,33 +18,14 @@ from tests.rollout.test_collector import (  # noqa: F401 (fixture)
     one_torch_thread,
     tiny_policy,
 )
-
-
-class InfActions:
-    """The real engine, with one +inf in the actions of the predict whose first row runs `task`."""
-
-    def __init__(self, task: int):
-        self.engine, self.task = make_engine(tiny_policy()), task
-
-    @property
-    def policy_config(self):
-        return self.engine.policy_config
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    def predict(self, obs, **kwargs):
-        out = self.engine.predict(obs, **kwargs)
-        if obs["state"][0][4] == self.task:  # countdown state[4] is the task id
-            out.actions[0, 1, 2] = float("inf")
-        return out
+from tests.rollout.test_review38_collector import PoisonedActions
 
 
 def test_infinite_engine_actions_are_refused_not_clipped_to_the_bound():
     """Before: np.clip made the inf a 1.0 before the check, so env 4 silently executed it and the batch
     recorded it as a valid chunk (only NaN, which clip keeps, was refused)."""
-    with RolloutCollector(countdown_env(), InfActions(task=2), CollectorConfig(stages=2, in_process=True)) as c:
+    engine = PoisonedActions(task=2, value=float("inf"))
+    with RolloutCollector(countdown_env(), engine, CollectorConfig(stages=2, in_process=True)) as c:
         with pytest.raises(ValueError, match=r"actions for stage 1 chunk 0 \(4 rows\) are not finite: env 4 "
                                              r"\(countdown/2\) has inf at sub-step 1, dim 2"):
             c.collect(GROUP_INIT_STATES, seed=0)
