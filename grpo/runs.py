@@ -37,7 +37,7 @@ def check_devices(cfg: ExperimentConfig) -> None:
     "invalid device ordinal") naming no key."""
     import torch
 
-    from rollout.placement import plan_placement, resolve_device
+    from rollout.placement import plan_placement, resolve_device, resolve_rank_devices
 
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.mode == "train":
@@ -47,10 +47,7 @@ def check_devices(cfg: ExperimentConfig) -> None:
         return
     # an evaluation pushes weights to the engine as tensors: only its devices count, and run.device where it
     # loads eval.checkpoint
-    engine = cfg.rollout.engine
-    listed = isinstance(engine.devices, list)
-    for r, device in enumerate(engine.rank_devices(cuda_count)):
-        resolve_device(f"rollout.engine.devices[{r}]" if listed else "rollout.engine.devices", device, cuda_count)
+    resolve_rank_devices(cfg.rollout.engine, cuda_count)
     if cfg.eval.checkpoint:
         resolve_device("run.device", cfg.run.device, cuda_count)
 

@@ -118,7 +118,7 @@ class PolicyEngine:
         self.weights_cfg: WeightSyncConfig = weights or weights_cfg
         self._policy_cfg = policy_cfg if isinstance(policy_cfg, PolicyConfig) else PolicyConfig.from_mapping(policy_cfg)
         self.devices = engine_cfg.rank_devices()
-        _check_visible(engine_cfg, self.devices)
+        _check_visible(engine_cfg)
         self._generator = torch.Generator().manual_seed(engine_cfg.seed)
         self._lock = threading.RLock()
         self._before: list[Callable[[WeightUpdateEvent], None]] = []
@@ -399,7 +399,7 @@ class PolicyEngine:
             pass
 
 
-def _check_visible(cfg: EngineConfig, devices: list[str]) -> None:
+def _check_visible(cfg: EngineConfig) -> None:
     """Every rank's device is one this machine has (placement.resolve_device's rule), before any rank starts:
     a GPU that is not there failed only inside a rank ("Torch not compiled with CUDA enabled", "invalid device
     ordinal"), after the local backend's processes had started, naming no key. Entry points without a trainer
@@ -407,12 +407,9 @@ def _check_visible(cfg: EngineConfig, devices: list[str]) -> None:
     the cluster's GPUs, which this process need not see."""
     if cfg.backend == "ray":
         return
-    from rollout.placement import resolve_device
+    from rollout.placement import resolve_rank_devices
 
-    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    listed = isinstance(cfg.devices, list)
-    for r, device in enumerate(devices):
-        resolve_device(f"rollout.engine.devices[{r}]" if listed else "rollout.engine.devices", device, cuda_count)
+    resolve_rank_devices(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 def _rows(obs: Mapping[str, Any], start: int, stop: int, n: int) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout.config import RolloutConfig
+from rollout.config import EngineConfig, RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,19 @@ def resolve_device(key: str, name: str, cuda_count: int) -> str:
     return f"cuda:{i}"
 
 
+def resolve_rank_devices(engine: EngineConfig, cuda_count: int) -> list[str]:
+    """Every rank's device by `resolve_device`, each refusal naming its key (the list entry where the config
+    lists the devices): for the trainer's placement, the engine's own check and an evaluation's."""
+    listed = isinstance(engine.devices, list)
+    return [resolve_device(f"rollout.engine.devices[{r}]" if listed else "rollout.engine.devices", d, cuda_count)
+            for r, d in enumerate(engine.rank_devices(cuda_count))]
+
+
 def plan_placement(trainer_device: str, trainer_key: str, rollout: RolloutConfig, cuda_count: int) -> Placement:
     """The trainer's device, the ranks' devices and the weight transport (module docstring)."""
     engine, weights = rollout.engine, rollout.weights
     trainer = resolve_device(trainer_key, trainer_device, cuda_count)
-    listed = isinstance(engine.devices, list)
-    ranks = [resolve_device(f"rollout.engine.devices[{r}]" if listed else "rollout.engine.devices", d, cuda_count)
-             for r, d in enumerate(engine.rank_devices(cuda_count))]
+    ranks = resolve_rank_devices(engine, cuda_count)
     check_static(rollout)
     if weights.transport == "tensors" or (weights.transport == "auto" and engine.backend != "local"):
         why = "asked for" if weights.transport == "tensors" else f"the {engine.backend} backend"

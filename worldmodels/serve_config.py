@@ -126,8 +126,8 @@ class ServeConfig:
         failed in the model copy with torch's "invalid device ordinal", naming no key."""
         for g, ring in enumerate(self.rings):
             for s, device in enumerate(ring):
-                index = torch.device(device).index or 0
-                if torch.device(device).type == "cuda" and index >= cuda_count:
+                parsed = torch.device(device)
+                if parsed.type == "cuda" and (parsed.index or 0) >= cuda_count:
                     raise ValueError(f"serve.rings[{g}][{s}] is {device!r}, but {cuda_count} GPU(s) are visible")
 
     def to_dict(self) -> dict[str, Any]:
