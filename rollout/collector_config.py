@@ -41,7 +41,8 @@ class CollectorConfig:
     group_size: envs sharing an init state (GRPO group); None: env.group_size.
     in_process: each stage's vector env in this process (SyncVectorEnv; tests, debugging).
     action_clip: actions are clipped to [-action_clip, action_clip] before the env (and
-        recorded clipped).
+        recorded clipped). The LIBERO and reach envs clip to [-1, 1] again (robosuite's
+        controller does), so above 1 a recorded action can exceed the executed one.
     predict_done_envs: also predict rows whose episode ended (wasted compute; keeps the batch
         size constant per stage, as RLinf does).
     record_images: store the observation images in the RolloutBatch (the trainer's log-prob

@@ -103,6 +103,7 @@ class Stage:
         self.lane = lane
         with self.numbering_note():
             self.vec: VectorEnvBase = make_vector_env(env_cfg, in_process=in_process)
+        self.vec.numbering_note = self._numbering()
         self.obs: dict[str, Any] | None = None
         self.done = np.zeros(env_cfg.num_envs, dtype=bool)
         self.lost = np.zeros(env_cfg.num_envs, dtype=bool)
@@ -146,9 +147,12 @@ class Stage:
         try:
             yield
         except Exception as exc:
-            exc.add_note(f"in rollout stage {self.index} (its own vector env and workers): env i of the stage is "
-                         f"the collector's env {self.start} + i (envs {self.start}..{self.stop - 1})")
+            exc.add_note(self._numbering())
             raise
+
+    def _numbering(self) -> str:
+        return (f"in rollout stage {self.index} (its own vector env and workers): env i of the stage is "
+                f"the collector's env {self.start} + i (envs {self.start}..{self.stop - 1})")
 
     def close(self) -> None:
         self.vec.close()

@@ -66,6 +66,9 @@ class VectorEnvBase:
         self._has_reset = False
         self._closed = False
         self._buffers: SharedBuffers | None = None
+        # set by an owner that numbers these envs otherwise (a collector stage: its env 0 is the
+        # collector's env `start`); appended to warnings, which carry no notes
+        self.numbering_note = ""
 
     # ------------------------------------------------------------------ public interface
     def reset(

@@ -247,8 +247,9 @@ class AsyncVectorEnv(VectorEnvBase):
             env_ids = self._mark_lost(handle.env_ids, finished)
             self._workers[index] = self._start_worker(index, handle.env_ids)
             stack_note = f"; worker stack (faulthandler):\n{stack}" if stack else ""
-            warnings.warn(f"{description} {reason} during {command!r}; restarted, envs lost: {env_ids}{stack_note}",
-                          RuntimeWarning, stacklevel=3)
+            numbering = f" ({self.numbering_note})" if self.numbering_note else ""
+            warnings.warn(f"{description} {reason} during {command!r}; restarted, envs lost: {env_ids}{numbering}"
+                          f"{stack_note}", RuntimeWarning, stacklevel=3)
             lost.append({
                 "worker": index,
                 "env_ids": env_ids,

@@ -206,7 +206,9 @@ def test_lost_env_trajectories_are_invalid_and_the_next_epoch_recovers():
     engine = KillWorkerBeforePredict(make_engine(tiny_policy()), call=3)  # stage 1's chunk 1
     with RolloutCollector(env_cfg, engine, CollectorConfig(stages=2, workers_per_stage=2)) as collector:
         engine.victim = lambda: collector.stages[1].vec.worker_pids[0]  # env 2 (stage 1, row 0)
-        with pytest.warns(RuntimeWarning, match="env worker 0 .* restarted, envs lost"):
+        # the stage's own numbering (its env 0 is the collector's env 2), said in the warning
+        with pytest.warns(RuntimeWarning, match=r"env worker 0 .* restarted, envs lost: \[0\] \(in rollout stage 1 .*"
+                                                r"collector's env 2 \+ i"):
             batch = collector.collect([2, 2, 2, 2], seed=0, mode="train")
         np.testing.assert_array_equal(batch.lost, [0, 0, 1, 0])
         assert not batch.chunk_valid[2].any() and batch.num_chunks[2] == 0 and not batch.success[2]
