@@ -187,7 +187,10 @@ def leave_group() -> None:
 
 @torch.no_grad()
 def broadcast_module(module: nn.Module, spec: RankSpec, src: int = 0) -> None:
-    """Every parameter and buffer from rank `src`, in place (plain tensors: call before FSDP2 wraps)."""
+    """Every parameter and buffer from rank `src`, in place (plain tensors: call before FSDP2 wraps).
+    Each tensor's version counter is bumped: writes through `.data` and collectives do not bump it,
+    and a fast sampler on this model re-derives its shadows (bf16 / FP8 copies) only when it moved
+    (policies/fast/runner.py refresh_if_weights_changed)."""
     for tensor in [*module.parameters(), *module.buffers()]:
         if tensor.device == spec.comm_device:
             dist.broadcast(tensor.data, src)
@@ -195,6 +198,7 @@ def broadcast_module(module: nn.Module, spec: RankSpec, src: int = 0) -> None:
             staged = tensor.data.to(spec.comm_device)
             dist.broadcast(staged, src)
             tensor.data.copy_(staged)
+        torch.autograd.graph.increment_version(tensor)
 
 
 def all_reduce_sum(values: list[float], spec: RankSpec) -> list[float]:
