@@ -3,14 +3,47 @@
 Code that makes streams, captures CUDA graphs or launches Triton kernels acts on the *current* device, not on
 its tensors' one. A process that drives a model on cuda:1 while cuda:0 is current (the world-model server's
 stage ring, a policy placed on another GPU in the trainer's process) must make its device current first: the
-first two-GPU run of the stage ring failed its graph capture on cuda:1 (round 31)."""
+first two-GPU run of the stage ring failed its graph capture on cuda:1 (round 31).
+
+`visible_cuda_index` is the one rule for a configured GPU against the machine's (the trainer's placement,
+the engine's ranks, the world-model server's rings): checked before anything is built, the refusal naming
+the config key and its value."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import re
 
 import torch
+
+_CUDA = re.compile(r"cuda(?::(\d+))?")
+
+
+def visible_cuda_index(key: str, name: str | torch.device, cuda_count: int) -> int | None:
+    """The GPU index the device `name` (config key `key`'s value) names, checked against the `cuda_count` GPUs
+    this process sees (torch.cuda.device_count(), 0 without CUDA); None for a device of another type (cpu,
+    meta, ...), which needs no GPU. "cuda" without an index is GPU 0: before anything is placed the current
+    device is GPU 0, and "cuda" is visible exactly when some GPU is.
+
+    A GPU the machine lacks is a ValueError naming `key` and `name`: "{key} is 'cuda:2', but only 2 GPU(s) are
+    visible (cuda:0..cuda:1)", or "..., but no GPU is visible (torch.cuda.device_count() == 0)". A name that is
+    no device is a ValueError naming both too (callers that accept fewer kinds refuse the others first, in
+    their words)."""
+    text = str(name)
+    match = _CUDA.fullmatch(text)
+    if match is None:
+        try:
+            torch.device(text)
+        except RuntimeError as error:
+            raise ValueError(f"{key} must be a device name (cpu, cuda, cuda:<index>, ...), got {text!r}") from error
+        return None
+    index = int(match.group(1) or 0)
+    if index < cuda_count:
+        return index
+    if cuda_count == 0:
+        raise ValueError(f"{key} is {text!r}, but no GPU is visible (torch.cuda.device_count() == 0)")
+    raise ValueError(f"{key} is {text!r}, but only {cuda_count} GPU(s) are visible (cuda:0..cuda:{cuda_count - 1})")
 
 
 def device_context(device: torch.device | str):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.devices import visible_cuda_index
 from rollout.config import EngineConfig, RolloutConfig
 
 
@@ -36,7 +37,8 @@ class Placement:
 
 
 def resolve_device(key: str, name: str, cuda_count: int) -> str:
-    """"auto" -> "cuda:0" (a GPU is visible) or "cpu"; "cuda" -> "cuda:0"; a CUDA index must be visible."""
+    """"auto" -> "cuda:0" (a GPU is visible) or "cpu"; "cuda" -> "cuda:0"; a CUDA index must be visible
+    (common.devices.visible_cuda_index, the rule the world-model server's rings share)."""
     name = str(name)
     if name == "auto":
         return "cuda:0" if cuda_count > 0 else "cpu"
@@ -45,12 +47,7 @@ def resolve_device(key: str, name: str, cuda_count: int) -> str:
         return "cpu"
     if kind != "cuda" or (index and not index.isdigit()):
         raise ValueError(f"{key} must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {name!r}")
-    i = int(index or 0)
-    if cuda_count == 0:
-        raise ValueError(f"{key} is {name!r}, but no GPU is visible (torch.cuda.device_count() == 0)")
-    if i >= cuda_count:
-        raise ValueError(f"{key} is {name!r}, but only {cuda_count} GPU(s) are visible (cuda:0..cuda:{cuda_count - 1})")
-    return f"cuda:{i}"
+    return f"cuda:{visible_cuda_index(key, name, cuda_count)}"
 
 
 def resolve_rank_devices(engine: EngineConfig, cuda_count: int) -> list[str]:

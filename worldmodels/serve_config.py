@@ -21,6 +21,7 @@ from common.config import (
     reject_unknown_keys,
     to_container,
 )
+from common.devices import visible_cuda_index
 from worldmodels.admission import Placement, StageSpec
 from worldmodels.split import equal_split
 
@@ -123,12 +124,11 @@ class ServeConfig:
 
     def check_visible(self, cuda_count: int) -> None:
         """Each ring's GPUs against this machine's before anything is built: serve.rings=[[cuda:1]] on one GPU
-        failed in the model copy with torch's "invalid device ordinal", naming no key."""
+        failed in the model copy with torch's "invalid device ordinal", naming no key. The rule is
+        common.devices.visible_cuda_index, the trainer's and the engine's (rollout.placement.resolve_device)."""
         for g, ring in enumerate(self.rings):
             for s, device in enumerate(ring):
-                parsed = torch.device(device)
-                if parsed.type == "cuda" and (parsed.index or 0) >= cuda_count:
-                    raise ValueError(f"serve.rings[{g}][{s}] is {device!r}, but {cuda_count} GPU(s) are visible")
+                visible_cuda_index(f"serve.rings[{g}][{s}]", device, cuda_count)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

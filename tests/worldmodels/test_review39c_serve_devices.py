@@ -21,9 +21,9 @@ def test_cuda_and_cuda_0_are_one_device_to_admission():
 
 
 @pytest.mark.parametrize(("rings", "count", "key"), [
-    ([["cuda:1"]], 1, r"serve.rings\[0\]\[0\] is 'cuda:1', but 1 GPU\(s\) are visible"),
-    ([["cpu"], ["cuda:0", "cuda:2"]], 2, r"serve.rings\[1\]\[1\] is 'cuda:2', but 2 GPU\(s\)"),
-    ([["cuda"]], 0, r"serve.rings\[0\]\[0\] is 'cuda', but 0 GPU\(s\)"),
+    ([["cuda:1"]], 1, r"serve.rings\[0\]\[0\] is 'cuda:1', but only 1 GPU\(s\) are visible \(cuda:0..cuda:0\)"),
+    ([["cpu"], ["cuda:0", "cuda:2"]], 2, r"serve.rings\[1\]\[1\] is 'cuda:2', but only 2 GPU\(s\)"),
+    ([["cuda"]], 0, r"serve.rings\[0\]\[0\] is 'cuda', but no GPU is visible"),
 ])
 def test_a_gpu_the_machine_lacks_is_named_by_key(rings, count, key):
     with pytest.raises(ValueError, match=key):
@@ -33,7 +33,7 @@ def test_a_gpu_the_machine_lacks_is_named_by_key(rings, count, key):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the server on a CUDA-less machine")
 def test_the_server_checks_its_rings_before_building():
-    with pytest.raises(ValueError, match=r"serve.rings\[0\]\[0\] is 'cuda:0', but 0 GPU"):
+    with pytest.raises(ValueError, match=r"serve.rings\[0\]\[0\] is 'cuda:0', but no GPU is visible"):
         WorldModelServer(WorldModelConfig.preset("tiny"), ServeConfig(rings=[["cuda:0"]]))
 
 

@@ -1,0 +1,32 @@
+"""common/devices.py: the one rule for a configured GPU against the machine's (rollout.placement.resolve_device
+and the world-model server's ServeConfig.check_visible both use it), every refusal naming the key and value."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.devices import visible_cuda_index
+
+
+@pytest.mark.parametrize(("name", "count", "index"), [
+    ("cuda", 1, 0),  # no index: GPU 0, the current device before anything is placed
+    ("cuda:0", 1, 0), ("cuda:3", 4, 3),
+    ("cpu", 0, None), ("cpu:0", 0, None), ("meta", 0, None),  # other devices need no GPU
+])
+def test_the_index_a_visible_device_names(name, count, index):
+    assert visible_cuda_index("run.device", name, count) == index
+
+
+@pytest.mark.parametrize(("name", "count", "match"), [
+    ("cuda:2", 2, r"run\.device is 'cuda:2', but only 2 GPU\(s\) are visible \(cuda:0\.\.cuda:1\)"),
+    ("cuda", 0, r"run\.device is 'cuda', but no GPU is visible \(torch\.cuda\.device_count\(\) == 0\)"),
+])
+def test_a_gpu_the_machine_lacks_is_refused_by_key_and_value(name, count, match):
+    with pytest.raises(ValueError, match=match):
+        visible_cuda_index("run.device", name, count)
+
+
+@pytest.mark.parametrize("name", ["gpu:0", "cuda:", "cuda:-1", "cuda:x", "CUDA", ""])
+def test_a_name_that_is_no_device_is_refused_by_key_and_value(name):
+    with pytest.raises(ValueError, match=rf"run\.device must be a device name .*, got {name!r}"):
+        visible_cuda_index("run.device", name, 8)
