@@ -80,6 +80,18 @@ class ModelInputs:
         return int(self.tokens.shape[0])
 
 
+def check_nonempty(batch_size: int, entry: str) -> None:
+    """Refuse a batch of no rows at a sampling entry point (Policy.sample, Policy.log_prob,
+    FastSampler.sample_chains), as make_batch refuses N = 0: an empty batch failed deep inside, with
+    an IndexError choosing the SDE step, a reshape of 0 elements in the prefix or the fast path's
+    bucket padding, naming no batch size."""
+    if batch_size < 1:
+        raise ValueError(
+            f"{entry} needs a batch of at least one row, got batch size {batch_size} "
+            f"(inputs with leading dim {batch_size})"
+        )
+
+
 def model_inputs(
     obs: Observation, cfg: PolicyConfig, device: torch.device | str | None = None
 ) -> ModelInputs:

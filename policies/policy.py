@@ -22,7 +22,7 @@ from policies import sampling
 from policies.config import PolicyConfig
 from policies.models import reference
 from policies.models.pi05 import PI05Model, PrefixCache
-from policies.observation import ModelInputs, Observation, model_inputs
+from policies.observation import ModelInputs, Observation, check_nonempty, model_inputs
 from policies.sampling import LogProbOutput, SampleOutput
 from policies.tokenizer import load_tokenizer
 from policies.transforms import ObservationTransform
@@ -104,6 +104,7 @@ class Policy(nn.Module):
         mode = sampling.canonical_mode(mode, scfg.train_mode)
         inputs = self.inputs(batch)
         b, k = inputs.batch_size, scfg.num_steps
+        check_nonempty(b, "Policy.sample")
         x = self._noise(noise, b, generator)
         if denoise_inds is None:
             denoise_inds = sampling.denoise_indices(
@@ -227,6 +228,7 @@ class Policy(nn.Module):
             )
         inputs = self.inputs(batch)
         b, k = inputs.batch_size, scfg.num_steps
+        check_nonempty(b, "Policy.log_prob")
         shape = (b, k + 1, cfg.chunk_size, cfg.max_action_dim)
         if tuple(chains.shape) != shape:
             raise ValueError(

@@ -34,6 +34,7 @@ from policies.fast.config import FastConfig, triton_cache_dir, triton_interpreti
 from policies.fast.precompile import Precompiler, resolve_workers, shared
 from policies.fast.weights import FastWeights
 from policies.models.gemma import rope_cos_sin
+from policies.observation import check_nonempty
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +137,10 @@ class FastSampler:
         inputs ("prepare", after vision's graph is launched): profile_overlap's breakdown."""
         mark = mark or (lambda name: None)
         total = inputs.batch_size
+        check_nonempty(total, "FastSampler.sample_chains")
         largest = self.fast.batch_buckets[-1]
         chains, logps, keys = [], [], []
-        for s in range(0, max(total, 1), largest):  # split: graphs exist only up to the largest bucket
+        for s in range(0, total, largest):  # split: graphs exist only up to the largest bucket
             part = call_inputs.split_rows(inputs, s, s + largest) if total > largest else inputs
             started = time.perf_counter()  # a new bucket's build starts in _select (attention choice, searches)
             # a new bucket's build: one pool of compile workers (precompile.py), one write of its kept timings
