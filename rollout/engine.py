@@ -29,7 +29,9 @@ Every name, shape and dtype is validated before anything is written; an update t
 while writing leaves the engine refusing to predict (naming the failed version) until a full
 update succeeds. Versions must increase. Hooks: before-hooks run after validation and before
 any write (an error there aborts cleanly); after-hooks run inside the transaction (the default
-one refreshes the fast path's weight-derived tables on every rank: `refresh_fast_path`).
+one refreshes the fast path's weight-derived tables on every rank: `refresh_fast_path`). A
+broadcast refused that way (its version, a before-hook) is refused through the group too: the
+trainer's `broadcast_weights` raises `WeightRefusedError` at once, the group takes the next update.
 
 `generator` (checkpoint its state) and `reseed(seed)` control the front-end randomness.
 `restart()` replaces every rank (initial weights, version 0; after weights had been pushed the
@@ -195,26 +197,15 @@ class PolicyEngine:
     def update_weights(self, source: Any, version: int, partial: bool = False) -> None:
         """Transactional weight update (see the module docstring)."""
         from rollout.weights_dist import DistBroadcast
-        from rollout.weights_ipc import IpcHandles
 
         with self._lock:
             self._check_alive()
-            if isinstance(version, bool) or not isinstance(version, int) or version <= self._version:
-                raise ValueError(f"weight version must be an int greater than the current {self._version}, "
-                                 f"got {version!r}")
-            if isinstance(source, DistBroadcast):
-                names, apply = [], lambda: self.client.apply_dist(source.src, version, partial, self._dist_options())
-            elif isinstance(source, IpcHandles):
-                plan = self._plan(source.metas, partial, key=(source.uid, partial))
-                names, apply = [m.name for m in source.metas], lambda: self.client.apply_ipc(plan, source)
-            else:
-                tensors = as_tensor_source(source)
-                plan = self._plan(tensors.metas, partial)
-                names = tensors.names
-                apply = lambda: self.client.apply_tensors(plan, tensors, self.weights_cfg.bucket_bytes)  # noqa: E731
-            event = WeightUpdateEvent(self, version, self._version, partial, names)
-            for hook in self._before:
-                hook(event)  # nothing written yet: an error here leaves the engine as it was
+            try:
+                event, apply = self._before_write(source, version, partial)
+            except Exception as exc:  # nothing written: the engine is as it was
+                if isinstance(source, DistBroadcast):
+                    self._refuse_broadcast(source.src, exc)
+                raise
             try:
                 self._guard(apply)
                 for hook in self._after:
@@ -230,6 +221,43 @@ class PolicyEngine:
             self._version = version
             if not partial and self._refusal is not None and self._refusal[0] in ("weights", "restart"):
                 self._refusal = None
+
+    def _before_write(self, source: Any, version: int, partial: bool) -> tuple[WeightUpdateEvent, Callable]:
+        """Everything an update does before its first write: the version, the source's validated plan,
+        the before-hooks (any may raise to refuse). Returns the event and the write itself."""
+        from rollout.weights_dist import DistBroadcast
+        from rollout.weights_ipc import IpcHandles
+
+        if isinstance(version, bool) or not isinstance(version, int) or version <= self._version:
+            raise ValueError(f"weight version must be an int greater than the current {self._version}, "
+                             f"got {version!r}")
+        if isinstance(source, DistBroadcast):
+            names, apply = [], lambda: self.client.apply_dist(source.src, version, partial, self._dist_options())
+        elif isinstance(source, IpcHandles):
+            plan = self._plan(source.metas, partial, key=(source.uid, partial))
+            names, apply = [m.name for m in source.metas], lambda: self.client.apply_ipc(plan, source)
+        else:
+            tensors = as_tensor_source(source)
+            plan = self._plan(tensors.metas, partial)
+            names = tensors.names
+            apply = lambda: self.client.apply_tensors(plan, tensors, self.weights_cfg.bucket_bytes)  # noqa: E731
+        event = WeightUpdateEvent(self, version, self._version, partial, names)
+        for hook in self._before:
+            hook(event)  # nothing written yet: an error here leaves the engine as it was
+        return event, apply
+
+    def _refuse_broadcast(self, src: int, error: Exception) -> None:
+        """The trainer is already sending the update `error` refuses (weights_dist.broadcast_weights) and
+        waits for the receivers' agreement: they take its manifest and refuse, so it raises WeightRefusedError
+        at once instead of waiting out rollout.weights.dist_timeout_s with the group left out of step. The
+        caller raises `error` after; a refusal that fails too (no group joined, a rank gone) is noted on it."""
+        from rollout.weights_dist import REFUSAL_COLLECTIVES
+
+        options = {**self._dist_options(), "collectives": REFUSAL_COLLECTIVES}
+        try:
+            self._guard(lambda: self.client.refuse_dist(src, options))
+        except Exception as failure:  # noqa: BLE001 - the caller's error is the one to raise
+            error.add_note(f"refusing the trainer's broadcast failed too: {failure!r}")
 
     def join_weight_group(self, init_method: str, world_size: int, first_rank: int = 1) -> None:
         """The engine's receivers join a torch.distributed group with a trainer (its rank is

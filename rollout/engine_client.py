@@ -68,6 +68,11 @@ class EngineClient(ABC):
         """Every receiver takes one broadcast update from the group's `src`."""
 
     @abstractmethod
+    def refuse_dist(self, src: int, options: dict) -> None:
+        """Every receiver refuses the broadcast update `src` is sending (`WeightReceiver.refuse`): the
+        trainer raises WeightRefusedError and nothing is written."""
+
+    @abstractmethod
     def call(self, method: str, *args: Any) -> list[Any]:
         """Run an `EngineCore` method on every rank; results in rank order."""
 
@@ -155,6 +160,11 @@ class InprocClient(EngineClient):
         if self._receiver is None:
             raise RuntimeError("no weight group joined: call engine.join_weight_group(...) first")
         self._receiver.receive([c.policy.model for c in self.cores], src, version, partial, options)
+
+    def refuse_dist(self, src: int, options: dict) -> None:
+        if self._receiver is None:
+            raise RuntimeError("no weight group joined: call engine.join_weight_group(...) first")
+        self._receiver.refuse(src)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         return [getattr(core, method)(*args) for core in self.cores]

@@ -254,6 +254,10 @@ class LocalClient(EngineClient):
         messages = {h.rank: ("dist", (src, version, partial, options)) for h in self._ranks}
         self._exchange(messages, "weight update (broadcast)", *dist_wait(self.cfg.rank_timeout_s, options))
 
+    def refuse_dist(self, src: int, options: dict) -> None:
+        self._exchange({h.rank: ("dist_refuse", src) for h in self._ranks}, "refusing a weight update (broadcast)",
+                       *dist_wait(self.cfg.rank_timeout_s, options))
+
     def call(self, method: str, *args: Any) -> list[Any]:
         results = self._exchange({h.rank: ("call", (method, args)) for h in self._ranks}, method)
         return [results[r] for r in sorted(results)]

@@ -15,6 +15,7 @@ Commands (parent -> rank):
   ("ipc", uid)                     copy from the handle set ipc_open opened
   ("join", (init, world, rank, backend, timeout_s))   join a torch.distributed weight group
   ("dist", (src, version, partial, options))          receive one broadcast update
+  ("dist_refuse", src)             refuse the broadcast update src is sending (the engine refused it)
   ("leave", None)                  leave the weight group (with the trainer: NCCL's destroy is collective)
   ("call", (method, args))         any EngineCore method (refresh_weights, state_dict, info)
   ("close", None)
@@ -167,6 +168,11 @@ class _Server:
         src, version, partial, options = payload
         with self.core.timeline.span("weight_sync/apply", rank=self.core.rank, source="broadcast"):
             self.receiver.receive([self.core.policy.model], src, version, partial, options)
+
+    def do_dist_refuse(self, src: int) -> None:
+        if self.receiver is None:
+            raise RuntimeError("no weight group joined: call engine.join_weight_group(...) first")
+        self.receiver.refuse(src)
 
     def do_call(self, payload):
         method, args = payload

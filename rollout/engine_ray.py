@@ -86,6 +86,11 @@ class RankActor:
         with self.core.timeline.span("weight_sync/apply", rank=self.core.rank, source="broadcast"):
             self.receiver.receive([self.core.policy.model], src, version, partial, options)
 
+    def refuse_dist(self, src: int) -> None:
+        if self.receiver is None:
+            raise RuntimeError("no weight group joined: call engine.join_weight_group(...) first")
+        self.receiver.refuse(src)
+
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.core, method)(*args)
 
@@ -201,6 +206,10 @@ class RayClient(EngineClient):
         wait_s, key = dist_wait(self.cfg.rank_timeout_s, options)
         self._all(lambda r, a: a.dist.remote(src, version, partial, options), "weight update (broadcast)",
                   wait_s, key=key)
+
+    def refuse_dist(self, src: int, options: dict) -> None:
+        wait_s, key = dist_wait(self.cfg.rank_timeout_s, options)
+        self._all(lambda r, a: a.refuse_dist.remote(src), "refusing a weight update (broadcast)", wait_s, key=key)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         return self._all(lambda r, a: a.call.remote(method, *args), method)

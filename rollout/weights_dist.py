@@ -14,6 +14,9 @@ in-process backend) join one group. One update, in protocol order:
 4. a final all-reduce (MIN) of a "written" flag: the trainer learns that every receiver holds
    the new weights. A failure during 3-4 (a member died, a timeout) raises on every survivor;
    the engine then refuses to predict until a full update succeeds.
+An update the engine refuses before taking it (a version not above its own, a before-hook that raises)
+still takes steps 1-2: every receiver reads the manifest and agrees False (`WeightReceiver.refuse`), so
+the trainer raises `WeightRefusedError` at once and the group is in step for the next update.
 
     # trainer (rank 0)                            # engine side
     group = join_trainer(init, world, backend)     engine.join_weight_group(init, world, first_rank=1)
@@ -74,6 +77,9 @@ def update_collectives(num_buckets: int) -> int:
     return 4 + num_buckets
 
 
+REFUSAL_COLLECTIVES = 3  # a refused update (WeightReceiver.refuse): the manifest's two, the first agreement
+
+
 def _agree(flag: bool, device: torch.device) -> bool:
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
@@ -130,9 +136,7 @@ class WeightReceiver:
         return cls(model_device if backend == "nccl" else torch.device("cpu"))
 
     def receive(self, models: Sequence[nn.Module], src: int, version: int, partial: bool, options: dict) -> None:
-        holder = [None]
-        dist.broadcast_object_list(holder, src=src)
-        manifest = holder[0]
+        manifest = _manifest(src)
         if "error" in manifest:  # the trainer failed before sending anything (and skips the agreements too)
             raise WeightRefusedError(f"the trainer could not send weight version {manifest['version']}: "
                                      f"{manifest['error']}")
@@ -164,5 +168,20 @@ class WeightReceiver:
         for m in models:
             synchronize(next(m.parameters()).device)
 
+    def refuse(self, src: int) -> None:
+        """Take part in an update the engine refused before receiving it (its version, a before-hook): the
+        trainer already sent the manifest and waits in the first agreement, which only this receiver's
+        refusal ends at once; without it the trainer would wait out the group's timeout and the next
+        update would find the group out of step. The engine raises its own error afterwards."""
+        if "error" not in _manifest(src):  # a trainer that could not send skips the agreements: nothing to end
+            _agree(False, self.device)
+
     def close(self) -> None:
         leave()
+
+
+def _manifest(src: int) -> dict:
+    """The update's manifest, broadcast by the trainer (step 1 of the module docstring)."""
+    holder = [None]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]

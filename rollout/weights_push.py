@@ -14,10 +14,12 @@
   path's refresh).
 When the ranks are other processes, floating tensors are cast to the engine's parameter dtypes
 first (the fp32 masters of a bf16 engine travel as bf16: half the bytes, and the same rounding as
-the receiver's own copy). An engine that fails before it joins the collective leaves the trainer
-waiting up to rollout.weights.dist_timeout_s; the version is checked here first so the usual
-mistake fails at once. The group is the process's default one: a trainer that already uses
-torch.distributed (DDP) cannot use this transport yet.
+the receiver's own copy). An update the engine refuses (its version, a before-hook) is refused
+through the group, so the trainer raises WeightRefusedError at once (rollout.weights_dist); an
+engine that dies before it joins the collective leaves the trainer waiting up to
+rollout.weights.dist_timeout_s. The version is also checked here first. The group is the
+process's default one: a trainer that already uses torch.distributed (DDP) cannot use this
+transport yet.
 """
 
 from __future__ import annotations
