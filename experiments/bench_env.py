@@ -347,10 +347,11 @@ def check_episode_covers_bench(env_cfg: EnvConfig, bench: BenchConfig) -> None:
     """Ours stops an env at env.max_episode_steps, the baseline (as RLinf's env loop) steps on: past it the
     two would do different work (and the final-state check would fail for that reason alone)."""
     steps = (bench.warmup_chunks + bench.num_chunks) * env_cfg.chunk_size
-    if steps > env_cfg.max_episode_steps:
+    horizon = env_cfg.episode_steps  # env.max_episode_steps, or the suite's default when it is null
+    if steps > horizon:
         raise ValueError(f"bench.warmup_chunks + bench.num_chunks ({bench.warmup_chunks} + {bench.num_chunks}) chunks "
                          f"of env.chunk_size ({env_cfg.chunk_size}) are {steps} steps, past env.max_episode_steps "
-                         f"({env_cfg.max_episode_steps}): lower the chunks or raise the episode length")
+                         f"({horizon}): lower the chunks or raise the episode length")
 
 
 def check_baseline_runs(env_cfg: EnvConfig, bench: BenchConfig) -> None:
