@@ -204,12 +204,51 @@ class ExperimentConfig:
         if self.mode == "eval" and self.run.resume is not None:
             raise ValueError("run.resume is for training; evaluate a checkpoint with eval.checkpoint=PATH")
         check_actor_config(self)  # e.g. fsdp2 with checkpoints: refused here, not after the run dir exists
+        eval_env = None
         if self.mode == "eval" or self.eval.every or self.eval.at_start:
             # the Evaluator is built only at the first evaluation, eval.every steps into training: check now
             # that eval.tasks exist and eval.init_states fits each of them
             from grpo.evaluate import eval_env_config  # lazy: grpo.evaluate imports this module
 
-            eval_env_config(self.env, self.eval)
+            eval_env = eval_env_config(self.env, self.eval)[0]
+        self.check_prompt_lengths(eval_env)
+
+    def check_prompt_lengths(self, eval_env: EnvConfig | None) -> None:
+        """Every prompt the run can give the policy fits policy.max_token_len at its longest state encoding:
+        the training env's tasks (mode train) and the evaluation's (`eval_env`, eval_env_config's; None where
+        no evaluation runs), with their texts as the env catalog gives them. A LIBERO task text too long for
+        the tiny preset's 128 tokens was refused only by the engine's first predict, after the run directory
+        was written."""
+        from envs.vector.catalog import env_slots
+        from policies.prompt_builder import longest_prompt_tokens
+        from policies.tokenizer import load_tokenizer
+
+        sources = []
+        if self.mode == "train":
+            sources.append(("env", env_slots(self.env)))
+        if eval_env is not None:
+            sources.append(("eval", env_slots(eval_env)))
+        pol = self.policy
+        try:
+            tokenizer = load_tokenizer(pol.tokenizer_path)
+        except (OSError, RuntimeError, ImportError) as exc:  # a missing file: sentencepiece raises OSError
+            raise ValueError(f"policy.tokenizer_path={pol.tokenizer_path}: cannot load the tokenizer: {exc}") from None
+        seen: set[tuple[int, str]] = set()
+        for key, slots in sources:
+            for slot in sorted(slots, key=lambda s: s.task_id):
+                if (slot.task_id, slot.prompt) in seen:
+                    continue
+                seen.add((slot.task_id, slot.prompt))
+                length = longest_prompt_tokens(tokenizer, slot.prompt, pol.state_dim)
+                if length > pol.max_token_len:
+                    # no conf/policy yaml sets the key (Hydra refuses `policy.max_token_len=N` there: "+" adds
+                    # it); "++" sets it either way, also where a "+" override put it in
+                    override = "++" if "max_token_len" in (self.raw.get("policy") or {}) else "+"
+                    raise ValueError(
+                        f"{key} task {slot.task_id} {slot.prompt!r}: its prompt is up to {length} tokens (with the "
+                        f"policy.state_dim {pol.state_dim} state bins at their longest), more than "
+                        f"policy.max_token_len ({pol.max_token_len}); raise it, e.g. "
+                        f"{override}policy.max_token_len={length}")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)

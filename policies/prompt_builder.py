@@ -35,6 +35,30 @@ class _Task:
     composable: bool  # composition verified equal to direct encoding
 
 
+def longest_prompt_tokens(tokenizer: PromptTokenizer, task: str, state_dim: int) -> int:
+    """Tokens (with <bos>) of task `task`'s prompt at its longest state encoding: every one of the
+    `state_dim` bins (policy.state_dim: the raw state is binned as it is, not padded to
+    policy.max_state_dim) at the bin value whose " {b}" piece is longest (" 100".." 255").
+
+    The byte tokenizer's ids are bytes, so this is exact: what `PromptBuilder.build` gives for
+    that state, and no state gives more. For a SentencePiece tokenizer it is the larger of the
+    same composition (prefix "Task: ..., State:" + state_dim x the longest bin piece + suffix, each
+    encoded alone, as `PromptBuilder` composes) and the direct encoding of the prompt with every bin
+    at that longest piece: an upper bound wherever the pieces compose (the Gemma-like models
+    `PromptBuilder` verifies per task), an estimate for a model that merges pieces across their
+    boundaries differently. A tokenizer with no `encode_fragment` is measured directly, the
+    longest over every bin value repeated state_dim times."""
+    fragment = getattr(tokenizer, "encode_fragment", None)
+    values = range(MIN_BIN, NUM_STATE_BINS)
+    if fragment is None:
+        return max(len(tokenizer.encode(format_prompt(task, [b] * state_dim))) for b in values)
+    piece = {b: len(fragment(f" {b}")) for b in values}
+    worst = max(values, key=piece.__getitem__)
+    composed = (len(tokenizer.encode(f"Task: {clean_task(task)}, State:")) + state_dim * piece[worst]
+                + len(fragment(SUFFIX)))
+    return max(composed, len(tokenizer.encode(format_prompt(task, [worst] * state_dim))))
+
+
 class PromptBuilder:
     def __init__(self, tokenizer: PromptTokenizer, max_len: int):
         self.tokenizer, self.max_len = tokenizer, int(max_len)

@@ -40,8 +40,9 @@ def test_an_env_group_on_the_command_line_brings_its_own_values(group):
     # `env=reach` ran 4 envs in groups of 2 with chunks of 5 instead of reach.yaml's 16 / 8 / 8
     import yaml
 
-    # the tiny policy's call: 8 actions; a GRPO group of 2 (EnvConfig's default is 1)
-    fit = ["env.chunk_size=8", "env.group_size=2"] if group.startswith("libero") else []
+    # the tiny policy's call: 8 actions; a GRPO group of 2 (EnvConfig's default is 1); prompts of up to 145
+    # tokens (the longest LIBERO task texts, tests/grpo/test_prompt_length_check.py)
+    fit = ["env.chunk_size=8", "env.group_size=2", "+policy.max_token_len=145"] if group.startswith("libero") else []
     exp = ExperimentConfig.from_hydra(composed(f"env={group}", *fit))
     own = {k: v for k, v in yaml.safe_load((ROOT / "conf" / "env" / f"{group}.yaml").read_text()).items()
            if k != "defaults"} | ({"chunk_size": 8, "group_size": 2} if fit else {})

@@ -51,7 +51,8 @@ def test_every_group_option_composes_and_builds_the_typed_configs(option, mode):
         # LIBERO suites (EnvConfig's chunk of 10 actions) and the GPU world models: longer than a tiny policy call
         with pytest.raises(ValueError, match=r"policy\.chunk_size \(8\) is shorter than env\.chunk_size \(10\)"):
             ExperimentConfig.from_hydra(composed(option, f"mode={mode}"))
-        option = f"{option} env.chunk_size=8 env.group_size=2"  # and a group to compare in: EnvConfig's is 1
+        # and a group to compare in (EnvConfig's is 1), and room for the longest LIBERO task texts' prompts
+        option = f"{option} env.chunk_size=8 env.group_size=2 +policy.max_token_len=145"
     exp = ExperimentConfig.from_hydra(composed(*option.split(), f"mode={mode}"))
     assert exp.mode == mode and exp.policy.logprob_chunk in (None, exp.env.chunk_size)
 
