@@ -6,7 +6,6 @@ Gloo on CPU, the trainer a spawned process, as in test_weights_dist.py."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
@@ -22,7 +21,7 @@ from tests.rollout.engine_fixtures import (
     one_thread,  # noqa: F401 - fixture used by pytestmark
     perturbed_weights,
 )
-from tests.rollout.test_weights_dist import BUCKET_BYTES, assert_params, free_port
+from tests.rollout.test_weights_dist import BUCKET_BYTES, assert_params, trainer_process
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 GROUP_TIMEOUT_S = 30  # the engine's dist_timeout_s; the trainer joins with the same
@@ -62,15 +61,6 @@ def trainer_main(conn, init_method: str, world_size: int, steps: list[tuple]) ->
         leave()
 
 
-def start_trainer(world_size: int, steps: list[tuple]):
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    process = ctx.Process(target=trainer_main, args=(child, init_method, world_size, steps), daemon=True)
-    process.start()
-    return process, parent, init_method
-
-
 def refuse_version_once(version: int):
     """A before-hook that refuses the first update to `version` (a trainer-side check that says no)."""
     refused = []
@@ -101,8 +91,7 @@ def assert_refused_at_once(e: PolicyEngine, conn, version: int, error, match: st
 
 def test_refused_broadcasts_end_the_trainers_wait_at_once_inproc():
     steps = [("full", 71, 1), ("full", 72, 1), ("full", 73, 2), ("not_a_tensor", 74, 2), ("full", 75, 2)]
-    trainer, conn, init_method = start_trainer(2, steps)
-    try:
+    with trainer_process(2, steps, target=trainer_main, timeout_s=GROUP_TIMEOUT_S) as (trainer, conn, init_method):
         with PolicyEngine(rollout_cfg("inproc", 1), TINY) as e:
             e.add_hook(before=refuse_version_once(2))
             e.join_weight_group(init_method, world_size=2, first_rank=1)
@@ -123,10 +112,6 @@ def test_refused_broadcasts_end_the_trainers_wait_at_once_inproc():
             assert conn.recv()[0] == "ok"
             assert e.version == 2
             assert_params(e.state_dict(), perturbed_weights(TINY, 75))
-    finally:
-        trainer.join(GROUP_TIMEOUT_S)
-        if trainer.is_alive():
-            trainer.kill()
     assert trainer.exitcode == 0
 
 
@@ -134,8 +119,7 @@ def test_refused_broadcasts_end_the_trainers_wait_at_once_inproc():
 def test_refused_broadcasts_end_the_trainers_wait_at_once_rank_processes(backend):
     """Every rank process refuses (each is a member of the group), routed like a broadcast update."""
     steps = [("full", 81, 1), ("full", 82, 1), ("full", 83, 2), ("full", 84, 2)]
-    trainer, conn, init_method = start_trainer(3, steps)
-    try:
+    with trainer_process(3, steps, target=trainer_main, timeout_s=GROUP_TIMEOUT_S) as (trainer, conn, init_method):
         with PolicyEngine(rollout_cfg(backend, 2), TINY) as e:
             e.add_hook(before=refuse_version_once(2))
             e.join_weight_group(init_method, world_size=3, first_rank=1)
@@ -149,10 +133,6 @@ def test_refused_broadcasts_end_the_trainers_wait_at_once_rank_processes(backend
             assert conn.recv()[0] == "ok"
             for rank in range(2):
                 assert_params(e.state_dict(rank=rank), perturbed_weights(TINY, 84))
-    finally:
-        trainer.join(GROUP_TIMEOUT_S)
-        if trainer.is_alive():
-            trainer.kill()
     assert trainer.exitcode == 0
 
 

@@ -4,6 +4,7 @@ a trainer dying mid-update leaves the engine refusing until a full update succee
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -65,13 +66,22 @@ def trainer_main(conn, init_method: str, world_size: int, steps: list[tuple]) ->
         leave()
 
 
-def start_trainer(world_size: int, steps: list[tuple]):
+@contextlib.contextmanager
+def trainer_process(world_size: int, steps: list[tuple], target=None, timeout_s: float = 30.0):
+    """Rank 0 as a spawned process running `target(conn, init_method, world_size, steps)` (default this
+    file's trainer_main); yields (process, conn, init_method) and joins it on exit (killed if still alive
+    after timeout_s), so the caller can check its exit code after the block."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    process = ctx.Process(target=trainer_main, args=(child, init_method, world_size, steps), daemon=True)
+    process = ctx.Process(target=target or trainer_main, args=(child, init_method, world_size, steps), daemon=True)
     process.start()
-    return process, parent, init_method
+    try:
+        yield process, parent, init_method
+    finally:
+        process.join(timeout_s)
+        if process.is_alive():
+            process.kill()
 
 
 def rollout_cfg(backend: str, num_ranks: int) -> RolloutConfig:
@@ -83,9 +93,8 @@ def rollout_cfg(backend: str, num_ranks: int) -> RolloutConfig:
 
 def test_broadcast_updates_refusal_and_trainer_crash():
     steps = [("full", 41, 1), ("bad_shape", 0, 2), ("crash", 42, 2)]
-    trainer, conn, init_method = start_trainer(2, steps)
     calls = [(obs(3, seed=3), "train")]
-    try:
+    with trainer_process(2, steps) as (trainer, conn, init_method):
         with PolicyEngine(rollout_cfg("inproc", 1), TINY) as e:
             e.join_weight_group(init_method, world_size=2, first_rank=1)
             e.update_weights(DistBroadcast(src=0), version=1)
@@ -105,10 +114,6 @@ def test_broadcast_updates_refusal_and_trainer_crash():
                 e.predict(obs(2))
             e.update_weights(perturbed_weights(TINY, 43), version=3)  # a full update from elsewhere
             assert e.predict(obs(2)).version == 3
-    finally:
-        trainer.join(30)
-        if trainer.is_alive():
-            trainer.kill()
     assert trainer.exitcode == 3  # it died where the script said
 
 
@@ -117,8 +122,7 @@ def test_a_trainer_that_cannot_send_makes_the_receivers_refuse_at_once():
     receivers, already waiting for one, refuse by name at once; the engine keeps serving and the group takes
     the next update. They used to wait on: for the trainer's next update, taken as the failed one (here), or
     dist_timeout_s, then refusing to predict as if a write had failed."""
-    trainer, conn, init_method = start_trainer(2, [("not_a_tensor", 61, 1), ("full", 62, 1)])
-    try:
+    with trainer_process(2, [("not_a_tensor", 61, 1), ("full", 62, 1)]) as (trainer, conn, init_method):
         with PolicyEngine(rollout_cfg("inproc", 1), TINY) as e:
             e.join_weight_group(init_method, world_size=2, first_rank=1)
             start = time.monotonic()
@@ -132,16 +136,11 @@ def test_a_trainer_that_cannot_send_makes_the_receivers_refuse_at_once():
             e.update_weights(DistBroadcast(src=0), version=1)
             assert conn.recv() == ("ok", 1)
             assert_params(e.state_dict(), perturbed_weights(TINY, 62))
-    finally:
-        trainer.join(30)
-        if trainer.is_alive():
-            trainer.kill()
 
 
 def test_broadcast_to_local_rank_processes_partial_expert():
     steps = [("full", 51, 1), ("expert", 52, 2)]
-    trainer, conn, init_method = start_trainer(3, steps)
-    try:
+    with trainer_process(3, steps) as (trainer, conn, init_method):
         with PolicyEngine(rollout_cfg("local", 2), TINY) as e:
             e.join_weight_group(init_method, world_size=3, first_rank=1)
             e.update_weights(DistBroadcast(src=0), version=1)
@@ -152,10 +151,6 @@ def test_broadcast_to_local_rank_processes_partial_expert():
             got = e.state_dict(rank=0)
             assert_params(got, perturbed_weights(TINY, 52), only=expert_set())
             assert_params(got, perturbed_weights(TINY, 51), only=set(got) - expert_set())
-    finally:
-        trainer.join(30)
-        if trainer.is_alive():
-            trainer.kill()
 
 
 def assert_params(got: dict, expected: dict, only: set | None = None) -> None:
