@@ -110,7 +110,11 @@ class WorldModelVectorEnv(VectorEnvBase):
             per_camera = frame_to_images(frames, cameras)
         return latents, per_camera
 
-    def _step_envs(self, horizon: int) -> list[dict]:
+    def _check_deferrable(self) -> None:
+        raise ValueError("the world-model vector env has no renderer to defer (its frames are the model's "
+                         "output): step_chunk(render=False) is not supported, use render=True")
+
+    def _step_envs(self, horizon: int, render: bool = True) -> list[dict]:
         buf = self._buffers
         for key in ("rewards", "terminated", "truncated", "valid", "timing"):
             buf[key][:] = 0

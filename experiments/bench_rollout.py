@@ -10,6 +10,9 @@ In one run, on the same tasks and init states:
   rollout.collector.stages pipeline stages (stage i's envs step while the engine predicts i+1);
 - variants of ours (bench.variants): "no_pipeline" (1 stage, all workers) and
   "disjoint_workers" (each stage on env.num_workers / stages workers) show where the gain is;
+  "other_render_at" runs the other `rollout.collector.render_at` schedule (cameras rendered
+  with the env step, or only after the other stage's predict returned: GPU renders kept apart from
+  the engine's work);
 - env alone: the same vector envs (ours' stages, stepped together) without the policy, replaying
   the (random-weight) policy's actions ours executed, so the env work is exactly ours';
 - engine alone: the same engine on the same observation batches ours predicted;
@@ -54,7 +57,7 @@ from rollout.engine import PolicyEngine
 
 register_hydra_schema()
 
-VARIANTS = ("no_pipeline", "disjoint_workers")
+VARIANTS = ("no_pipeline", "disjoint_workers", "other_render_at")
 
 
 @dataclass
@@ -228,6 +231,9 @@ def engine_alone(engine: PolicyEngine, collector: RolloutCollector, batch, bench
 def variant_config(name: str, base: CollectorConfig, env_cfg: EnvConfig) -> CollectorConfig:
     if name == "no_pipeline":
         return dataclasses.replace(base, stages=1, workers_per_stage=None)
+    if name == "other_render_at":  # the other render schedule of the same pipeline
+        other = "env_step" if base.render_at == "before_predict" else "before_predict"
+        return dataclasses.replace(base, render_at=other)
     return dataclasses.replace(base, workers_per_stage=max(1, env_cfg.num_workers // base.stages))
 
 

@@ -20,6 +20,11 @@ batch) on the driver's timeline, `rollout/env_step` (stage, chunk) on each stage
 (`stage_timelines`), so the overlap shows in the trace. The caller wraps the epoch in its
 `rollout` span.
 
+`render_at: before_predict` keeps the env workers' (EGL) rendering off the GPU while a predict
+runs: a stage's chunk runs physics only, and the driver renders it (`rollout/render`, keyed by
+that env chunk, on the driver's timeline) once it has the chunk back, i.e. after the previous
+stage's predict and just before this stage's. The batch is the same bit for bit.
+
 Everything lands in a preallocated `RolloutBatch` (rollout/trajectory.py), reused by every
 call (or the caller's own, `out=`, from `allocate_batch()`: e.g. one per rollout epoch of an RL
 step), so memory is bounded; its size is logged once. Actions are clipped to [-1, 1] before the
@@ -100,7 +105,8 @@ class RolloutCollector:
         try:
             for s, stage_cfg in enumerate(configs):
                 lane = stage_timelines[s] if stage_timelines is not None else timeline
-                self.stages.append(Stage(s, s * stage_cfg.num_envs, stage_cfg, self.cfg.in_process, lane))
+                self.stages.append(Stage(s, s * stage_cfg.num_envs, stage_cfg, self.cfg.in_process, lane,
+                                         defer_render=self.cfg.render_at == "before_predict"))
         except BaseException:
             self.close()
             raise
@@ -199,7 +205,7 @@ class RolloutCollector:
         for t in range(self.max_chunks):
             running = False
             for stage in self.stages:
-                self._collect_result(stage, batch, stats)
+                self._collect_result(stage, batch, stats, step)
                 if stage.done.all():
                     continue
                 self._start_chunk(stage, t, batch, mode, step, stats)
@@ -207,7 +213,7 @@ class RolloutCollector:
             if not running:
                 break
         for stage in self.stages:
-            self._collect_result(stage, batch, stats)
+            self._collect_result(stage, batch, stats, step)
 
     def _start_chunk(self, stage: Stage, t: int, batch: RolloutBatch, mode: str, step: int | None,
                      stats: CollectStats) -> None:
@@ -249,18 +255,25 @@ class RolloutCollector:
             raise ValueError(f"engine output actions for {where} are not finite: env {env} ({self.slots[env].label}) "
                              f"has {actions[i, h, d]} at sub-step {h}, dim {d}")
 
-    def _collect_result(self, stage: Stage, batch: RolloutBatch, stats: CollectStats) -> None:
-        """Wait for the stage's chunk in flight (if any) and record the env's answer."""
+    def _collect_result(self, stage: Stage, batch: RolloutBatch, stats: CollectStats, step: int | None = None
+                        ) -> None:
+        """Wait for the stage's chunk in flight (if any), render it (render_at before_predict: the previous
+        stage's predict has returned, this stage's comes next) and record the env's answer."""
         pending = stage.pending
         if pending is None:
             return
         stage.pending = None
         result = pending.future.result()
+        finished_at = pending.finished_at[0]
+        if stage.defer_render:
+            attrs = self._span_attrs(step, stage=stage.index, chunk=pending.chunk)
+            stats.add_render(stage.render(result, self.timeline, attrs))
+            finished_at = time.perf_counter()  # its observation exists only now: the render ends the chunk
         record_result(batch, stage.rows, pending.rows, pending.chunk, result)
         stage.obs = result.obs
         stage.done = result.done.copy()
         stage.lost |= result.lost
-        stats.add_env_chunk(stage.index, pending.chunk, int(result.valid.sum()), pending.finished_at[0],
+        stats.add_env_chunk(stage.index, pending.chunk, int(result.valid.sum()), finished_at,
                             result.info.get("timing", {}).get("wall_s", 0.0))
 
     def _drain(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from common.config import (
     check_bool,
+    check_choice,
     check_nonnegative_int,
     check_positive_float,
     check_positive_int,
@@ -23,6 +24,7 @@ from common.config import (
 from envs.config import EnvConfig, mixed_group
 
 PREFIX = "rollout.collector"
+RENDER_AT = ("env_step", "before_predict")
 
 
 @dataclass
@@ -48,6 +50,12 @@ class CollectorConfig:
     record_images: store the observation images in the RolloutBatch (the trainer's log-prob
         recompute needs them; off only for evaluation).
     seed: draws the init states when collect() gets none (with the epoch counter).
+    render_at: when a stage's cameras render. "env_step": in its env workers at the end of each
+        chunk, while the engine predicts the next stage (EGL rendering then shares the GPU with
+        that predict). "before_predict": the workers run only the chunk's physics; the driver
+        renders the stage (`vec.render()`, span rollout/render) after the previous stage's predict
+        has returned, just before predicting this one. Same batch either way, bit for bit; only
+        when rendering happens moves. Needs env.render_every="chunk_end".
     """
 
     stages: int = 2
@@ -59,6 +67,7 @@ class CollectorConfig:
     predict_done_envs: bool = False
     record_images: bool = True
     seed: int = 0
+    render_at: str = "env_step"
 
     def __post_init__(self) -> None:
         check_positive_int(f"{PREFIX}.stages", self.stages)
@@ -70,6 +79,7 @@ class CollectorConfig:
         check_nonnegative_int(f"{PREFIX}.seed", self.seed)
         for key in ("in_process", "predict_done_envs", "record_images"):
             check_bool(f"{PREFIX}.{key}", getattr(self, key))
+        check_choice(f"{PREFIX}.render_at", self.render_at, RENDER_AT)
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None = None, key: str = PREFIX, **overrides: Any
@@ -105,7 +115,11 @@ class CollectorConfig:
         return min(wanted, self.envs_per_stage(env_cfg))
 
     def check_against_env(self, env_cfg: EnvConfig) -> None:
-        """Stages must split the envs evenly, and no GRPO group may straddle two stages."""
+        """Stages must split the envs evenly, and no GRPO group may straddle two stages; render_at
+        before_predict defers the chunk-end render, which per-sub-step rendering does not have."""
+        if self.render_at == "before_predict" and env_cfg.render_every != "chunk_end":
+            raise ValueError(f'{PREFIX}.render_at="before_predict" defers the chunk-end render: it needs '
+                             f'env.render_every="chunk_end", got {env_cfg.render_every!r}')
         n, s = env_cfg.num_envs, self.stages
         if n % s:
             raise ValueError(f"{PREFIX}.stages ({s}) must divide env.num_envs ({n})")

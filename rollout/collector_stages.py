@@ -2,7 +2,8 @@
 
 A stage is one vector env over its own envs [start, stop) of the collector's N envs, with its
 own worker processes, its own profiler lane, and the state of its current episode (last
-observation, done / lost masks, the env chunk in flight).
+observation, done / lost masks, the env chunk in flight). With `defer_render` (render_at
+before_predict) its chunks run physics only and `render` renders them on the caller's thread.
 """
 
 from __future__ import annotations
@@ -96,11 +97,13 @@ class StageChunk:
 class Stage:
     """One pipeline stage: a vector env over envs [start, stop) and its episode state."""
 
-    def __init__(self, index: int, start: int, env_cfg: EnvConfig, in_process: bool, lane: Any):
+    def __init__(self, index: int, start: int, env_cfg: EnvConfig, in_process: bool, lane: Any,
+                 defer_render: bool = False):
         self.index = index
         self.start = start
         self.stop = start + env_cfg.num_envs
         self.lane = lane
+        self.defer_render = defer_render
         with self.numbering_note():
             self.vec: VectorEnvBase = make_vector_env(env_cfg, in_process=in_process)
         self.vec.numbering_note = self._numbering()
@@ -136,9 +139,22 @@ class Stage:
         if step is not None:
             attrs["step"] = step
         with self.lane.span("rollout/env_step", **attrs), self.numbering_note():
-            result = self.vec.step_chunk(actions)
+            result = self.vec.step_chunk(actions, render=not self.defer_render)
         finished_at.append(time.perf_counter())
         return result
+
+    def render(self, result: ChunkResult, timeline: Any, attrs: dict[str, Any]) -> float:
+        """Render what a deferred chunk left unrendered, on the calling (driver) thread and its
+        `timeline` (span rollout/render keyed by the env chunk, so the profiler's pipeline model puts
+        it on the env side before the next predict); `result` gets the rendered observations and
+        any env lost meanwhile. Returns the render's wall seconds."""
+        start = time.perf_counter()
+        with timeline.span("rollout/render", **attrs), self.numbering_note():
+            rendered = self.vec.render()
+        result.obs = rendered["obs"]
+        result.lost = result.lost | rendered["lost"]  # a worker lost while rendering (restart_on_crash)
+        result.done = result.done | rendered["done"]
+        return time.perf_counter() - start
 
     @contextlib.contextmanager
     def numbering_note(self) -> Iterator[None]:

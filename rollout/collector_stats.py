@@ -2,7 +2,8 @@
 
 Times are `time.perf_counter()` seconds. The chunk loop starts after the reset; an env chunk's
 end is when its `step_chunk` returned (inside the stage's thread, not when the driver got
-around to reading it). Round t ends when the last stage finished its chunk t.
+around to reading it); with render_at before_predict, when the driver's `render` of it returned
+(the observation exists only then). Round t ends when the last stage finished its chunk t.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class CollectStats:
     predict_calls: int = 0
     predict_rows: int = 0
     env_wall_s: float = 0.0  # sum over stage chunks of step_chunk wall time
+    render_s: float = 0.0  # driver time inside vec.render() (render_at before_predict; else 0: workers render)
     steps_per_chunk: dict[int, int] = field(default_factory=dict)
     chunk_end: dict[int, float] = field(default_factory=dict)  # round t -> its end (since loop start)
     predict_log: list[tuple[int, int, int, float]] = field(default_factory=list)  # (stage, chunk, rows, s)
@@ -42,6 +44,9 @@ class CollectStats:
         self.predict_calls += 1
         self.predict_rows += rows
         self.predict_log.append((stage, chunk, rows, seconds))
+
+    def add_render(self, seconds: float) -> None:
+        self.render_s += seconds
 
     def add_env_chunk(self, stage: int, chunk: int, steps: int, finished_at: float, wall_s: float) -> None:
         self.env_steps += steps
@@ -74,7 +79,8 @@ class CollectStats:
     def describe(self) -> str:
         rate = self.env_steps_per_s()
         return (f"{self.chunks} chunks, {self.env_steps} env steps in {self.loop_s:.2f} s ({rate:.1f}/s; "
-                f"reset {self.reset_s:.2f} s, predict {self.predict_s:.2f} s over {self.predict_calls} calls), "
+                f"reset {self.reset_s:.2f} s, predict {self.predict_s:.2f} s over {self.predict_calls} calls, "
+                f"render {self.render_s:.2f} s), "
                 f"{self.valid_chunks} valid chunks, success {self.success_rate:.2f}, {self.lost_envs} lost, "
                 f"buffer {self.nbytes / 2**20:.1f} MiB")
 
@@ -84,7 +90,7 @@ class CollectStats:
             "reset_s": self.reset_s, "loop_s": self.loop_s, "env_steps": self.env_steps,
             "env_steps_per_s": self.env_steps_per_s(), "predict_s": self.predict_s,
             "predict_calls": self.predict_calls, "predict_rows": self.predict_rows,
-            "env_wall_s": self.env_wall_s, "steps_per_chunk": dict(self.steps_per_chunk),
+            "env_wall_s": self.env_wall_s, "render_s": self.render_s, "steps_per_chunk": dict(self.steps_per_chunk),
             "chunk_end_s": dict(self.chunk_end), "valid_chunks": self.valid_chunks,
             "lost_envs": self.lost_envs, "success_rate": self.success_rate, "nbytes": self.nbytes,
         }

@@ -7,6 +7,12 @@
 
 Observation arrays returned by `reset` / `step_chunk` are views of the shared buffers: they
 are overwritten by the next call (copy what you keep).
+
+Deferred render (env.render_every="chunk_end" only): `step_chunk(actions, render=False)` runs the
+physics and writes every result and the state, but leaves the envs it stepped unrendered (their
+images are the previous ones) until `render()`; the pair gives exactly the observations of
+`step_chunk(actions)`. A caller sharing the GPU with the renderer (EGL) picks when it renders. A
+reset or the next chunk drops what is still unrendered.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from common.config import check_nonnegative_int
 from envs.config import EnvConfig, mixed_group
 from envs.vector.buffers import ACTION_DIM, SharedBuffers
 from envs.vector.catalog import EnvSlot, env_slots
+from envs.vector.runner import deferral_refusal
 
 
 def first_non_finite(actions: np.ndarray) -> tuple[int, int, int] | None:
@@ -51,6 +58,10 @@ class ChunkResult:
 
 class VectorEnvBase:
     """Validation, group layout, seeding and result assembly; subclasses move the work."""
+
+    # (N,) envs stepped by the last step_chunk(render=False) and not yet rendered; None: nothing
+    # (a class default, so subclasses that set up their own state, like the world model's, have it)
+    _unrendered: np.ndarray | None = None
 
     def __init__(self, cfg: EnvConfig):
         self.cfg = cfg
@@ -86,31 +97,70 @@ class VectorEnvBase:
         plan = self.plan_reset(init_state_ids, group_size, seed)
         start = time.perf_counter()
         self._has_reset = False  # until every env has started its episode (a failed reset leaves some old ones)
+        self._unrendered = None  # the reset renders every env
         self._reset_envs(plan)
         self._lost[:] = False
         self._has_reset = True
         self.last_reset_s = time.perf_counter() - start
         return self._obs()
 
-    def step_chunk(self, actions: np.ndarray) -> ChunkResult:
-        """Execute actions (N, H, 7) open-loop in every env that is not done."""
+    def step_chunk(self, actions: np.ndarray, render: bool = True) -> ChunkResult:
+        """Execute actions (N, H, 7) open-loop in every env that is not done. render=False: skip the
+        chunk-end camera render (the result's images are stale, its state current) until `render()`."""
         self._check_open()
         if not self._has_reset:
             raise RuntimeError("step_chunk() before reset() (or after a reset or chunk that failed): "
                                "call reset() first")
+        if not render:
+            self._check_deferrable()
         horizon = self.validate_actions(actions)
         buf = self._buffers
         buf["actions"][:, :horizon] = actions
+        running = ~buf["done"]  # the envs this chunk steps
+        self._unrendered = None  # a new chunk replaces what the last one left unrendered
         start = time.perf_counter()
         try:
-            newly_lost = self._step_envs(horizon)
+            newly_lost = self._step_envs(horizon, render)
         except BaseException:
             # some envs ran the chunk and others did not (the sync twin stops at the failing env, the
             # workers stop at theirs): the episodes no longer line up, so only a reset may follow
             self._has_reset = False
             raise
         wall = time.perf_counter() - start
-        return self._result(horizon, wall, newly_lost)
+        if not render:
+            self._unrendered = running & ~self._lost  # a worker lost in this chunk renders nothing
+        result = self._result(horizon, wall, newly_lost)
+        result.info["rendered"] = render
+        return result
+
+    def render(self) -> dict[str, Any]:
+        """Render the cameras the last `step_chunk(render=False)` skipped; afterwards the observations
+        equal those of `step_chunk(actions)`. Nothing unrendered (a chunk that rendered, a second
+        call): a cheap no-op. Returns {"obs": as step_chunk's, "timing": {"wall_s", "render_s" (this
+        render's seconds summed over envs), "busiest_worker_s"}, "done", "lost" (N,) bool and
+        "lost_workers" (a worker lost while rendering loses its unrendered episodes, restart_on_crash)}."""
+        self._check_open()
+        if not self._has_reset:
+            raise RuntimeError("render() before reset() (or after a reset, chunk or render that failed): "
+                               "call reset() first")
+        unrendered, self._unrendered = self._unrendered, None
+        column = self._buffers["timing"][:, 1]  # each env's render seconds; 0 after a deferred chunk
+        before = column.copy()
+        start = time.perf_counter()
+        newly_lost: list[dict] = []
+        if unrendered is not None and unrendered.any():
+            try:
+                newly_lost = self._render_envs(unrendered)
+            except BaseException:
+                self._has_reset = False  # some envs rendered and others did not: only a reset may follow
+                raise
+        wall = time.perf_counter() - start
+        seconds = np.maximum(column - before, 0.0)  # a lost worker's rows were zeroed
+        busy = [float(seconds[ids].sum()) for ids in self._worker_env_ids()]
+        timing = {"wall_s": wall, "render_s": float(seconds.sum()), "busiest_worker_s": max(busy, default=0.0)}
+        buf = self._buffers
+        return {"obs": self._obs(), "timing": timing, "done": buf["done"].copy(), "lost": self._lost.copy(),
+                "lost_workers": newly_lost}
 
     def close(self) -> None:
         """Stop workers and free shared memory. Idempotent."""
@@ -262,6 +312,11 @@ class VectorEnvBase:
         if self._closed:
             raise RuntimeError("the vector env is closed")
 
+    def _check_deferrable(self) -> None:
+        """Refuses step_chunk(render=False) where there is no chunk-end render to defer."""
+        if self.cfg.render_every == "substep":
+            raise ValueError(deferral_refusal())
+
     # ------------------------------------------------------------------ subclass hooks
     def _worker_env_ids(self) -> list[list[int]]:
         raise NotImplementedError
@@ -269,8 +324,14 @@ class VectorEnvBase:
     def _reset_envs(self, plan: list[tuple[int, int, int]]) -> None:
         raise NotImplementedError
 
-    def _step_envs(self, horizon: int) -> list[dict]:
-        """Run the chunk; returns one dict per worker lost during it (restart_on_crash)."""
+    def _step_envs(self, horizon: int, render: bool = True) -> list[dict]:
+        """Run the chunk (render=False: without the chunk-end render); returns one dict per worker lost
+        during it (restart_on_crash)."""
+        raise NotImplementedError
+
+    def _render_envs(self, unrendered: np.ndarray) -> list[dict]:
+        """Render the envs a deferred chunk left unrendered ((N,) mask, some True); returns one dict per
+        worker lost during it."""
         raise NotImplementedError
 
     def _close_impl(self) -> None:

@@ -9,6 +9,12 @@ when it was really executed; an env that succeeds (terminated) or reaches max_ep
 (truncated) stops there: its later sub-steps are invalid with zero reward, and it stays done
 (no auto-reset) until the next reset. Cameras render once, after the env's last executed
 sub-step of the chunk (or after every sub-step with render_every="substep").
+
+Deferred render (`step_chunk(horizon, render=False)`, chunk_end only): the chunk's physics runs as
+usual and each stepped env's state is written, but its cameras are not rendered; those envs are
+pending until `render_pending()` renders them (a reset clears them, the next chunk replaces them).
+The images then equal an immediate render's: nothing changes the simulator in between. This lets
+a caller keep the renderer (EGL, on the policy's GPU) off the GPU while a predict runs.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class EnvRunner:
         self.cameras = list(cfg.cameras)
         self.max_steps = cfg.episode_steps
         self.render_substeps = cfg.render_every == "substep"
+        self.pending: list[tuple[int, Any]] = []  # (env_id, env) stepped without their chunk-end render
 
     def create(self, on_created: Callable[[int], None] = lambda env_id: None) -> None:
         """Build every env's simulator (the slow part: ~13 s per LIBERO env on CPU)."""
@@ -41,6 +48,7 @@ class EnvRunner:
         """plan: (env_id, init_state_id, seed) for envs of this runner; writes their obs."""
         local = {env_id: k for k, env_id in enumerate(self.env_ids)}
         buf = self.buf
+        self.pending = []  # the reset renders every env it starts
         for env_id, init_state_id, seed in plan:
             env = self.envs[local[env_id]]
             start = time.perf_counter()
@@ -56,9 +64,13 @@ class EnvRunner:
             render = self._write_obs(env_id, env)
             buf["timing"][env_id] = (physics, render)
 
-    def step_chunk(self, horizon: int) -> None:
-        """Execute actions[:, :horizon] for this runner's envs (see the module docstring)."""
+    def step_chunk(self, horizon: int, render: bool = True) -> None:
+        """Execute actions[:, :horizon] for this runner's envs (see the module docstring).
+        render=False: skip the chunk-end camera render (state still written); see `render_pending`."""
+        if not render and self.render_substeps:
+            raise ValueError(deferral_refusal())
         buf = self.buf
+        self.pending = []
         for env_id, env in zip(self.env_ids, self.envs, strict=True):
             buf["rewards"][env_id] = 0
             buf["terminated"][env_id] = False
@@ -67,10 +79,21 @@ class EnvRunner:
             buf["timing"][env_id] = 0
             if buf["done"][env_id]:
                 continue  # finished envs stay finished until the next reset
-            physics, render = self._run_env_chunk(env_id, env, horizon)
-            if not self.render_substeps:
-                render += self._write_obs(env_id, env)
-            buf["timing"][env_id] = (physics, render)
+            physics, rendered = self._run_env_chunk(env_id, env, horizon)
+            if not self.render_substeps:  # (substep: written after every sub-step already)
+                if render:
+                    rendered += self._write_obs(env_id, env)
+                else:
+                    self._write_state(env_id, env)  # untimed: neither a render nor the chunk's physics
+                    self.pending.append((env_id, env))
+            buf["timing"][env_id] = (physics, rendered)
+
+    def render_pending(self) -> None:
+        """Render the cameras of the envs the last `step_chunk(render=False)` stepped; their seconds
+        are added to timing[env_id, 1] (the chunk wrote 0 there). Nothing pending: a no-op."""
+        pending, self.pending = self.pending, []
+        for env_id, env in pending:
+            self.buf["timing"][env_id, 1] += self._write_obs(env_id, env)
 
     def _run_env_chunk(self, env_id: int, env: Any, horizon: int) -> tuple[float, float]:
         buf = self.buf
@@ -111,7 +134,12 @@ class EnvRunner:
                 buf[f"{camera}_frames"][env_id, frame_index] = image
         return time.perf_counter() - start
 
+    def _write_state(self, env_id: int, env: Any) -> None:
+        """The state row alone: every env type answers observation(render=False) with "state"."""
+        self.buf["state"][env_id] = env.observation(render=False)["state"]
+
     def close(self) -> None:
+        self.pending = []
         errors = []
         for env in self.envs:
             try:
@@ -121,3 +149,10 @@ class EnvRunner:
         self.envs = []
         if errors:
             raise errors[0]
+
+
+def deferral_refusal() -> str:
+    """Why step_chunk(render=False) is refused with per-sub-step rendering (one message for the vector
+    env's check and the runner's)."""
+    return ('step_chunk(render=False) defers the chunk-end render, but env.render_every="substep" renders '
+            'every sub-step as it runs: use env.render_every="chunk_end" to defer rendering')

@@ -316,14 +316,23 @@ class AsyncVectorEnv(VectorEnvBase):
                 by_worker = {i: by_worker[i] for i in failures}  # retry on the restarted workers
             self._raise_crash({i: "crashed again after a restart" for i in by_worker}, "reset")
 
-    def _step_envs(self, horizon: int) -> list[dict]:
-        # Workers still rebuilding after a crash hold only lost (done) envs: nothing to step.
-        handles = [h for h in self._workers if not h.creating]
+    def _step_envs(self, horizon: int, render: bool = True) -> list[dict]:
         finished = self._buffers["done"].copy()  # episodes that ended before this chunk keep their result
-        with self._awaiting_replies("step"):
-            errors, failures = self._exchange(handles, ("step", {h.index: horizon for h in handles}), "step")
-            lost = self._handle_failures(failures, "step", errors, finished)
-            self._raise_errors(errors, "step")
+        return self._command("step", (horizon, render), finished)
+
+    def _render_envs(self, unrendered: np.ndarray) -> list[dict]:
+        # a worker lost now loses its unrendered episodes (no final images); its other envs keep theirs
+        return self._command("render", None, ~unrendered, only=unrendered)
+
+    def _command(self, command: str, payload: Any, finished: np.ndarray, only: np.ndarray | None = None
+                 ) -> list[dict]:
+        """`command` to every worker not rebuilding after a crash (those hold only lost envs) and, with `only`,
+        holding an env of that mask; crashes and errors as `_handle_failures` and `_raise_errors` treat them."""
+        handles = [h for h in self._workers if not h.creating and (only is None or only[h.env_ids].any())]
+        with self._awaiting_replies(command):
+            errors, failures = self._exchange(handles, (command, {h.index: payload for h in handles}), command)
+            lost = self._handle_failures(failures, command, errors, finished)
+            self._raise_errors(errors, command)
         return lost
 
     def _exchange(self, handles: Sequence[WorkerHandle], message: tuple[str, dict], command: str

@@ -39,8 +39,12 @@ class SyncVectorEnv(VectorEnvBase):
     def _reset_envs(self, plan) -> None:
         self._runner.reset(plan)
 
-    def _step_envs(self, horizon: int) -> list[dict]:
-        self._runner.step_chunk(horizon)
+    def _step_envs(self, horizon: int, render: bool = True) -> list[dict]:
+        self._runner.step_chunk(horizon, render)
+        return []
+
+    def _render_envs(self, unrendered) -> list[dict]:
+        self._runner.render_pending()  # the runner knows the same envs as pending
         return []
 
     def _close_impl(self) -> None:

@@ -10,7 +10,10 @@ A crash that kills the process (a segfault in MuJoCo or the GL driver) leaves no
 forward: `faulthandler` writes the Python stack of such a crash to `fault_path`, which the
 parent reads into its error message.
 
-Commands (parent -> worker):  ("create", None)  ("reset", plan)  ("step", horizon)  ("close", None)
+Commands (parent -> worker):  ("create", None)  ("reset", plan)  ("step", (horizon, render))
+                              ("render", None)  ("pid", None)  ("close", None)
+                              (render=False defers the chunk-end render; "render" renders the envs
+                              such a step left pending: `runner.EnvRunner.render_pending`)
 Replies (worker -> parent):   ("progress", env_id) during create, then ("ok", payload) or
                               ("error", "<traceback>")
 """
@@ -90,7 +93,11 @@ def _command_loop(conn: Any, runner: Any) -> None:
                 runner.reset(payload)
                 reply = None
             elif command == "step":
-                runner.step_chunk(int(payload))
+                horizon, render = payload
+                runner.step_chunk(int(horizon), bool(render))
+                reply = None
+            elif command == "render":
+                runner.render_pending()
                 reply = None
             elif command == "pid":
                 reply = os.getpid()

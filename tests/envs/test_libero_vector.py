@@ -85,6 +85,26 @@ def test_chunks_match_between_twins(twins):
     np.testing.assert_array_equal(b.info["elapsed_steps"], [12, 12])
 
 
+def test_deferred_render_gives_the_chunk_end_render(twins):
+    """step_chunk(render=False) + render() (the collector's render_at=before_predict) gives the pixels and
+    state of rendering at the chunk's end, both ways between the twins; over two chunks, so the state
+    observed in between (robosuite's sim.forward) must leave the physics as it was too."""
+    sync, proc = twins
+    rng = np.random.default_rng(1)
+    for deferred, reference in ((proc, sync), (sync, proc)):
+        deferred.reset([7])
+        reference.reset([7])
+        for _ in range(2):
+            actions = rng.uniform(-0.6, 0.6, (2, 4, 7))
+            expected = reference.step_chunk(actions)
+            result = deferred.step_chunk(actions, render=False)
+            assert result.info["timing"]["render_s"] == 0.0 and result.info["timing"]["physics_s"] > 0
+            rendered = deferred.render()
+            assert rendered["timing"]["render_s"] > 0
+            result.obs = rendered["obs"]
+            assert_results_equal(result, expected)
+
+
 def test_float32_actions_are_accepted(twins):
     _, proc = twins
     proc.reset([0])

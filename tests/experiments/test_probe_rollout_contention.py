@@ -1,0 +1,94 @@
+"""experiments/probe_rollout_contention.py on the CPU box: every load runs and is recorded, and the
+"deferred" load never renders while a predict runs (the order the collector's before_predict keeps)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from envs.vector import make_vector_env
+from rollout.config import EngineConfig, RolloutConfig
+from tests.rollout.test_collector import countdown_env, one_torch_thread, tiny_policy  # noqa: F401 (fixture)
+
+
+def test_probe_records_every_load_and_the_env_alone(one_torch_thread):  # noqa: F811
+    from experiments.probe_rollout_contention import ContentionProbeConfig, run, summarize
+
+    env_cfg = countdown_env(num_envs=4, group_size=2, max_episode_steps=40)
+    probe = ContentionProbeConfig(torch_threads=[1], warmup_calls=1, calls=2, env_chunks=1, device="cpu")
+    payload = run(env_cfg, tiny_policy(), RolloutConfig(engine=EngineConfig(seed=0)), probe)
+    assert set(payload["settings"]) == {f"{load}/threads1" for load in ("none", "render", "physics", "deferred")}
+    for name, result in payload["settings"].items():
+        assert len(result["predict"]["call_walls_s"]) == 2, name
+        assert result["predict"]["median_ms"] > 0
+    assert payload["env_alone"]["physics"]["mean_render_ms"] == 0.0  # no camera rendered
+    assert payload["env_alone"]["render"]["mean_render_ms"] > 0
+    assert payload["env_alone"]["deferred"]["mean_render_wall_ms"] > 0
+    summary = summarize(payload)
+    assert summary["deferred_threads1_predict_ms"] > 0
+    assert summary["env_alone_render_after_physics_ms"] > 0
+
+
+def test_deferred_load_renders_only_between_predicts():
+    from experiments.probe_rollout_contention import ContentionProbeConfig, EnvLoad
+
+    env_cfg = countdown_env(num_envs=2, num_workers=1, group_size=1, max_episode_steps=400)
+    vec = make_vector_env(env_cfg, in_process=True)
+    overlaps, renders = [], []
+    try:
+        load = EnvLoad(vec, env_cfg, ContentionProbeConfig(), "deferred")
+        render = vec.render
+
+        def watched_render():
+            overlaps.append(load.predicting)
+            time.sleep(0.01)  # a render long enough for a predict to try to start inside it
+            overlaps.append(load.predicting)
+            renders.append(1)
+            return render()
+
+        vec.render = watched_render
+        with load:
+            waits = []
+            for _ in range(20):
+                waits.append(load.begin_predict())
+                time.sleep(0.005)  # the "predict": the load's physics chunk finishes inside it
+                load.end_predict()
+    finally:
+        vec.close()
+    assert renders, "the deferred load rendered nothing"
+    assert not any(overlaps), "a render ran while a predict was in flight"
+    # a predict that would start while a finished chunk waits for its render waits for that render
+    assert sum(wait > 0.005 for wait in waits) >= 1, waits
+
+
+def test_env_load_forwards_its_error():
+    from experiments.probe_rollout_contention import ContentionProbeConfig, EnvLoad
+
+    env_cfg = countdown_env(num_envs=2, num_workers=1, group_size=1)
+    vec = make_vector_env(env_cfg, in_process=True)
+    try:
+        def broken(*args, **kwargs):
+            raise OSError("renderer gone")
+
+        vec.step_chunk = broken
+        load = EnvLoad(vec, env_cfg, ContentionProbeConfig(), "render")
+        with pytest.raises(RuntimeError, match="env load 'render' failed"), load:
+            deadline = time.monotonic() + 5
+            while load.error is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert isinstance(load.error, OSError)
+        assert not any(t.name.startswith("env-load") and t.is_alive() for t in threading.enumerate())
+    finally:
+        vec.close()
+
+
+def test_bench_rollout_variant_runs_the_other_render_schedule():
+    from experiments.bench_rollout import variant_config
+    from rollout.collector_config import CollectorConfig
+
+    env_cfg = countdown_env(num_envs=4, group_size=2)
+    assert variant_config("other_render_at", CollectorConfig(), env_cfg).render_at == "before_predict"
+    flipped = variant_config("other_render_at", CollectorConfig(render_at="before_predict"), env_cfg)
+    assert flipped.render_at == "env_step"

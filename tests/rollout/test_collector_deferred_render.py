@@ -1,0 +1,151 @@
+"""rollout.collector.render_at: "before_predict" (stage chunks run physics only; the driver renders each
+stage just before predicting it) must fill the RolloutBatch exactly as "env_step" does, since only
+when the cameras render moves; its render time and profiler spans; the config key; a worker lost
+while rendering."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from profiler.report import build_exports
+from profiler.spans import Timeline
+from rollout.collector import RolloutCollector
+from rollout.collector_config import CollectorConfig
+from rollout.trajectory import RolloutBatch
+from tests.rollout.test_collector import (  # noqa: F401 (fixture)
+    GROUP_INIT_STATES,
+    countdown_env,
+    make_engine,
+    one_torch_thread,
+    tiny_policy,
+)
+
+
+def assert_batches_equal(a: RolloutBatch, b: RolloutBatch) -> None:
+    for name, value in vars(a).items():
+        other = getattr(b, name)
+        if isinstance(value, dict):
+            assert value.keys() == other.keys(), name
+            for key in value:
+                np.testing.assert_array_equal(value[key], other[key], err_msg=f"{name}[{key}]")
+        elif isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(value, other, err_msg=name)
+        else:
+            assert value == other, name
+
+
+def collect(render_at: str, stages: int, in_process: bool, epochs: int = 2, **timelines):
+    """`epochs` epochs (the second reuses the envs after the first's renders); copies of the batches and
+    the stats of each epoch."""
+    cfg = CollectorConfig(stages=stages, in_process=in_process, workers_per_stage=1, render_at=render_at)
+    batches, stats = [], []
+    with RolloutCollector(countdown_env(), make_engine(tiny_policy()), cfg, **timelines) as collector:
+        for epoch in range(epochs):
+            batch = collector.collect(GROUP_INIT_STATES, seed=3 + epoch, mode="train", step=epoch)
+            batches.append(copy.deepcopy(batch))  # the collector refills its batch next epoch
+            stats.append(collector.last_stats)
+    return batches, stats
+
+
+@pytest.mark.parametrize("stages, in_process", [(1, True), (2, True), (1, False), (2, False)])
+def test_rendering_before_predict_fills_the_same_batch(stages, in_process):
+    deferred, deferred_stats = collect("before_predict", stages, in_process)
+    eager, eager_stats = collect("env_step", stages, in_process)
+    for a, b in zip(deferred, eager, strict=True):
+        assert_batches_equal(a, b)
+        # the setting has early ends (done rows neither stepped nor rendered) and truncation
+        assert 0 < a.success.sum() < 8 and (a.num_chunks < 3).any() and a.chunk_valid.any()
+        assert a.images["agentview_image"][a.chunk_valid].std() > 0
+    for d, e in zip(deferred_stats, eager_stats, strict=True):
+        assert d.render_s > 0 and e.render_s == 0.0
+        assert d.to_dict()["render_s"] == d.render_s and f"render {d.render_s:.2f} s" in d.describe()
+        assert (d.env_steps, d.predict_rows, d.chunks) == (e.env_steps, e.predict_rows, e.chunks)
+
+
+def test_render_spans_are_keyed_by_the_env_chunk_and_the_report_builds(tmp_path):
+    driver = Timeline(tmp_path, worker="driver", keep_in_memory=True)
+    lanes = [Timeline(tmp_path, worker=f"env_stage{s}", keep_in_memory=True) for s in range(2)]
+    cfg = CollectorConfig(stages=2, in_process=True, render_at="before_predict")
+    with RolloutCollector(countdown_env(), make_engine(tiny_policy()), cfg, timeline=driver,
+                          stage_timelines=lanes) as collector:
+        for step in range(2):
+            with driver.span("step", step=step), driver.span("rollout"):
+                collector.collect(GROUP_INIT_STATES, seed=3, step=step)
+    for timeline in (driver, *lanes):
+        timeline.close()
+    spans = [s for t in (driver, *lanes) for s in t.spans]
+    renders = {(a["step"], a["stage"], a["chunk"]): (start, end) for name, start, end, a in spans
+               if name == "rollout/render"}
+    steps = {(a["step"], a["stage"], a["chunk"]): (start, end) for name, start, end, a in spans
+             if name == "rollout/env_step"}
+    predicts = {(a["step"], a["stage"], a["chunk"]): (start, end) for name, start, end, a in spans
+                if name == "rollout/predict"}
+    assert renders.keys() == steps.keys() and not any(name == "rollout/render" for t in lanes for name, *_ in t.spans)
+    for (step, stage, chunk), (start, end) in renders.items():
+        assert steps[step, stage, chunk][1] <= start  # the chunk's physics, then its render,
+        following = predicts.get((step, stage, chunk + 1))
+        assert following is None or end <= following[0]  # then the predict that needs its images
+    report, written = build_exports(tmp_path, exports=["json", "console", "perfetto", "png"], quiet=True)
+    assert len(report.steps) == 2 and {"json", "text", "perfetto"} <= written.keys()
+    assert all(step.phases["rollout/render"] > 0 for step in report.steps)
+
+
+class KillAfterPhysics:
+    """Around the real engine: before the engine's `call`-th predict, waits for stage `stage`'s chunk in
+    flight (its physics) and SIGKILLs that stage's worker 0, so the driver's render finds it dead."""
+
+    def __init__(self, engine, call: int, stage: int):
+        self.engine, self.call, self.stage, self.calls = engine, call, stage, 0
+        self.collector = None
+
+    @property
+    def policy_config(self):
+        return self.engine.policy_config
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def predict(self, obs, **kwargs):
+        if self.calls == self.call:
+            stage = self.collector.stages[self.stage]
+            stage.pending.future.result()
+            os.kill(stage.vec.worker_pids[0], signal.SIGKILL)
+        self.calls += 1
+        return self.engine.predict(obs, **kwargs)
+
+
+def test_a_worker_lost_while_rendering_loses_its_trajectories():
+    env_cfg = countdown_env(num_envs=4, group_size=1, restart_on_crash=True, max_episode_steps=12, task_ids=[3])
+    engine = KillAfterPhysics(make_engine(tiny_policy()), call=2, stage=1)  # stage 1's chunk 0 is unrendered
+    cfg = CollectorConfig(stages=2, workers_per_stage=2, render_at="before_predict")
+    with RolloutCollector(env_cfg, engine, cfg) as collector:
+        engine.collector = collector
+        with pytest.warns(RuntimeWarning, match=r"env worker 0 .* during 'render'; restarted, envs lost: \[0\] "
+                                                r"\(in rollout stage 1 "):
+            batch = collector.collect([2, 2, 2, 2], seed=0, mode="train")
+        np.testing.assert_array_equal(batch.lost, [0, 0, 1, 0])
+        assert not batch.chunk_valid[2].any() and batch.num_chunks[2] == 0 and not batch.success[2]
+        assert batch.chunk_valid[[0, 1, 3]].all()  # 12 steps: 3 full chunks each
+        batch = collector.collect([2, 2, 2, 2], seed=0, mode="train")  # the restarted worker serves again
+        assert not batch.lost.any() and batch.chunk_valid.all()
+
+
+def test_render_at_is_validated_and_round_trips():
+    with pytest.raises(ValueError, match=r"rollout\.collector\.render_at must be one of \['env_step', "
+                                         r"'before_predict'\], got 'later'"):
+        CollectorConfig(render_at="later")
+    with pytest.raises(ValueError, match=r"grpo\.collector\.render_at must be one of"):
+        CollectorConfig.from_mapping({"render_at": "never"}, key="grpo.collector")
+    cfg = CollectorConfig.from_mapping({"render_at": "before_predict"})
+    assert cfg.to_dict()["render_at"] == "before_predict" and CollectorConfig().render_at == "env_step"
+    assert CollectorConfig.from_mapping(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match=r'render_at="before_predict" .* needs env\.render_every="chunk_end", '
+                                         r"got 'substep'"):
+        RolloutCollector(countdown_env(render_every="substep"), make_engine(tiny_policy()),
+                         CollectorConfig(in_process=True, render_at="before_predict"))
