@@ -55,6 +55,8 @@ class ContentionProbeConfig:
     warmup_calls: int = 2
     calls: int = 8  # timed predicts per setting
     env_chunks: int = 6  # env-alone chunks per mode
+    render_waves: list[int] = field(default_factory=lambda: [0, 8, 4, 2])  # env alone: workers rendering at once
+    render_workers_at_once: int = 0  # the deferred load's (0: all of them)
     mode: str = "train"
     action_scale: float = 0.5  # actions ~ U(-scale, scale)
     seed: int = 0
@@ -67,8 +69,12 @@ class ContentionProbeConfig:
         self.torch_threads = [int(n) for n in self.torch_threads]
         for name in self.loads:
             check_choice("probe.loads entries", name, LOADS)
+        self.render_waves = [int(n) for n in self.render_waves]
         for n in self.torch_threads:
             check_nonnegative_int("probe.torch_threads entries", n)
+        for n in self.render_waves:
+            check_nonnegative_int("probe.render_waves entries", n)
+        check_nonnegative_int("probe.render_workers_at_once", self.render_workers_at_once)
         check_nonnegative_int("probe.warmup_calls", self.warmup_calls)
         for key in ("calls", "env_chunks"):
             check_positive_int(f"probe.{key}", getattr(self, key))
@@ -87,8 +93,10 @@ class EnvLoad:
     start while a finished chunk waits for its render first waits for that render: the order of the
     collector's before_predict schedule (a stage is rendered, then predicted)."""
 
-    def __init__(self, vec: VectorEnvBase, cfg: EnvConfig, probe: ContentionProbeConfig, kind: str):
+    def __init__(self, vec: VectorEnvBase, cfg: EnvConfig, probe: ContentionProbeConfig, kind: str,
+                 workers_at_once: int = 0):
         self.vec, self.cfg, self.kind = vec, cfg, kind
+        self.workers_at_once = workers_at_once or None
         self.rng = np.random.default_rng(probe.seed)
         self.scale = probe.action_scale
         self.seed = probe.seed
@@ -155,7 +163,7 @@ class EnvLoad:
             self.render_due = True
             self.state.wait_for(lambda: not self.predicting or self.stop)
         try:
-            rendered = self.vec.render()
+            rendered = self.vec.render(self.workers_at_once)
         finally:
             with self.state:
                 self.render_due = False
@@ -203,14 +211,17 @@ def env_chunk_summary(chunks: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def env_alone(vec: VectorEnvBase, cfg: EnvConfig, probe: ContentionProbeConfig) -> dict[str, Any]:
-    """Chunks of each kind with nothing else running (the first chunk of each kind untimed)."""
+    """Chunks of each kind with nothing else running (the first chunk of each kind untimed); the
+    deferred kind once per probe.render_waves entry (workers rendering at once, 0: all)."""
+    kinds = [("render", 0), ("physics", 0)] + [("deferred", n) for n in probe.render_waves]
     out = {}
-    for kind in ("render", "physics", "deferred"):
-        load = EnvLoad(vec, cfg, probe, kind)
+    for kind, workers_at_once in kinds:
+        load = EnvLoad(vec, cfg, probe, kind, workers_at_once)
         vec.reset(group_size=cfg.group_size, seed=probe.seed)
         chunks = [load._chunk() for _ in range(probe.env_chunks + 1)][1:]
-        out[kind] = env_chunk_summary(chunks)
-        log(f"env alone, {kind}: {out[kind]}")
+        name = kind if kind != "deferred" else f"deferred_waves{workers_at_once or 'all'}"
+        out[name] = env_chunk_summary(chunks)
+        log(f"env alone, {name}: {out[name]}")
     return out
 
 
@@ -218,7 +229,7 @@ def probe_setting(engine: PolicyEngine, vec: VectorEnvBase, cfg: EnvConfig, obs:
                   probe: ContentionProbeConfig, load_name: str) -> dict[str, Any]:
     if load_name == "none":
         return {"predict": time_predicts(engine, obs, probe, cfg.group_size, None)}
-    with EnvLoad(vec, cfg, probe, load_name) as load:
+    with EnvLoad(vec, cfg, probe, load_name, probe.render_workers_at_once) as load:
         while not load.chunks and load.error is None:  # the load's first chunk (a warm-up) ends first
             time.sleep(0.005)
         window_start = time.perf_counter()
@@ -277,8 +288,8 @@ def summarize(payload: dict) -> dict[str, Any]:
             summary[f"{key}_env_chunk_ms"] = env.get("mean_chunk_wall_ms")
     for kind, env in payload["env_alone"].items():
         summary[f"env_alone_{kind}_chunk_ms"] = env.get("mean_chunk_wall_ms")
-        if kind == "deferred":
-            summary["env_alone_render_after_physics_ms"] = env.get("mean_render_wall_ms")
+        if kind.startswith("deferred"):
+            summary[f"env_alone_{kind}_render_ms"] = env.get("mean_render_wall_ms")
     return summary
 
 

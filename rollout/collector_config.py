@@ -56,6 +56,8 @@ class CollectorConfig:
         renders the stage (`vec.render()`, span rollout/render) after the previous stage's predict
         has returned, just before predicting this one. Same batch either way, bit for bit; only
         when rendering happens moves. Needs env.render_every="chunk_end".
+    render_workers_at_once: with before_predict, how many of a stage's workers render at the same
+        time (waves; None: all): each worker's GL contexts time-slice the GPU with the others'.
     """
 
     stages: int = 2
@@ -68,10 +70,11 @@ class CollectorConfig:
     record_images: bool = True
     seed: int = 0
     render_at: str = "env_step"
+    render_workers_at_once: int | None = None
 
     def __post_init__(self) -> None:
         check_positive_int(f"{PREFIX}.stages", self.stages)
-        for key in ("workers_per_stage", "max_chunks", "group_size"):
+        for key in ("workers_per_stage", "max_chunks", "group_size", "render_workers_at_once"):
             value = getattr(self, key)
             if value is not None:
                 check_positive_int(f"{PREFIX}.{key}", value)

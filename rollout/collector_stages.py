@@ -98,12 +98,13 @@ class Stage:
     """One pipeline stage: a vector env over envs [start, stop) and its episode state."""
 
     def __init__(self, index: int, start: int, env_cfg: EnvConfig, in_process: bool, lane: Any,
-                 defer_render: bool = False):
+                 defer_render: bool = False, render_workers_at_once: int | None = None):
         self.index = index
         self.start = start
         self.stop = start + env_cfg.num_envs
         self.lane = lane
         self.defer_render = defer_render
+        self.render_workers_at_once = render_workers_at_once
         with self.numbering_note():
             self.vec: VectorEnvBase = make_vector_env(env_cfg, in_process=in_process)
         self.vec.numbering_note = self._numbering()
@@ -150,7 +151,7 @@ class Stage:
         any env lost meanwhile. Returns the render's wall seconds."""
         start = time.perf_counter()
         with timeline.span("rollout/render", **attrs), self.numbering_note():
-            rendered = self.vec.render()
+            rendered = self.vec.render(self.render_workers_at_once)
         result.obs = rendered["obs"]
         result.lost = result.lost | rendered["lost"]  # a worker lost while rendering (restart_on_crash)
         result.done = result.done | rendered["done"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from common.config import check_nonnegative_int
+from common.config import check_nonnegative_int, check_positive_int
 from envs.config import EnvConfig, mixed_group
 from envs.vector.buffers import ACTION_DIM, SharedBuffers
 from envs.vector.catalog import EnvSlot, env_slots
@@ -133,13 +133,17 @@ class VectorEnvBase:
         result.info["rendered"] = render
         return result
 
-    def render(self) -> dict[str, Any]:
+    def render(self, workers_at_once: int | None = None) -> dict[str, Any]:
         """Render the cameras the last `step_chunk(render=False)` skipped; afterwards the observations
         equal those of `step_chunk(actions)`. Nothing unrendered (a chunk that rendered, a second
-        call): a cheap no-op. Returns {"obs": as step_chunk's, "timing": {"wall_s", "render_s" (this
-        render's seconds summed over envs), "busiest_worker_s"}, "done", "lost" (N,) bool and
-        "lost_workers" (a worker lost while rendering loses its unrendered episodes, restart_on_crash)}."""
+        call): a cheap no-op. `workers_at_once`: worker processes rendering at the same time (waves;
+        None: all), since every worker's GL context time-slices the one GPU with the others. Returns
+        {"obs": as step_chunk's, "timing": {"wall_s", "render_s" (this render's seconds summed over
+        envs), "busiest_worker_s"}, "done", "lost" (N,) bool and "lost_workers" (a worker lost while
+        rendering loses its unrendered episodes, restart_on_crash)}."""
         self._check_open()
+        if workers_at_once is not None:
+            check_positive_int("workers_at_once", workers_at_once)
         if not self._has_reset:
             raise RuntimeError("render() before reset() (or after a reset, chunk or render that failed): "
                                "call reset() first")
@@ -150,7 +154,7 @@ class VectorEnvBase:
         newly_lost: list[dict] = []
         if unrendered is not None and unrendered.any():
             try:
-                newly_lost = self._render_envs(unrendered)
+                newly_lost = self._render_envs(unrendered, workers_at_once)
             except BaseException:
                 self._has_reset = False  # some envs rendered and others did not: only a reset may follow
                 raise
@@ -329,9 +333,9 @@ class VectorEnvBase:
         during it (restart_on_crash)."""
         raise NotImplementedError
 
-    def _render_envs(self, unrendered: np.ndarray) -> list[dict]:
-        """Render the envs a deferred chunk left unrendered ((N,) mask, some True); returns one dict per
-        worker lost during it."""
+    def _render_envs(self, unrendered: np.ndarray, workers_at_once: int | None = None) -> list[dict]:
+        """Render the envs a deferred chunk left unrendered ((N,) mask, some True), `workers_at_once`
+        workers at a time (None: all); returns one dict per worker lost during it."""
         raise NotImplementedError
 
     def _close_impl(self) -> None:

@@ -320,9 +320,17 @@ class AsyncVectorEnv(VectorEnvBase):
         finished = self._buffers["done"].copy()  # episodes that ended before this chunk keep their result
         return self._command("step", (horizon, render), finished)
 
-    def _render_envs(self, unrendered: np.ndarray) -> list[dict]:
+    def _render_envs(self, unrendered: np.ndarray, workers_at_once: int | None = None) -> list[dict]:
         # a worker lost now loses its unrendered episodes (no final images); its other envs keep theirs
-        return self._command("render", None, ~unrendered, only=unrendered)
+        holders = [h for h in self._workers if unrendered[h.env_ids].any()]
+        width = len(holders) if workers_at_once is None else workers_at_once
+        lost: list[dict] = []
+        for first in range(0, len(holders), max(width, 1)):  # waves: fewer GL contexts share the GPU at once
+            wave = np.zeros_like(unrendered)
+            for h in holders[first:first + width]:
+                wave[h.env_ids] = unrendered[h.env_ids]
+            lost += self._command("render", None, ~unrendered, only=wave)
+        return lost
 
     def _command(self, command: str, payload: Any, finished: np.ndarray, only: np.ndarray | None = None
                  ) -> list[dict]:

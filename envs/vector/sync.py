@@ -43,8 +43,8 @@ class SyncVectorEnv(VectorEnvBase):
         self._runner.step_chunk(horizon, render)
         return []
 
-    def _render_envs(self, unrendered) -> list[dict]:
-        self._runner.render_pending()  # the runner knows the same envs as pending
+    def _render_envs(self, unrendered, workers_at_once: int | None = None) -> list[dict]:
+        self._runner.render_pending()  # the runner knows the same envs as pending (one process: no waves)
         return []
 
     def _close_impl(self) -> None:

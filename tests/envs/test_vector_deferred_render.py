@@ -183,3 +183,29 @@ def test_the_world_model_env_refuses_deferral():
         with pytest.raises(ValueError, match=r"world-model vector env .*render=False\) is not supported"):
             vec.step_chunk(np.zeros((2, 2, 7)), render=False)
         assert vec.render()["timing"]["render_s"] == 0.0  # nothing is ever left unrendered
+
+
+@pytest.mark.parametrize("workers_at_once", [1, 2, 3])
+def test_render_in_waves_of_workers_equals_one_render(workers_at_once):
+    # 6 envs over 3 workers; waves of 1, 2 and all 3 workers give the same observations and render seconds
+    cfg = countdown_cfg(task_ids=[0, 1, 2, 3, 0, 1], num_envs=6, num_workers=3, max_episode_steps=8)
+    rng = np.random.default_rng(1)
+    with make(cfg, "async") as vec, make(cfg, "sync") as ref:
+        ids = [0, 1, 2, 3, 4, 5]
+        assert_obs_equal(vec.reset(ids), ref.reset(ids))
+        for _ in range(3):
+            actions = rng.uniform(0, 0.8, (6, 4, 7))
+            expected = ref.step_chunk(actions)
+            result = vec.step_chunk(actions, render=False)
+            rendered = vec.render(workers_at_once=workers_at_once)
+            result.obs = rendered["obs"]
+            assert_results_equal(result, expected)
+            assert (rendered["timing"]["render_s"] > 0) == expected.valid.any()
+
+
+def test_render_refuses_a_bad_wave_width():
+    with make(countdown_cfg(), "sync") as vec:
+        vec.reset([0, 0, 0, 0])
+        vec.step_chunk(unit_actions(4, 2, value=0.5), render=False)
+        with pytest.raises(ValueError, match="workers_at_once"):
+            vec.render(workers_at_once=0)

@@ -17,7 +17,8 @@ def test_probe_records_every_load_and_the_env_alone(one_torch_thread):  # noqa: 
     from experiments.probe_rollout_contention import ContentionProbeConfig, run, summarize
 
     env_cfg = countdown_env(num_envs=4, group_size=2, max_episode_steps=40)
-    probe = ContentionProbeConfig(torch_threads=[1], warmup_calls=1, calls=2, env_chunks=1, device="cpu")
+    probe = ContentionProbeConfig(torch_threads=[1], warmup_calls=1, calls=2, env_chunks=1, device="cpu",
+                                  render_waves=[0, 1], render_workers_at_once=1)
     payload = run(env_cfg, tiny_policy(), RolloutConfig(engine=EngineConfig(seed=0)), probe)
     assert set(payload["settings"]) == {f"{load}/threads1" for load in ("none", "render", "physics", "deferred")}
     for name, result in payload["settings"].items():
@@ -25,10 +26,10 @@ def test_probe_records_every_load_and_the_env_alone(one_torch_thread):  # noqa: 
         assert result["predict"]["median_ms"] > 0
     assert payload["env_alone"]["physics"]["mean_render_ms"] == 0.0  # no camera rendered
     assert payload["env_alone"]["render"]["mean_render_ms"] > 0
-    assert payload["env_alone"]["deferred"]["mean_render_wall_ms"] > 0
+    assert payload["env_alone"]["deferred_waves1"]["mean_render_wall_ms"] > 0
     summary = summarize(payload)
     assert summary["deferred_threads1_predict_ms"] > 0
-    assert summary["env_alone_render_after_physics_ms"] > 0
+    assert summary["env_alone_deferred_wavesall_render_ms"] > 0
 
 
 def test_deferred_load_renders_only_between_predicts():
@@ -41,12 +42,12 @@ def test_deferred_load_renders_only_between_predicts():
         load = EnvLoad(vec, env_cfg, ContentionProbeConfig(), "deferred")
         render = vec.render
 
-        def watched_render():
+        def watched_render(workers_at_once=None):
             overlaps.append(load.predicting)
             time.sleep(0.01)  # a render long enough for a predict to try to start inside it
             overlaps.append(load.predicting)
             renders.append(1)
-            return render()
+            return render(workers_at_once)
 
         vec.render = watched_render
         with load:

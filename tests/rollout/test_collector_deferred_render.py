@@ -39,10 +39,12 @@ def assert_batches_equal(a: RolloutBatch, b: RolloutBatch) -> None:
             assert value == other, name
 
 
-def collect(render_at: str, stages: int, in_process: bool, epochs: int = 2, **timelines):
+def collect(render_at: str, stages: int, in_process: bool, epochs: int = 2, workers: int = 1,
+            render_workers_at_once: int | None = None, **timelines):
     """`epochs` epochs (the second reuses the envs after the first's renders); copies of the batches and
     the stats of each epoch."""
-    cfg = CollectorConfig(stages=stages, in_process=in_process, workers_per_stage=1, render_at=render_at)
+    cfg = CollectorConfig(stages=stages, in_process=in_process, workers_per_stage=workers, render_at=render_at,
+                          render_workers_at_once=render_workers_at_once)
     batches, stats = [], []
     with RolloutCollector(countdown_env(), make_engine(tiny_policy()), cfg, **timelines) as collector:
         for epoch in range(epochs):
@@ -149,3 +151,11 @@ def test_render_at_is_validated_and_round_trips():
                                          r"got 'substep'"):
         RolloutCollector(countdown_env(render_every="substep"), make_engine(tiny_policy()),
                          CollectorConfig(in_process=True, render_at="before_predict"))
+
+
+def test_rendering_in_waves_of_workers_fills_the_same_batch():
+    waves, _ = collect("before_predict", 2, False, epochs=1, workers=2, render_workers_at_once=1)
+    eager, _ = collect("env_step", 2, False, epochs=1, workers=2)
+    assert_batches_equal(waves[0], eager[0])
+    with pytest.raises(ValueError, match=r"rollout\.collector\.render_workers_at_once"):
+        CollectorConfig(render_workers_at_once=0)
