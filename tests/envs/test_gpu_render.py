@@ -30,3 +30,23 @@ def test_egl_vector_env_matches_twin():
             np.testing.assert_array_equal(a.obs[key], b.obs[key], err_msg=key)
         assert a.obs["agentview_image"].std() > 5
         assert not np.array_equal(a.obs["agentview_image"][0], a.obs["agentview_image"][1])
+
+
+def test_egl_deferred_render_equals_the_chunk_end_render():
+    """The collector's render_at=before_predict under EGL: physics, then the render in waves of one worker,
+    gives the pixels of rendering at the chunk's end, over two chunks (the render leaves the physics alone)."""
+    from envs.vector import AsyncVectorEnv
+
+    cfg = EnvConfig(suite="libero_10", task_ids=[2, 8], num_envs=4, group_size=1, num_workers=2,
+                    image_size=224, chunk_size=10, render_backend="egl", show_progress=False)
+    rng = np.random.default_rng(2)
+    with AsyncVectorEnv(cfg) as deferred, AsyncVectorEnv(cfg) as eager:
+        for vec in (deferred, eager):
+            vec.reset([0, 1, 2, 3])
+        for workers_at_once in (None, 1):
+            actions = rng.uniform(-0.5, 0.5, (4, 10, 7))
+            expected = eager.step_chunk(actions)
+            deferred.step_chunk(actions, render=False)
+            rendered = deferred.render(workers_at_once)
+            for key in ("agentview_image", "wrist_image", "state"):
+                np.testing.assert_array_equal(rendered["obs"][key], expected.obs[key], err_msg=key)
