@@ -37,7 +37,7 @@ def test_egl_deferred_render_equals_the_chunk_end_render():
     gives the pixels of rendering at the chunk's end, over two chunks (the render leaves the physics alone)."""
     from envs.vector import AsyncVectorEnv
 
-    cfg = EnvConfig(suite="libero_10", task_ids=[2, 8], num_envs=4, group_size=1, num_workers=2,
+    cfg = EnvConfig(suite="libero_10", task_ids=[2, 8, 2, 8], num_envs=4, group_size=1, num_workers=2,
                     image_size=224, chunk_size=10, render_backend="egl", show_progress=False)
     rng = np.random.default_rng(2)
     with AsyncVectorEnv(cfg) as deferred, AsyncVectorEnv(cfg) as eager:
