@@ -74,7 +74,7 @@ class BenchRolloutConfig:
     action_scale: float = 0.5  # "uniform": actions ~ U(-scale, scale)
     seed: int = 0
     device: str = "auto"
-    torch_threads: int | None = None  # None: 1 on CPU (the env workers share the cores), default on CUDA
+    torch_threads: int | None = None  # None: 1 (the env workers share the cores; on CPU and on CUDA)
     trace_dir: str | None = None  # profiler trace of ours' epochs (+ report, Perfetto) here
     out_dir: str | None = None
     commit: bool = False
@@ -273,9 +273,10 @@ def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, be
     device = resolve_device(bench)
     if device.type == "cuda":
         policy_cfg = policy_cfg.replace(fast={"enabled": True})
-    threads = bench.torch_threads or (1 if device.type == "cpu" else None)
-    if threads is not None:  # intra-op threads spinning against busy env workers slow a CPU predict ~10x
-        torch.set_num_threads(threads)
+    # intra-op threads spinning against the busy env workers slow a CPU predict ~10x, and a CUDA one's
+    # host side too (round 38 on an H100: a 32-row predict beside env physics 226 ms with torch's 16
+    # threads, 161 with one; whole rollouts 1042-1202 against 1255-1292 env steps/s)
+    torch.set_num_threads(bench.torch_threads or 1)
     coll_cfg = dataclasses.replace(rollout.collector or CollectorConfig(), max_chunks=bench.chunks)
     if bench.predict_only and not coll_cfg.record_images:  # engine alone replays the observations ours recorded
         raise ValueError("bench.predict_only=true needs rollout.collector.record_images=true (the engine-alone "
