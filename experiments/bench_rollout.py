@@ -232,8 +232,9 @@ def variant_config(name: str, base: CollectorConfig, env_cfg: EnvConfig) -> Coll
     if name == "no_pipeline":
         return dataclasses.replace(base, stages=1, workers_per_stage=None)
     if name == "other_render_at":  # the other render schedule of the same pipeline
-        other = "env_step" if base.render_at == "before_predict" else "before_predict"
-        return dataclasses.replace(base, render_at=other)
+        if base.render_at == "before_predict":  # waves apply to deferred renders only
+            return dataclasses.replace(base, render_at="env_step", render_workers_at_once=None)
+        return dataclasses.replace(base, render_at="before_predict")
     return dataclasses.replace(base, workers_per_stage=max(1, env_cfg.num_workers // base.stages))
 
 

@@ -66,10 +66,9 @@ class ContentionProbeConfig:
 
     def __post_init__(self) -> None:
         self.loads = list(self.loads)
-        self.torch_threads = [int(n) for n in self.torch_threads]
+        self.torch_threads, self.render_waves = list(self.torch_threads), list(self.render_waves)
         for name in self.loads:
             check_choice("probe.loads entries", name, LOADS)
-        self.render_waves = [int(n) for n in self.render_waves]
         for n in self.torch_threads:
             check_nonnegative_int("probe.torch_threads entries", n)
         for n in self.render_waves:
@@ -269,8 +268,8 @@ def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, pr
                 log(f"{name}: predict median {result['predict']['median_ms']:.1f} ms (preprocess "
                     f"{result['predict']['median_preprocess_ms']:.1f}, sampling "
                     f"{result['predict']['median_sampling_ms']:.1f}); env {result.get('env_during_predicts')}")
-        torch.set_num_threads(default_threads)
     finally:
+        torch.set_num_threads(default_threads)  # also when a setting fails: its threads must not outlive the probe
         vec.close()
         engine.close()
     payload["config"] = {"env": env_cfg.to_dict(), "policy": policy_cfg.to_dict(), "engine": engine_cfg.to_dict(),

@@ -83,6 +83,10 @@ class CollectorConfig:
         for key in ("in_process", "predict_done_envs", "record_images"):
             check_bool(f"{PREFIX}.{key}", getattr(self, key))
         check_choice(f"{PREFIX}.render_at", self.render_at, RENDER_AT)
+        if self.render_workers_at_once is not None and self.render_at != "before_predict":
+            raise ValueError(f"{PREFIX}.render_workers_at_once ({self.render_workers_at_once}) applies to "
+                             f'render_at="before_predict" only (render_at is {self.render_at!r}: the workers '
+                             "render at their chunk's end); set it to null or render_at to before_predict")
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None = None, key: str = PREFIX, **overrides: Any
@@ -123,6 +127,9 @@ class CollectorConfig:
         if self.render_at == "before_predict" and env_cfg.render_every != "chunk_end":
             raise ValueError(f'{PREFIX}.render_at="before_predict" defers the chunk-end render: it needs '
                              f'env.render_every="chunk_end", got {env_cfg.render_every!r}')
+        if self.render_at == "before_predict" and env_cfg.env_type == "worldmodel":  # refused here, not at chunk 0
+            raise ValueError(f'{PREFIX}.render_at="before_predict" defers the chunk-end render, but env_type '
+                             '"worldmodel" has no renderer (its frames are the model\'s output): use "env_step"')
         n, s = env_cfg.num_envs, self.stages
         if n % s:
             raise ValueError(f"{PREFIX}.stages ({s}) must divide env.num_envs ({n})")

@@ -91,5 +91,31 @@ def test_bench_rollout_variant_runs_the_other_render_schedule():
 
     env_cfg = countdown_env(num_envs=4, group_size=2)
     assert variant_config("other_render_at", CollectorConfig(), env_cfg).render_at == "before_predict"
-    flipped = variant_config("other_render_at", CollectorConfig(render_at="before_predict"), env_cfg)
-    assert flipped.render_at == "env_step"
+    flipped = variant_config("other_render_at", CollectorConfig(render_at="before_predict", render_workers_at_once=2),
+                             env_cfg)
+    assert flipped.render_at == "env_step" and flipped.render_workers_at_once is None
+
+
+@pytest.mark.parametrize("key, value", [("torch_threads", [2.5]), ("render_waves", [True]), ("render_waves", [-1])])
+def test_probe_config_refuses_entries_that_are_not_counts(key, value):
+    from experiments.probe_rollout_contention import ContentionProbeConfig
+
+    with pytest.raises(ValueError, match=rf"probe\.{key} entries must be a non-negative integer"):
+        ContentionProbeConfig(**{key: value})
+
+
+def test_probe_restores_torch_threads_when_a_setting_fails(one_torch_thread, monkeypatch):  # noqa: F811
+    import torch
+
+    import experiments.probe_rollout_contention as probe_module
+
+    def failing_setting(*args, **kwargs):
+        raise OSError("renderer gone")
+
+    monkeypatch.setattr(probe_module, "probe_setting", failing_setting)
+    env_cfg = countdown_env(num_envs=2, num_workers=1, group_size=1, max_episode_steps=40)
+    probe = probe_module.ContentionProbeConfig(torch_threads=[2], loads=["none"], warmup_calls=0, calls=1,
+                                               env_chunks=1, device="cpu", render_waves=[0])
+    with pytest.raises(OSError, match="renderer gone"):
+        probe_module.run(env_cfg, tiny_policy(), RolloutConfig(engine=EngineConfig(seed=0)), probe)
+    assert torch.get_num_threads() == 1  # the setting's 2 threads do not outlive the probe

@@ -159,3 +159,21 @@ def test_rendering_in_waves_of_workers_fills_the_same_batch():
     assert_batches_equal(waves[0], eager[0])
     with pytest.raises(ValueError, match=r"rollout\.collector\.render_workers_at_once"):
         CollectorConfig(render_workers_at_once=0)
+
+
+def test_render_before_predict_is_refused_up_front_for_the_world_model_env():
+    # the world-model vector env refuses step_chunk(render=False): without this check the collector
+    # would build (the model too), reset and predict, then fail in its first env chunk
+    from worldmodels.env_config import WorldModelEnvConfig
+
+    env_cfg = WorldModelEnvConfig(num_envs=2, group_size=2, image_size=32, chunk_size=8, max_episode_steps=20)
+    with pytest.raises(ValueError, match=r'render_at="before_predict" .* env_type "worldmodel" has no renderer'):
+        CollectorConfig(stages=1, render_at="before_predict").check_against_env(env_cfg)
+    CollectorConfig(stages=1).check_against_env(env_cfg)  # env_step is fine
+
+
+def test_render_waves_without_deferred_renders_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"rollout\.collector\.render_workers_at_once \(4\) applies to "
+                                         r'render_at="before_predict" only'):
+        CollectorConfig(render_workers_at_once=4)
+    assert CollectorConfig(render_at="before_predict", render_workers_at_once=4).render_workers_at_once == 4
