@@ -58,6 +58,9 @@ class CollectorConfig:
         when rendering happens moves. Needs env.render_every="chunk_end".
     render_workers_at_once: with before_predict, how many of a stage's workers render at the same
         time (waves; None: all): each worker's GL contexts time-slice the GPU with the others'.
+    driver_torch_threads: torch's intra-op threads in the driver while an epoch runs (restored after
+        it): an inproc engine predicts there beside the busy env workers (one thread measured ~7% more
+        env steps/s on an H100). None leaves the process's setting.
     """
 
     stages: int = 2
@@ -71,10 +74,11 @@ class CollectorConfig:
     seed: int = 0
     render_at: str = "env_step"
     render_workers_at_once: int | None = None
+    driver_torch_threads: int | None = 1
 
     def __post_init__(self) -> None:
         check_positive_int(f"{PREFIX}.stages", self.stages)
-        for key in ("workers_per_stage", "max_chunks", "group_size", "render_workers_at_once"):
+        for key in ("workers_per_stage", "max_chunks", "group_size", "render_workers_at_once", "driver_torch_threads"):
             value = getattr(self, key)
             if value is not None:
                 check_positive_int(f"{PREFIX}.{key}", value)
