@@ -178,13 +178,12 @@ def test_pipelined_stages_equal_one_stage_when_rows_are_independent():
     assert (one.denoise_inds[one.chunk_valid] == -1).all() and (one.num_chunks < 3).any()  # ODE, early ends
 
 
-class KillWorkerBeforePredict:
-    """Fault injector around the real engine: SIGKILLs one env worker right before the engine's
-    `call`-th predict (0-based), so the env chunk sent after that predict finds it dead."""
+class EngineAround:
+    """The real engine behind the collector's engine interface; subclasses change `predict` (fault
+    injectors, observers)."""
 
-    def __init__(self, engine: PolicyEngine, call: int):
-        self.engine, self.call, self.calls = engine, call, 0
-        self.victim = None  # () -> pid, set once the collector exists
+    def __init__(self, engine: PolicyEngine):
+        self.engine = engine
 
     @property
     def policy_config(self) -> PolicyConfig:
@@ -193,6 +192,19 @@ class KillWorkerBeforePredict:
     @property
     def version(self) -> int:
         return self.engine.version
+
+    def predict(self, obs, **kwargs):
+        return self.engine.predict(obs, **kwargs)
+
+
+class KillWorkerBeforePredict(EngineAround):
+    """Fault injector around the real engine: SIGKILLs one env worker right before the engine's
+    `call`-th predict (0-based), so the env chunk sent after that predict finds it dead."""
+
+    def __init__(self, engine: PolicyEngine, call: int):
+        super().__init__(engine)
+        self.call, self.calls = call, 0
+        self.victim = None  # () -> pid, set once the collector exists
 
     def predict(self, obs, **kwargs):
         if self.calls == self.call:

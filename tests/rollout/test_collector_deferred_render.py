@@ -6,8 +6,6 @@ while rendering."""
 from __future__ import annotations
 
 import copy
-import os
-import signal
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from rollout.collector_config import CollectorConfig
 from rollout.trajectory import RolloutBatch
 from tests.rollout.test_collector import (  # noqa: F401 (fixture)
     GROUP_INIT_STATES,
+    KillWorkerBeforePredict,
     countdown_env,
     make_engine,
     one_torch_thread,
@@ -97,37 +96,18 @@ def test_render_spans_are_keyed_by_the_env_chunk_and_the_report_builds(tmp_path)
     assert all(step.phases["rollout/render"] > 0 for step in report.steps)
 
 
-class KillAfterPhysics:
-    """Around the real engine: before the engine's `call`-th predict, waits for stage `stage`'s chunk in
-    flight (its physics) and SIGKILLs that stage's worker 0, so the driver's render finds it dead."""
-
-    def __init__(self, engine, call: int, stage: int):
-        self.engine, self.call, self.stage, self.calls = engine, call, stage, 0
-        self.collector = None
-
-    @property
-    def policy_config(self):
-        return self.engine.policy_config
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    def predict(self, obs, **kwargs):
-        if self.calls == self.call:
-            stage = self.collector.stages[self.stage]
-            stage.pending.future.result()
-            os.kill(stage.vec.worker_pids[0], signal.SIGKILL)
-        self.calls += 1
-        return self.engine.predict(obs, **kwargs)
-
-
 def test_a_worker_lost_while_rendering_loses_its_trajectories():
     env_cfg = countdown_env(num_envs=4, group_size=1, restart_on_crash=True, max_episode_steps=12, task_ids=[3])
-    engine = KillAfterPhysics(make_engine(tiny_policy()), call=2, stage=1)  # stage 1's chunk 0 is unrendered
+    engine = KillWorkerBeforePredict(make_engine(tiny_policy()), call=2)  # stage 1's chunk 0 is unrendered
     cfg = CollectorConfig(stages=2, workers_per_stage=2, render_at="before_predict")
     with RolloutCollector(env_cfg, engine, cfg) as collector:
-        engine.collector = collector
+        stage = collector.stages[1]
+
+        def after_the_physics() -> int:  # stage 1's worker 0, once its chunk in flight (the physics) is done
+            stage.pending.future.result()
+            return stage.vec.worker_pids[0]
+
+        engine.victim = after_the_physics
         with pytest.warns(RuntimeWarning, match=r"env worker 0 .* during 'render'; restarted, envs lost: \[0\] "
                                                 r"\(in rollout stage 1 "):
             batch = collector.collect([2, 2, 2, 2], seed=0, mode="train")

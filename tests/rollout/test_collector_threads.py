@@ -8,23 +8,21 @@ import torch
 
 from rollout.collector import RolloutCollector
 from rollout.collector_config import CollectorConfig
-from tests.rollout.test_collector import countdown_env, make_engine, tiny_policy
+from tests.rollout.test_collector import EngineAround, countdown_env, make_engine, tiny_policy
 
 
-class ThreadWatchingEngine:
+class ThreadWatchingEngine(EngineAround):
     """The real engine, recording torch's thread count at every predict (and failing on request)."""
 
     def __init__(self, engine, fail_at: int | None = None):
-        self.engine, self.fail_at, self.seen = engine, fail_at, []
+        super().__init__(engine)
+        self.fail_at, self.seen = fail_at, []
 
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def predict(self, obs, mode="train", group_size=None):
+    def predict(self, obs, **kwargs):
         self.seen.append(torch.get_num_threads())
         if self.fail_at is not None and len(self.seen) > self.fail_at:
             raise RuntimeError("predict failed")
-        return self.engine.predict(obs, mode=mode, group_size=group_size)
+        return super().predict(obs, **kwargs)
 
 
 @pytest.mark.parametrize("threads, fail_at", [(1, None), (1, 1), (None, None)])

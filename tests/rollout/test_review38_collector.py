@@ -11,6 +11,7 @@ from rollout.collector_config import CollectorConfig
 from rollout.collector_record import BatchShapes
 from tests.rollout.test_collector import (  # noqa: F401 (fixture)
     GROUP_INIT_STATES,
+    EngineAround,
     countdown_env,
     make_engine,
     one_torch_thread,
@@ -49,22 +50,15 @@ def test_out_batch_must_match_every_buffer_of_the_collector():
         assert c.collect(GROUP_INIT_STATES, seed=0, out=c.allocate_batch()).images == {}
 
 
-class PoisonedActions:
+class PoisonedActions(EngineAround):
     """The real engine, with one `value` (NaN, inf) in the actions of the predict whose first row runs `task`."""
 
     def __init__(self, task: int, value: float = float("nan")):
-        self.engine, self.task, self.value = make_engine(tiny_policy()), task, value
-
-    @property
-    def policy_config(self):
-        return self.engine.policy_config
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
+        super().__init__(make_engine(tiny_policy()))
+        self.task, self.value = task, value
 
     def predict(self, obs, **kwargs):
-        out = self.engine.predict(obs, **kwargs)
+        out = super().predict(obs, **kwargs)
         if obs["state"][0][4] == self.task:  # countdown state[4] is the task id
             out.actions[0, 1, 2] = self.value
         return out
