@@ -264,14 +264,15 @@ def close_tracing(tracing: dict) -> dict[str, str]:
 # ----------------------------------------------------------------------------- run
 
 
-def resolve_device(bench: BenchRolloutConfig) -> torch.device:
-    if bench.device == "auto":
+def resolve_device(device: str) -> torch.device:
+    """A bench's `device` setting ("auto", "cpu", "cuda") as the device it runs on."""
+    if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(bench.device)
+    return torch.device(device)
 
 
 def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, bench: BenchRolloutConfig) -> dict:
-    device = resolve_device(bench)
+    device = resolve_device(bench.device)
     if device.type == "cuda":
         policy_cfg = policy_cfg.replace(fast={"enabled": True})
     # intra-op threads spinning against the busy env workers slow a CPU predict ~10x, and a CUDA one's
@@ -362,7 +363,7 @@ def main(cfg: DictConfig) -> None:
     bench = BenchRolloutConfig(**bench_data)
     payload = run(env_cfg, policy_cfg, rollout, bench)
     write_result("bench_rollout", payload, summarize(env_cfg, payload), bench.out_dir, commit=bench.commit,
-                 device=resolve_device(bench))
+                 device=resolve_device(bench.device))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from common.config import check_choice, check_nonnegative_int, check_positive_int, reject_unknown_keys
 from envs.config import EnvConfig, register_hydra_schema
 from envs.vector import VectorEnvBase, make_vector_env
+from experiments.bench_rollout import resolve_device
 from experiments.results import write_result
 from policies import PolicyConfig
 from rollout.config import RolloutConfig
@@ -239,7 +240,7 @@ def probe_setting(engine: PolicyEngine, vec: VectorEnvBase, cfg: EnvConfig, obs:
 
 
 def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, probe: ContentionProbeConfig) -> dict:
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if probe.device == "auto" else probe.device)
+    device = resolve_device(probe.device)
     if device.type == "cuda":
         policy_cfg = policy_cfg.replace(fast={"enabled": True})
     engine_cfg = dataclasses.replace(rollout.engine, devices=str(device) if rollout.engine.devices == "auto"
@@ -300,9 +301,8 @@ def main(cfg: DictConfig) -> None:
     probe = ContentionProbeConfig(**reject_unknown_keys(
         ContentionProbeConfig, OmegaConf.to_container(cfg.probe, resolve=True), "probe"))
     payload = run(env_cfg, policy_cfg, rollout, probe)
-    device = "cuda" if torch.cuda.is_available() and probe.device != "cpu" else "cpu"
     write_result("probe_rollout_contention", payload, summarize(payload), probe.out_dir, commit=probe.commit,
-                 device=device)
+                 device=resolve_device(probe.device))
 
 
 if __name__ == "__main__":
