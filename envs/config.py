@@ -58,6 +58,10 @@ class EnvConfig:
     max_episode_steps: int | None = None  # None -> the suite's openpi default
     num_settle_steps: int = 10  # no-op steps (zeros, gripper -1) after set_init_state
     render_backend: str = "auto"  # auto: egl where a GPU is usable, osmesa otherwise
+    # Opt-in cheaper renders that change pixels (envs/render_options.py; env_type libero only):
+    # MuJoCo's reflection passes off, and the offscreen multisample count (None: the scene's, 4)
+    render_reflections: bool = True
+    render_multisamples: int | None = None
     step_mode: str = "lean"  # envs.lean.LeanStepper (bit-identical to robosuite's step), or "robosuite"
     seed: int = 0
     restart_on_crash: bool = False
@@ -119,7 +123,20 @@ class EnvConfig:
             for task_id in self.task_ids:
                 if task_id < 0:
                     raise ValueError(f"env.task_ids entries must be >= 0, got {task_id}")
+        self._check_render_options()
         self._check_worldmodel()
+
+    def _check_render_options(self) -> None:
+        if not isinstance(self.render_reflections, bool):
+            raise ValueError(f"env.render_reflections must be true or false, got {self.render_reflections!r}")
+        if self.render_multisamples is not None:
+            check_nonnegative_int("env.render_multisamples", self.render_multisamples)
+        cheaper = not self.render_reflections or self.render_multisamples is not None
+        if cheaper and self.env_type != "libero":
+            raise ValueError(
+                f"env.render_reflections / env.render_multisamples apply to env_type 'libero' only, got "
+                f"env_type {self.env_type!r} (reach renders its own cheap scene; countdown and worldmodel "
+                "have no MuJoCo cameras)")
 
     def _check_worldmodel(self) -> None:
         """`worldmodel` belongs to env_type worldmodel; its keys are validated by the world model's

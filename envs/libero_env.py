@@ -141,6 +141,8 @@ class LiberoEnv(gym.Env):
         render_backend: str = "auto",
         seed: int = 0,
         init_states: np.ndarray | None = None,
+        render_reflections: bool = True,
+        render_multisamples: int | None = None,
     ):
         self.task = task
         # Given by the parent of a worker process (loaded there once): reading them here would
@@ -152,6 +154,8 @@ class LiberoEnv(gym.Env):
         self.num_settle_steps = int(num_settle_steps)
         self.step_mode = step_mode
         self.render_backend = render_backend
+        self.render_reflections = bool(render_reflections)
+        self.render_multisamples = render_multisamples
         self._base_seed = int(seed)
         self._env: Any = None  # LIBERO OffScreenRenderEnv, created lazily
         self._stepper: Any = None
@@ -181,6 +185,8 @@ class LiberoEnv(gym.Env):
             render_backend=cfg.render_backend,
             seed=cfg.seed,
             init_states=init_states,
+            render_reflections=cfg.render_reflections,
+            render_multisamples=cfg.render_multisamples,
         )
 
     # ----------------------------------------------------------------- low-level episode API
@@ -212,6 +218,7 @@ class LiberoEnv(gym.Env):
         """Build the MuJoCo scene in this process (~13 s on CPU for libero_10)."""
         if self._env is not None:
             return
+        from envs.render_options import apply_render_options
         from envs.rendering import configure_gl
         from envs.steppers import make_stepper
         from envs.suites import make_robosuite_env
@@ -226,6 +233,8 @@ class LiberoEnv(gym.Env):
                 ignore_done=True,  # episode length is tracked here, not by robosuite
             )
         try:
+            if self.cameras:
+                apply_render_options(env, self.render_reflections, self.render_multisamples)
             self._stepper = make_stepper(self.step_mode, env)
         except BaseException:
             env.close()

@@ -12,7 +12,8 @@ In one run, on the same tasks and init states:
   "disjoint_workers" (each stage on env.num_workers / stages workers) show where the gain is;
   "other_render_at" runs the other `rollout.collector.render_at` schedule (cameras rendered
   with the env step, or only after the other stage's predict returned: GPU renders kept apart from
-  the engine's work);
+  the engine's work); "no_reflections" runs ours with `env.render_reflections=false` (the opt-in
+  render without MuJoCo's reflection passes: other pixels, so other actions and trajectories);
 - env alone: the same vector envs (ours' stages, stepped together) without the policy, replaying
   the (random-weight) policy's actions ours executed, so the env work is exactly ours';
 - engine alone: the same engine on the same observation batches ours predicted;
@@ -57,7 +58,7 @@ from rollout.engine import PolicyEngine
 
 register_hydra_schema()
 
-VARIANTS = ("no_pipeline", "disjoint_workers", "other_render_at")
+VARIANTS = ("no_pipeline", "disjoint_workers", "other_render_at", "no_reflections")
 
 
 @dataclass
@@ -228,7 +229,20 @@ def engine_alone(engine: PolicyEngine, collector: RolloutCollector, batch, bench
             "env_steps_per_s": rows * ha / wall, "call_walls_s": walls, "rank_timings_s": per_rank}
 
 
+def variant_env(name: str, env_cfg: EnvConfig) -> EnvConfig:
+    """The env config of a variant: the bench's own but for no_reflections."""
+    if name == "no_reflections":
+        if env_cfg.env_type != "libero" or not env_cfg.render_reflections:
+            raise ValueError(f"bench.variants entry 'no_reflections' compares LIBERO renders with and without "
+                             f"reflections; env_type is {env_cfg.env_type!r}, env.render_reflections "
+                             f"{env_cfg.render_reflections}")
+        return dataclasses.replace(env_cfg, render_reflections=False)
+    return env_cfg
+
+
 def variant_config(name: str, base: CollectorConfig, env_cfg: EnvConfig) -> CollectorConfig:
+    if name == "no_reflections":
+        return base
     if name == "no_pipeline":
         return dataclasses.replace(base, stages=1, workers_per_stage=None)
     if name == "other_render_at":  # the other render schedule of the same pipeline
@@ -280,6 +294,8 @@ def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, be
     # threads, 161 with one; whole rollouts 1042-1202 against 1255-1292 env steps/s)
     torch.set_num_threads(bench.torch_threads or 1)
     coll_cfg = dataclasses.replace(rollout.collector or CollectorConfig(), max_chunks=bench.chunks)
+    for name in bench.variants:  # a variant that cannot apply fails here, not after ours' measured epoch
+        variant_env(name, env_cfg)
     if bench.predict_only and not coll_cfg.record_images:  # engine alone replays the observations ours recorded
         raise ValueError("bench.predict_only=true needs rollout.collector.record_images=true (the engine-alone "
                          "phase predicts on the observations ours recorded); or set bench.predict_only=false")
@@ -297,7 +313,8 @@ def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, be
         payload["ours"] = measure_ours(env_cfg, coll_cfg, engine, bench, "ours", alone=True, tracing=tracing)
         payload["trace_exports"] = close_tracing(tracing)
         payload["variants"] = {name: recorded_failure(lambda name=name: measure_ours(
-            env_cfg, variant_config(name, coll_cfg, env_cfg), engine, bench, f"ours[{name}]"), f"ours[{name}]")
+            variant_env(name, env_cfg), variant_config(name, coll_cfg, env_cfg), engine, bench, f"ours[{name}]"),
+            f"ours[{name}]")
             for name in bench.variants}
     finally:
         engine.close()

@@ -50,3 +50,10 @@ def test_egl_deferred_render_equals_the_chunk_end_render():
             rendered = deferred.render(workers_at_once)
             for key in ("agentview_image", "wrist_image", "state"):
                 np.testing.assert_array_equal(rendered["obs"][key], expected.obs[key], err_msg=key)
+
+
+def test_egl_reflections_off_equals_zero_reflectance():
+    """env.render_reflections=false under EGL: the pixels of the scene with no reflective material."""
+    from tests.envs.test_render_options import check_reflections_off_equals_zero_reflectance
+
+    check_reflections_off_equals_zero_reflectance("egl", image_size=224)

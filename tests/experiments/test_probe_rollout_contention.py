@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import pytest
 
+from envs.config import EnvConfig
 from envs.vector import make_vector_env
 from rollout.config import EngineConfig, RolloutConfig
 from tests.rollout.test_collector import countdown_env, one_torch_thread, tiny_policy  # noqa: F401 (fixture)
@@ -94,6 +96,19 @@ def test_bench_rollout_variant_runs_the_other_render_schedule():
     flipped = variant_config("other_render_at", CollectorConfig(render_at="before_predict", render_workers_at_once=2),
                              env_cfg)
     assert flipped.render_at == "env_step" and flipped.render_workers_at_once is None
+
+
+def test_bench_rollout_no_reflections_variant_changes_only_the_env_render():
+    from experiments.bench_rollout import variant_config, variant_env
+    from rollout.collector_config import CollectorConfig
+
+    libero = EnvConfig(suite="libero_10", task_ids=[2], num_envs=2, num_workers=1, show_progress=False)
+    assert variant_env("no_reflections", libero) == dataclasses.replace(libero, render_reflections=False)
+    assert variant_env("no_pipeline", libero) is libero
+    base = CollectorConfig()
+    assert variant_config("no_reflections", base, libero) is base
+    with pytest.raises(ValueError, match="'no_reflections' compares LIBERO renders.*'countdown'"):
+        variant_env("no_reflections", countdown_env(num_envs=4, group_size=2))
 
 
 @pytest.mark.parametrize("key, value", [("torch_threads", [2.5]), ("render_waves", [True]), ("render_waves", [-1])])

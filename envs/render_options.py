@@ -1,0 +1,57 @@
+"""Opt-in cheaper camera renders for LIBERO scenes (`env.render_reflections`, `env.render_multisamples`).
+
+LIBERO's scenes give some boxes and planes a reflective material (a stove's base, a table top, in
+some styles the floor). MuJoCo draws every such geom's reflection by rendering the whole scene a
+second time, mirrored, through a stencil of the geom: two reflective boxes in view make three passes
+over ~380k triangles of scanned meshes. Turning reflections off skips those passes; the pixels
+change only where a reflection was visible (often almost nowhere: `experiments.probe_render_cost`
+measures both the time and the pixel difference per task). Multisampling (MuJoCo's offscreen 4x
+MSAA by default) smooths edges; 0 turns it off.
+
+Both change the images a policy sees, so both are off by default: a checkpoint trained on LIBERO's
+demonstrations saw reflections and 4x multisampling. Shadows cost nothing here (no LIBERO light casts
+one), so they have no option.
+
+Applied to robosuite's offscreen render context once the env exists; robosuite keeps that context
+for the env's life with hard_reset=False (the harness's setting), so the options hold across resets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULT_REFLECTIONS = True
+DEFAULT_MULTISAMPLES = None  # None: the scene's own (MuJoCo's default 4)
+
+
+def render_context(robosuite_env: Any) -> Any:
+    """robosuite's offscreen render context of the env (created with the env when it has cameras)."""
+    context = robosuite_env.sim._render_context_offscreen
+    if context is None:
+        raise RuntimeError("the env has no offscreen render context (built without cameras?): "
+                           "render options need one")
+    return context
+
+
+def apply_render_options(robosuite_env: Any, reflections: bool = DEFAULT_REFLECTIONS,
+                         multisamples: int | None = DEFAULT_MULTISAMPLES) -> None:
+    """Set the reflection pass and the offscreen multisample count of the env's render context.
+
+    `multisamples` rebuilds MuJoCo's render context (offscreen buffers are allocated with their
+    sample count); the defaults leave the context exactly as robosuite made it.
+    """
+    import mujoco
+
+    if reflections == DEFAULT_REFLECTIONS and multisamples == DEFAULT_MULTISAMPLES:
+        return
+    context = render_context(robosuite_env)
+    context.gl_ctx.make_current()  # several envs in one process each own a GL context
+    # mjv_updateScene leaves scene flags alone, so the flag holds for every later render
+    context.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = int(bool(reflections))
+    if multisamples is not None and multisamples != context.con.offSamples:
+        context.model.vis.quality.offsamples = int(multisamples)
+        context.con.free()
+        context._set_mujoco_context_and_buffers()  # robosuite's own rebuild (as on an offscreen resize)
+        if context.con.offSamples != multisamples:
+            raise RuntimeError(f"env.render_multisamples={multisamples}: the GL driver gave "
+                               f"{context.con.offSamples} samples")
