@@ -80,17 +80,21 @@ def log(message: str) -> None:
     print(f"[probe_render_cost {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+MIRRORED_TYPES = ("mjGEOM_PLANE", "mjGEOM_BOX")  # the geom types MuJoCo draws a mirrored scene pass for
+
+
 def reflective_geoms(model: Any) -> list[dict[str, Any]]:
-    """Geoms whose material reflects (MuJoCo draws a mirrored scene pass for planes and boxes)."""
+    """Geoms whose material reflects. Only planes and boxes get a mirrored pass ("mirrored"); a reflective
+    mesh or cylinder renders the same with reflections off (libero_10 tasks 3 and 9: identical pixels)."""
     import mujoco
 
     out = []
     for geom in range(model.ngeom):
         material = model.geom_matid[geom]
         if material >= 0 and model.mat_reflectance[material] > 0:
-            out.append({"name": model.geom(geom).name, "type": mujoco.mjtGeom(model.geom_type[geom]).name,
-                        "group": int(model.geom_group[geom]),
-                        "reflectance": float(model.mat_reflectance[material])})
+            kind = mujoco.mjtGeom(model.geom_type[geom]).name
+            out.append({"name": model.geom(geom).name, "type": kind, "group": int(model.geom_group[geom]),
+                        "reflectance": float(model.mat_reflectance[material]), "mirrored": kind in MIRRORED_TYPES})
     return out
 
 
@@ -157,7 +161,8 @@ def run(env_cfg: EnvConfig, probe: RenderProbeConfig) -> dict[str, Any]:
         tasks.append(probe_task(env_cfg, task_id, probe))
         times = {name: statistics.fmean(s[name]["render_ms"] for s in tasks[-1]["states"]) for name in probe.variants}
         log(f"task {task_id}: render ms {', '.join(f'{k} {v:.2f}' for k, v in times.items())}; "
-            f"{len(tasks[-1]['reflective_geoms'])} reflective geoms")
+            f"{sum(g['mirrored'] for g in tasks[-1]['reflective_geoms'])} reflective planes / boxes (of "
+            f"{len(tasks[-1]['reflective_geoms'])} reflective geoms)")
     return {"gl_backend": backend, "tasks": tasks,
             "config": {"env": env_cfg.to_dict(), "probe": asdict(probe)}}
 

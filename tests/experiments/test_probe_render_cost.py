@@ -30,7 +30,9 @@ def test_probe_times_every_variant_against_libero_images():
                               steps_between=3, repeats=1)
     payload = run(env_cfg, probe)
     (task,) = payload["tasks"]
-    assert task["task"].startswith("libero_10") and task["reflective_geoms"]
+    assert task["task"].startswith("libero_10")
+    mirrored = [g["name"] for g in task["reflective_geoms"] if g["mirrored"]]
+    assert mirrored == ["flat_stove_1_base_vis", "flat_stove_1_base"]
     assert task["scene_multisamples"] == 4  # MuJoCo's default, which LIBERO keeps
     assert len(task["states"]) == 2
     for state in task["states"]:
