@@ -143,6 +143,7 @@ class LiberoEnv(gym.Env):
         init_states: np.ndarray | None = None,
         render_reflections: bool = True,
         render_multisamples: int | None = None,
+        render_culling: bool = True,
     ):
         self.task = task
         # Given by the parent of a worker process (loaded there once): reading them here would
@@ -156,6 +157,7 @@ class LiberoEnv(gym.Env):
         self.render_backend = render_backend
         self.render_reflections = bool(render_reflections)
         self.render_multisamples = render_multisamples
+        self.render_culling = bool(render_culling)
         self._base_seed = int(seed)
         self._env: Any = None  # LIBERO OffScreenRenderEnv, created lazily
         self._stepper: Any = None
@@ -187,6 +189,7 @@ class LiberoEnv(gym.Env):
             init_states=init_states,
             render_reflections=cfg.render_reflections,
             render_multisamples=cfg.render_multisamples,
+            render_culling=cfg.render_culling,
         )
 
     # ----------------------------------------------------------------- low-level episode API
@@ -218,6 +221,7 @@ class LiberoEnv(gym.Env):
         """Build the MuJoCo scene in this process (~13 s on CPU for libero_10)."""
         if self._env is not None:
             return
+        from envs.render_culling import set_frustum_culling
         from envs.render_options import apply_render_options
         from envs.rendering import configure_gl
         from envs.steppers import make_stepper
@@ -235,6 +239,7 @@ class LiberoEnv(gym.Env):
         try:
             if self.cameras:
                 apply_render_options(env, self.render_reflections, self.render_multisamples)
+                set_frustum_culling(env, self.render_culling)
             self._stepper = make_stepper(self.step_mode, env)
         except BaseException:
             env.close()

@@ -14,6 +14,7 @@ In one run, on the same tasks and init states:
   with the env step, or only after the other stage's predict returned: GPU renders kept apart from
   the engine's work); "no_reflections" runs ours with `env.render_reflections=false` (the opt-in
   render without MuJoCo's reflection passes: other pixels, so other actions and trajectories);
+  "no_culling" with `env.render_culling=false` (robosuite's own render: the same pixels, more triangles);
 - env alone: the same vector envs (ours' stages, stepped together) without the policy, replaying
   the (random-weight) policy's actions ours executed, so the env work is exactly ours';
 - engine alone: the same engine on the same observation batches ours predicted;
@@ -58,7 +59,8 @@ from rollout.engine import PolicyEngine
 
 register_hydra_schema()
 
-VARIANTS = ("no_pipeline", "disjoint_workers", "other_render_at", "no_reflections")
+VARIANTS = ("no_pipeline", "disjoint_workers", "other_render_at", "no_reflections", "no_culling")
+ENV_VARIANTS = {"no_reflections": "render_reflections", "no_culling": "render_culling"}  # name -> env key set false
 
 
 @dataclass
@@ -230,18 +232,18 @@ def engine_alone(engine: PolicyEngine, collector: RolloutCollector, batch, bench
 
 
 def variant_env(name: str, env_cfg: EnvConfig) -> EnvConfig:
-    """The env config of a variant: the bench's own but for no_reflections."""
-    if name == "no_reflections":
-        if env_cfg.env_type != "libero" or not env_cfg.render_reflections:
-            raise ValueError(f"bench.variants entry 'no_reflections' compares LIBERO renders with and without "
-                             f"reflections; env_type is {env_cfg.env_type!r}, env.render_reflections "
-                             f"{env_cfg.render_reflections}")
-        return dataclasses.replace(env_cfg, render_reflections=False)
+    """The env config of a variant: the bench's own but for the render variants (ENV_VARIANTS)."""
+    if name in ENV_VARIANTS:
+        key = ENV_VARIANTS[name]
+        if env_cfg.env_type != "libero" or not getattr(env_cfg, key):
+            raise ValueError(f"bench.variants entry {name!r} compares LIBERO renders with env.{key} true and "
+                             f"false; env_type is {env_cfg.env_type!r}, env.{key} {getattr(env_cfg, key)}")
+        return dataclasses.replace(env_cfg, **{key: False})
     return env_cfg
 
 
 def variant_config(name: str, base: CollectorConfig, env_cfg: EnvConfig) -> CollectorConfig:
-    if name == "no_reflections":
+    if name in ENV_VARIANTS:
         return base
     if name == "no_pipeline":
         return dataclasses.replace(base, stages=1, workers_per_stage=None)

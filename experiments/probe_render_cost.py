@@ -9,11 +9,12 @@ steps), every variant of probe.variants renders the env's cameras probe.repeats 
 harness's observation path (`LiberoEnv.observation`); per variant: the median wall time of rendering
 all cameras, and, against the "default" variant's images of the same state, the pixel difference per
 camera (mean absolute level, share of pixels with any channel changed, share changed by more than 8
-levels, largest change). Variants (envs/render_options.py):
-- default: LIBERO's settings (reflections on, the scene's 4x multisampling);
-- no_reflections: `env.render_reflections=false`;
-- multisamples0: `env.render_multisamples=0`;
-- cheapest: both.
+levels, largest change). Variants (envs/render_options.py, envs/render_culling.py):
+- default: robosuite's own render with LIBERO's settings (reflections on, the scene's 4x multisampling);
+- culled: the same with frustum culling (`env.render_culling`, the env's default; the same pixels);
+- no_reflections: culled, `env.render_reflections=false`;
+- multisamples0: culled, `env.render_multisamples=0`;
+- cheapest: culled, both.
 Each task also records its reflective geoms (the reflection passes' cause). One JSON (experiments/results.py).
 This is one process rendering alone: for the cost under 16 rendering workers beside the engine, use
 bench_rollout's variant no_reflections and probe_rollout_contention.
@@ -40,9 +41,10 @@ from experiments.results import write_result
 
 register_hydra_schema()
 
-# name -> (reflections, multisamples); None: the scene's own count
-VARIANTS: dict[str, tuple[bool, int | None]] = {
-    "default": (True, None), "no_reflections": (False, None), "multisamples0": (True, 0), "cheapest": (False, 0)}
+# name -> (reflections, multisamples, frustum culling); multisamples None: the scene's own count
+VARIANTS: dict[str, tuple[bool, int | None, bool]] = {
+    "default": (True, None, False), "culled": (True, None, True), "no_reflections": (False, None, True),
+    "multisamples0": (True, 0, True), "cheapest": (False, 0, True)}
 BIG_CHANGE = 8  # levels: a change a viewer would notice
 
 
@@ -108,10 +110,12 @@ def pixel_difference(image: np.ndarray, reference: np.ndarray) -> dict[str, floa
 
 def render_variant(env: LiberoEnv, name: str, scene_samples: int, repeats: int) -> tuple[float, dict]:
     """Median seconds to render every camera under the variant, and its images."""
+    from envs.render_culling import set_frustum_culling
     from envs.render_options import apply_render_options
 
-    reflections, samples = VARIANTS[name]
+    reflections, samples, culling = VARIANTS[name]
     apply_render_options(env.libero_env, reflections, scene_samples if samples is None else samples)
+    set_frustum_culling(env.libero_env, culling)
     walls, images = [], {}
     for _ in range(repeats):
         start = time.perf_counter()
@@ -123,8 +127,8 @@ def render_variant(env: LiberoEnv, name: str, scene_samples: int, repeats: int) 
 
 def probe_task(env_cfg: EnvConfig, task_id: int, probe: RenderProbeConfig) -> dict[str, Any]:
     # built with LIBERO's own settings: every variant is applied to it in turn
-    env = LiberoEnv.from_config(dataclasses.replace(env_cfg, render_reflections=True, render_multisamples=None),
-                                task_id)
+    env = LiberoEnv.from_config(dataclasses.replace(env_cfg, render_reflections=True, render_multisamples=None,
+                                                    render_culling=False), task_id)
     rng = np.random.default_rng(probe.seed)
     start = time.perf_counter()
     env.begin_episode(0, probe.seed)

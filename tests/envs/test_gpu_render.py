@@ -57,3 +57,11 @@ def test_egl_reflections_off_equals_zero_reflectance():
     from tests.envs.test_render_options import check_reflections_off_equals_zero_reflectance
 
     check_reflections_off_equals_zero_reflectance("egl", image_size=224)
+
+
+@pytest.mark.parametrize("task_id", [2, 8])
+def test_egl_culled_render_equals_robosuite_render(task_id):
+    """env.render_culling (the default) under EGL: robosuite's pixels, reflections on and off."""
+    from tests.envs.test_render_culling import check_culled_pixels_equal_robosuite
+
+    check_culled_pixels_equal_robosuite("egl", "libero_10", task_id, image_size=224)

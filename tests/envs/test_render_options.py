@@ -5,6 +5,8 @@ the multisample count reaches the GL context, and that the options reach a worke
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,8 @@ def test_render_options_are_checked_by_name():
         EnvConfig(render_multisamples=-1)
     with pytest.raises(ValueError, match="env.render_reflections must be true or false"):
         EnvConfig(render_reflections="no")
+    with pytest.raises(ValueError, match="env.render_culling must be true or false"):
+        EnvConfig(render_culling=1)
     with pytest.raises(ValueError, match="apply to env_type 'libero' only.*'reach'"):
         EnvConfig(env_type="reach", render_reflections=False)
     assert EnvConfig(render_reflections=False, render_multisamples=0).render_multisamples == 0
@@ -70,6 +74,7 @@ def test_options_reach_the_env_built_from_the_config():
         context = env.libero_env.sim._render_context_offscreen
         assert context.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] == 0
         assert context.con.offSamples == 0
+        assert isinstance(context.render, functools.partial)  # env.render_culling's default: culled renders
         assert images(env)["agentview_image"].std() > 5  # still a scene after the context was rebuilt
         env.begin_episode(1, seed=0)  # a reset keeps robosuite's context, so the options hold
         assert context is env.libero_env.sim._render_context_offscreen

@@ -26,7 +26,7 @@ def test_probe_times_every_variant_against_libero_images():
     from experiments.probe_render_cost import RenderProbeConfig, run, summarize
 
     env_cfg = EnvConfig(suite="libero_10", num_envs=1, num_workers=1, image_size=64, show_progress=False)
-    probe = RenderProbeConfig(task_ids=[8], variants=["default", "no_reflections", "cheapest"], states=2,
+    probe = RenderProbeConfig(task_ids=[8], variants=["default", "culled", "no_reflections", "cheapest"], states=2,
                               steps_between=3, repeats=1)
     payload = run(env_cfg, probe)
     (task,) = payload["tasks"]
@@ -39,6 +39,7 @@ def test_probe_times_every_variant_against_libero_images():
         for camera in state["default"]["pixels"].values():
             assert camera["changed_share"] == 0.0 and camera["max_abs_level"] == 0
         assert any(camera["changed_share"] > 0 for camera in state["cheapest"]["pixels"].values())
+        assert all(camera["changed_share"] == 0.0 for camera in state["culled"]["pixels"].values())
         assert all(state[name]["render_ms"] > 0 for name in state)
     summary = summarize(payload)
     assert summary["tasks"] == 1 and summary["cheapest_time_ratio"] > 0
