@@ -63,8 +63,9 @@ class EnvConfig:
     render_reflections: bool = True
     render_multisamples: int | None = None
     # leave geoms outside a camera's view out of its render (envs/render_culling.py): the same pixels,
-    # fewer triangles; env_type libero only (the other env types ignore it)
-    render_culling: bool = True
+    # fewer triangles. None: on under OSMesa (CPU rasterisation: 10-30% faster), off under EGL (no GPU
+    # time saved on the H100, ~0.3 ms of Python a camera). env_type libero only (the others ignore it)
+    render_culling: bool | None = None
     step_mode: str = "lean"  # envs.lean.LeanStepper (bit-identical to robosuite's step), or "robosuite"
     seed: int = 0
     restart_on_crash: bool = False
@@ -130,9 +131,11 @@ class EnvConfig:
         self._check_worldmodel()
 
     def _check_render_options(self) -> None:
-        for key in ("render_reflections", "render_culling"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"env.{key} must be true or false, got {getattr(self, key)!r}")
+        if not isinstance(self.render_reflections, bool):
+            raise ValueError(f"env.render_reflections must be true or false, got {self.render_reflections!r}")
+        if self.render_culling is not None and not isinstance(self.render_culling, bool):
+            raise ValueError(f"env.render_culling must be true, false or null (on under OSMesa only), "
+                             f"got {self.render_culling!r}")
         if self.render_multisamples is not None:
             check_nonnegative_int("env.render_multisamples", self.render_multisamples)
         cheaper = not self.render_reflections or self.render_multisamples is not None

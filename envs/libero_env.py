@@ -143,7 +143,7 @@ class LiberoEnv(gym.Env):
         init_states: np.ndarray | None = None,
         render_reflections: bool = True,
         render_multisamples: int | None = None,
-        render_culling: bool = True,
+        render_culling: bool | None = None,
     ):
         self.task = task
         # Given by the parent of a worker process (loaded there once): reading them here would
@@ -157,7 +157,7 @@ class LiberoEnv(gym.Env):
         self.render_backend = render_backend
         self.render_reflections = bool(render_reflections)
         self.render_multisamples = render_multisamples
-        self.render_culling = bool(render_culling)
+        self.render_culling = render_culling  # None: on under OSMesa only (envs/config.py says why)
         self._base_seed = int(seed)
         self._env: Any = None  # LIBERO OffScreenRenderEnv, created lazily
         self._stepper: Any = None
@@ -227,7 +227,7 @@ class LiberoEnv(gym.Env):
         from envs.steppers import make_stepper
         from envs.suites import make_robosuite_env
 
-        configure_gl(self.render_backend)
+        backend = configure_gl(self.render_backend)
         with naming_unknown_cameras(self.cameras, self.task.label):
             env = make_robosuite_env(
                 self.task,
@@ -239,7 +239,7 @@ class LiberoEnv(gym.Env):
         try:
             if self.cameras:
                 apply_render_options(env, self.render_reflections, self.render_multisamples)
-                set_frustum_culling(env, self.render_culling)
+                set_frustum_culling(env, backend == "osmesa" if self.render_culling is None else self.render_culling)
             self._stepper = make_stepper(self.step_mode, env)
         except BaseException:
             env.close()

@@ -7,6 +7,11 @@ half. Geoms whose bounding sphere lies entirely outside the camera's view frustu
 fragment on screen (no LIBERO light casts a shadow, and a geom does not light another), so leaving
 them out of the scene changes no pixel and skips their vertex work: that is this module.
 
+Where it pays (measured, README "Cheaper renders"): under OSMesa, whose CPU rasteriser does the vertex
+work, a render of both cameras gets 10-30% faster. Under EGL on the H100 it saved no GPU time (a whole
+rollout 1286 against 1297 env steps/s unculled) and its Python (~0.3 ms a camera) made a lone render
+slower, so `env.render_culling: null` (the default) turns it on under OSMesa only.
+
 Reflections are the one way a geom outside the frustum shows: MuJoCo draws the scene a second
 time, mirrored across each reflective plane or box, through a stencil of that geom. So with
 reflections on, a geom is also kept when its mirror image can be seen through a reflective geom:

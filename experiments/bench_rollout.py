@@ -14,7 +14,7 @@ In one run, on the same tasks and init states:
   with the env step, or only after the other stage's predict returned: GPU renders kept apart from
   the engine's work); "no_reflections" runs ours with `env.render_reflections=false` (the opt-in
   render without MuJoCo's reflection passes: other pixels, so other actions and trajectories);
-  "no_culling" with `env.render_culling=false` (robosuite's own render: the same pixels, more triangles);
+  "culled" / "unculled" with `env.render_culling` true / false (frustum culling: the same pixels);
 - env alone: the same vector envs (ours' stages, stepped together) without the policy, replaying
   the (random-weight) policy's actions ours executed, so the env work is exactly ours';
 - engine alone: the same engine on the same observation batches ours predicted;
@@ -59,8 +59,9 @@ from rollout.engine import PolicyEngine
 
 register_hydra_schema()
 
-VARIANTS = ("no_pipeline", "disjoint_workers", "other_render_at", "no_reflections", "no_culling")
-ENV_VARIANTS = {"no_reflections": "render_reflections", "no_culling": "render_culling"}  # name -> env key set false
+VARIANTS = ("no_pipeline", "disjoint_workers", "other_render_at", "no_reflections", "culled", "unculled")
+ENV_VARIANTS = {"no_reflections": ("render_reflections", False), "culled": ("render_culling", True),
+                "unculled": ("render_culling", False)}  # name -> (env key, its value in the variant)
 
 
 @dataclass
@@ -234,11 +235,12 @@ def engine_alone(engine: PolicyEngine, collector: RolloutCollector, batch, bench
 def variant_env(name: str, env_cfg: EnvConfig) -> EnvConfig:
     """The env config of a variant: the bench's own but for the render variants (ENV_VARIANTS)."""
     if name in ENV_VARIANTS:
-        key = ENV_VARIANTS[name]
-        if env_cfg.env_type != "libero" or not getattr(env_cfg, key):
-            raise ValueError(f"bench.variants entry {name!r} compares LIBERO renders with env.{key} true and "
-                             f"false; env_type is {env_cfg.env_type!r}, env.{key} {getattr(env_cfg, key)}")
-        return dataclasses.replace(env_cfg, **{key: False})
+        key, value = ENV_VARIANTS[name]
+        if env_cfg.env_type != "libero" or getattr(env_cfg, key) == value:
+            raise ValueError(f"bench.variants entry {name!r} compares LIBERO renders with env.{key}={value} "
+                             f"against the bench's own; env_type is {env_cfg.env_type!r}, env.{key} "
+                             f"{getattr(env_cfg, key)}")
+        return dataclasses.replace(env_cfg, **{key: value})
     return env_cfg
 
 

@@ -11,7 +11,7 @@ all cameras, and, against the "default" variant's images of the same state, the 
 camera (mean absolute level, share of pixels with any channel changed, share changed by more than 8
 levels, largest change). Variants (envs/render_options.py, envs/render_culling.py):
 - default: robosuite's own render with LIBERO's settings (reflections on, the scene's 4x multisampling);
-- culled: the same with frustum culling (`env.render_culling`, the env's default; the same pixels);
+- culled: the same with frustum culling (`env.render_culling`, on by default under OSMesa; the same pixels);
 - no_reflections: culled, `env.render_reflections=false`;
 - multisamples0: culled, `env.render_multisamples=0`;
 - cheapest: culled, both.

@@ -6,6 +6,7 @@ the multisample count reaches the GL context, and that the options reach a worke
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ def test_render_options_are_checked_by_name():
         EnvConfig(render_multisamples=-1)
     with pytest.raises(ValueError, match="env.render_reflections must be true or false"):
         EnvConfig(render_reflections="no")
-    with pytest.raises(ValueError, match="env.render_culling must be true or false"):
+    with pytest.raises(ValueError, match="env.render_culling must be true, false or null"):
         EnvConfig(render_culling=1)
     with pytest.raises(ValueError, match="apply to env_type 'libero' only.*'reach'"):
         EnvConfig(env_type="reach", render_reflections=False)
@@ -74,7 +75,8 @@ def test_options_reach_the_env_built_from_the_config():
         context = env.libero_env.sim._render_context_offscreen
         assert context.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] == 0
         assert context.con.offSamples == 0
-        assert isinstance(context.render, functools.partial)  # env.render_culling's default: culled renders
+        # env.render_culling's default (null): culled renders under OSMesa, robosuite's own under EGL
+        assert isinstance(context.render, functools.partial) == (os.environ["MUJOCO_GL"] == "osmesa")
         assert images(env)["agentview_image"].std() > 5  # still a scene after the context was rebuilt
         env.begin_episode(1, seed=0)  # a reset keeps robosuite's context, so the options hold
         assert context is env.libero_env.sim._render_context_offscreen

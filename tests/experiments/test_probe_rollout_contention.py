@@ -109,9 +109,10 @@ def test_bench_rollout_no_reflections_variant_changes_only_the_env_render():
     assert variant_config("no_reflections", base, libero) is base
     with pytest.raises(ValueError, match="'no_reflections' compares LIBERO renders.*'countdown'"):
         variant_env("no_reflections", countdown_env(num_envs=4, group_size=2))
-    assert variant_env("no_culling", libero) == dataclasses.replace(libero, render_culling=False)
-    with pytest.raises(ValueError, match="'no_culling' compares LIBERO renders with env.render_culling"):
-        variant_env("no_culling", dataclasses.replace(libero, render_culling=False))
+    assert variant_env("culled", libero) == dataclasses.replace(libero, render_culling=True)
+    assert variant_env("unculled", libero) == dataclasses.replace(libero, render_culling=False)
+    with pytest.raises(ValueError, match="'culled' compares LIBERO renders with env.render_culling=True"):
+        variant_env("culled", dataclasses.replace(libero, render_culling=True))
 
 
 @pytest.mark.parametrize("key, value", [("torch_threads", [2.5]), ("render_waves", [True]), ("render_waves", [-1])])
