@@ -63,7 +63,7 @@ class EnvConfig:
     render_reflections: bool = True
     render_multisamples: int | None = None
     # leave geoms outside a camera's view out of its render (envs/render_culling.py): the same pixels,
-    # fewer triangles. None: on under OSMesa (CPU rasterisation: 10-30% faster), off under EGL (no GPU
+    # fewer triangles. None: on under OSMesa (CPU rasterisation: 10-20% faster), off under EGL (no GPU
     # time saved on the H100, ~0.3 ms of Python a camera). env_type libero only (the others ignore it)
     render_culling: bool | None = None
     step_mode: str = "lean"  # envs.lean.LeanStepper (bit-identical to robosuite's step), or "robosuite"

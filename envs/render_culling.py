@@ -8,7 +8,7 @@ fragment on screen (no LIBERO light casts a shadow, and a geom does not light an
 them out of the scene changes no pixel and skips their vertex work: that is this module.
 
 Where it pays (measured, README "Cheaper renders"): under OSMesa, whose CPU rasteriser does the vertex
-work, a render of both cameras gets 10-30% faster. Under EGL on the H100 it saved no GPU time (a whole
+work, a render of both cameras gets 10-20% faster. Under EGL on the H100 it saved no GPU time (a whole
 rollout 1286 against 1297 env steps/s unculled) and its Python (~0.3 ms a camera) made a lone render
 slower, so `env.render_culling: null` (the default) turns it on under OSMesa only.
 
