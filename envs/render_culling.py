@@ -145,16 +145,29 @@ def hidden_group(vopt: Any) -> int | None:
     return int(off[0]) if len(off) else None
 
 
+def camera_scene(context: Any) -> Any:
+    """A scratch scene of the context's model, for computing the camera alone. The render's own scene must
+    not see the new camera before mjv_updateScene: MuJoCo lays out an infinite plane's grid from the
+    scene's camera as it was when geoms are added (the previous render's)."""
+    import mujoco
+
+    scratch = context.__dict__.get("_culling_camera_scene")
+    if scratch is None:
+        scratch = mujoco.MjvScene(context.model._model, maxgeom=1)
+        context.__dict__["_culling_camera_scene"] = scratch
+    return scratch
+
+
 def geoms_to_hide(context: Any, aspect: float) -> np.ndarray | None:
-    """Mask of the model geoms this render may leave out, or None (none, or culling is not safe here).
-    Updates the scene's camera (mjv_updateScene recomputes the same)."""
+    """Mask of the model geoms this render may leave out, or None (none, or culling is not safe here)."""
     import mujoco
 
     model, data = context.model._model, context.data._data
     if casts_shadows(model, context.scn):
         return None
-    mujoco.mjv_updateCamera(model, data, context.cam, context.scn)
-    glcam = mujoco.mjv_averageCamera(context.scn.camera[0], context.scn.camera[1])  # mjr_render's mono eye
+    scratch = camera_scene(context)
+    mujoco.mjv_updateCamera(model, data, context.cam, scratch)
+    glcam = mujoco.mjv_averageCamera(scratch.camera[0], scratch.camera[1])  # mjr_render's mono eye
     if glcam.orthographic:
         return None
     reflections = bool(context.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION])

@@ -37,13 +37,12 @@ def apply_render_options(robosuite_env: Any, reflections: bool = DEFAULT_REFLECT
                          multisamples: int | None = DEFAULT_MULTISAMPLES) -> None:
     """Set the reflection pass and the offscreen multisample count of the env's render context.
 
-    `multisamples` rebuilds MuJoCo's render context (offscreen buffers are allocated with their
-    sample count); the defaults leave the context exactly as robosuite made it.
+    `multisamples` (not None, and unlike the context's) rebuilds MuJoCo's render context (offscreen
+    buffers are allocated with their sample count); None leaves the count as it is. The reflection
+    flag is set either way, so a later call can turn reflections back on.
     """
     import mujoco
 
-    if reflections == DEFAULT_REFLECTIONS and multisamples == DEFAULT_MULTISAMPLES:
-        return
     context = render_context(robosuite_env)
     context.gl_ctx.make_current()  # several envs in one process each own a GL context
     # mjv_updateScene leaves scene flags alone, so the flag holds for every later render

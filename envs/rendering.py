@@ -38,16 +38,21 @@ def resolve_backend(preference: str = "auto") -> str:
     return preference
 
 
+def chosen_backend(preference: str = "auto") -> str:
+    """The backend `configure_gl(preference)` picks in this process (and in workers it spawns), without
+    setting anything: an explicit MUJOCO_GL in the environment wins over 'auto'."""
+    if preference == "auto" and os.environ.get("MUJOCO_GL"):
+        return os.environ["MUJOCO_GL"].lower()
+    return resolve_backend(preference)
+
+
 def configure_gl(preference: str = "auto") -> str:
     """Set MUJOCO_GL / PYOPENGL_PLATFORM for this process; returns the backend chosen.
 
     An explicit MUJOCO_GL in the environment wins over 'auto'. Raises if mujoco was already
     imported with a different backend, because the setting would silently not apply.
     """
-    if preference == "auto" and os.environ.get("MUJOCO_GL"):
-        backend = os.environ["MUJOCO_GL"].lower()
-    else:
-        backend = resolve_backend(preference)
+    backend = chosen_backend(preference)
     current = os.environ.get("MUJOCO_GL")
     if "mujoco" in sys.modules and current and current.lower() != backend:
         raise RuntimeError(

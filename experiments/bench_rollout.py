@@ -232,14 +232,24 @@ def engine_alone(engine: PolicyEngine, collector: RolloutCollector, batch, bench
             "env_steps_per_s": rows * ha / wall, "call_walls_s": walls, "rank_timings_s": per_rank}
 
 
+def resolved_render_setting(env_cfg: EnvConfig, key: str) -> bool:
+    """A render setting as the env workers will apply it (render_culling null: on under OSMesa only)."""
+    value = getattr(env_cfg, key)
+    if value is None and key == "render_culling":
+        from envs.rendering import chosen_backend
+
+        return chosen_backend(env_cfg.render_backend) == "osmesa"
+    return value
+
+
 def variant_env(name: str, env_cfg: EnvConfig) -> EnvConfig:
     """The env config of a variant: the bench's own but for the render variants (ENV_VARIANTS)."""
     if name in ENV_VARIANTS:
         key, value = ENV_VARIANTS[name]
-        if env_cfg.env_type != "libero" or getattr(env_cfg, key) == value:
+        if env_cfg.env_type != "libero" or resolved_render_setting(env_cfg, key) == value:
             raise ValueError(f"bench.variants entry {name!r} compares LIBERO renders with env.{key}={value} "
                              f"against the bench's own; env_type is {env_cfg.env_type!r}, env.{key} "
-                             f"{getattr(env_cfg, key)}")
+                             f"{getattr(env_cfg, key)} (as applied: {resolved_render_setting(env_cfg, key)})")
         return dataclasses.replace(env_cfg, **{key: value})
     return env_cfg
 

@@ -121,3 +121,77 @@ def check_culled_pixels_equal_robosuite(backend: str, suite: str, task_id: int, 
                                             ("libero_goal", 5), ("libero_90", 20)])
 def test_culled_render_equals_robosuite_render_osmesa(suite, task_id):
     check_culled_pixels_equal_robosuite("auto", suite, task_id, image_size=128)
+
+
+SYNTHETIC_SCENE = """
+<mujoco>
+  <visual><global offwidth="160" offheight="120"/><quality offsamples="0"/></visual>
+  <asset>
+    <material name="mirror" reflectance="0.6" rgba="0.3 0.3 0.3 1"/>
+    <material name="floor" reflectance="0.3" rgba="0.5 0.5 0.6 1"/>
+  </asset>
+  <worldbody>
+    <light pos="0 0 5" dir="0 0 -1" castshadow="false"/>
+    <geom type="plane" size="0 0 1" material="floor"/>
+    <geom type="box" pos="0.3 0.2 0.5" euler="20 10 0" size="0.6 0.4 0.15" material="mirror"/>
+    {bodies}
+    <camera name="a" pos="0 -2.5 1.2" xyaxes="1 0 0 0 0.5 1" fovy="40"/>
+    <camera name="b" pos="2 0.5 0.8" xyaxes="-0.3 1 0 -0.3 0 1" fovy="60"/>
+  </worldbody>
+</mujoco>"""
+
+
+@pytest.mark.libero  # mujoco and a GL backend (OSMesa on CPU machines)
+def test_culled_render_keeps_an_infinite_planes_grid():
+    """MuJoCo lays out an infinite plane from the scene's camera as the previous render left it; the
+    culled render must leave that camera alone until the scene update (rendering a, then b)."""
+    from envs.rendering import configure_gl
+
+    configure_gl("auto")
+    import mujoco
+
+    from envs.render_culling import culled_render
+
+    rng = np.random.default_rng(0)
+    bodies = "".join(
+        f'<body pos="{x:.2f} {y:.2f} {z:.2f}"><geom type="box" size="0.1 0.15 0.2" rgba="{r:.2f} 0.4 0.7 1"/></body>'
+        for x, y, z, r in rng.uniform([-3, -3, 0.1, 0], [3, 3, 2, 1], size=(40, 4)))
+    model = mujoco.MjModel.from_xml_string(SYNTHETIC_SCENE.format(bodies=bodies))
+    data = mujoco.MjData(model)
+    mujoco.mj_forward(model, data)
+    gl = mujoco.GLContext(160, 120)
+    gl.make_current()
+    try:
+        con = mujoco.MjrContext(model, mujoco.mjtFontScale.mjFONTSCALE_150)
+        mujoco.mjr_setBuffer(mujoco.mjtFramebuffer.mjFB_OFFSCREEN, con)
+        context = SimpleNamespace(model=SimpleNamespace(_model=model, vis=model.vis), data=SimpleNamespace(_data=data),
+                                  con=con, scn=mujoco.MjvScene(model, maxgeom=200), vopt=mujoco.MjvOption(),
+                                  pert=mujoco.MjvPerturb(), cam=mujoco.MjvCamera(),
+                                  update_offscreen_size=lambda *size: None)
+        viewport = mujoco.MjrRect(0, 0, 160, 120)
+
+        def pixels() -> np.ndarray:
+            image = np.empty((120, 160, 3), dtype=np.uint8)
+            mujoco.mjr_readPixels(image, None, viewport, con)
+            return image
+
+        def plain(camera_id: int) -> np.ndarray:  # robosuite's render
+            context.cam.type, context.cam.fixedcamid = mujoco.mjtCamera.mjCAMERA_FIXED, camera_id
+            mujoco.mjv_updateScene(model, data, context.vopt, context.pert, context.cam, mujoco.mjtCatBit.mjCAT_ALL,
+                                   context.scn)
+            mujoco.mjr_render(viewport, context.scn, con)
+            return pixels()
+
+        culled_any = False
+        for reflections in (1, 0):
+            context.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = reflections
+            for first, second in ((0, 1), (1, 0)):
+                plain(first)
+                expected, full = plain(second), context.scn.ngeom
+                plain(first)
+                culled_render(context, 160, 120, camera_id=second)
+                culled_any |= context.scn.ngeom < full
+                np.testing.assert_array_equal(pixels(), expected, err_msg=f"camera {second} after {first}")
+        assert culled_any
+    finally:
+        gl.free()

@@ -66,6 +66,7 @@ def test_options_reach_the_env_built_from_the_config():
     import mujoco
 
     from envs.libero_env import LiberoEnv
+    from envs.render_options import apply_render_options
 
     cfg = EnvConfig(suite="libero_10", task_ids=[8], num_envs=1, num_workers=1, image_size=64,
                     render_reflections=False, render_multisamples=0, show_progress=False)
@@ -81,5 +82,7 @@ def test_options_reach_the_env_built_from_the_config():
         env.begin_episode(1, seed=0)  # a reset keeps robosuite's context, so the options hold
         assert context is env.libero_env.sim._render_context_offscreen
         assert context.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] == 0
+        apply_render_options(env.libero_env)  # the defaults turn reflections back on (multisamples stay)
+        assert context.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] == 1 and context.con.offSamples == 0
     finally:
         env.close()

@@ -109,10 +109,23 @@ def test_bench_rollout_no_reflections_variant_changes_only_the_env_render():
     assert variant_config("no_reflections", base, libero) is base
     with pytest.raises(ValueError, match="'no_reflections' compares LIBERO renders.*'countdown'"):
         variant_env("no_reflections", countdown_env(num_envs=4, group_size=2))
-    assert variant_env("culled", libero) == dataclasses.replace(libero, render_culling=True)
-    assert variant_env("unculled", libero) == dataclasses.replace(libero, render_culling=False)
+    culled = dataclasses.replace(libero, render_culling=True)
+    assert variant_env("unculled", culled) == dataclasses.replace(libero, render_culling=False)
     with pytest.raises(ValueError, match="'culled' compares LIBERO renders with env.render_culling=True"):
-        variant_env("culled", dataclasses.replace(libero, render_culling=True))
+        variant_env("culled", culled)
+
+
+@pytest.mark.parametrize("backend, refused", [("osmesa", "culled"), ("egl", "unculled")])
+def test_bench_rollout_culling_variant_refuses_what_null_already_applies(monkeypatch, backend, refused):
+    """env.render_culling null culls under OSMesa only: the variant that equals it is refused."""
+    from experiments.bench_rollout import variant_env
+
+    monkeypatch.setenv("MUJOCO_GL", backend)  # what configure_gl("auto") picks in the workers
+    libero = EnvConfig(suite="libero_10", task_ids=[2], num_envs=2, num_workers=1, show_progress=False)
+    other = {"culled": "unculled", "unculled": "culled"}[refused]
+    assert variant_env(other, libero).render_culling == (other == "culled")
+    with pytest.raises(ValueError, match=rf"'{refused}' compares .*\(as applied: {refused == 'culled'}\)"):
+        variant_env(refused, libero)
 
 
 @pytest.mark.parametrize("key, value", [("torch_threads", [2.5]), ("render_waves", [True]), ("render_waves", [-1])])
