@@ -145,10 +145,16 @@ SYNTHETIC_SCENE = """
 def test_culled_render_keeps_an_infinite_planes_grid():
     """MuJoCo lays out an infinite plane from the scene's camera as the previous render left it; the
     culled render must leave that camera alone until the scene update (rendering a, then b)."""
+    import importlib
+
     from envs.rendering import configure_gl
 
-    configure_gl("auto")
+    backend = configure_gl("auto")
     import mujoco
+
+    # the backend's own context class: `mujoco.GLContext` is fixed when mujoco is first imported, which in a
+    # whole test session happens before any test chooses a backend
+    gl_context = importlib.import_module(f"mujoco.{backend}").GLContext
 
     from envs.render_culling import culled_render
 
@@ -159,7 +165,7 @@ def test_culled_render_keeps_an_infinite_planes_grid():
     model = mujoco.MjModel.from_xml_string(SYNTHETIC_SCENE.format(bodies=bodies))
     data = mujoco.MjData(model)
     mujoco.mj_forward(model, data)
-    gl = mujoco.GLContext(160, 120)
+    gl = gl_context(160, 120)
     gl.make_current()
     try:
         con = mujoco.MjrContext(model, mujoco.mjtFontScale.mjFONTSCALE_150)
