@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import (
+    check_bool,
     check_choice,
     check_nonnegative_int,
     check_positive_int,
@@ -131,8 +132,7 @@ class EnvConfig:
         self._check_worldmodel()
 
     def _check_render_options(self) -> None:
-        if not isinstance(self.render_reflections, bool):
-            raise ValueError(f"env.render_reflections must be true or false, got {self.render_reflections!r}")
+        check_bool("env.render_reflections", self.render_reflections)
         if self.render_culling is not None and not isinstance(self.render_culling, bool):
             raise ValueError(f"env.render_culling must be true, false or null (on under OSMesa only), "
                              f"got {self.render_culling!r}")

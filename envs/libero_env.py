@@ -221,7 +221,7 @@ class LiberoEnv(gym.Env):
         """Build the MuJoCo scene in this process (~13 s on CPU for libero_10)."""
         if self._env is not None:
             return
-        from envs.render_culling import set_frustum_culling
+        from envs.render_culling import culling_enabled, set_frustum_culling
         from envs.render_options import apply_render_options
         from envs.rendering import configure_gl
         from envs.steppers import make_stepper
@@ -239,7 +239,7 @@ class LiberoEnv(gym.Env):
         try:
             if self.cameras:
                 apply_render_options(env, self.render_reflections, self.render_multisamples)
-                set_frustum_culling(env, backend == "osmesa" if self.render_culling is None else self.render_culling)
+                set_frustum_culling(env, culling_enabled(self.render_culling, backend))
             self._stepper = make_stepper(self.step_mode, env)
         except BaseException:
             env.close()

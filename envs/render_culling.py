@@ -209,6 +209,11 @@ def culled_render(context: Any, width: int, height: int, camera_id: int | None =
         context.scn.flags[mujoco.mjtRndFlag.mjRND_IDCOLOR] = 0
 
 
+def culling_enabled(setting: bool | None, backend: str) -> bool:
+    """`env.render_culling` as applied under GL `backend`: null culls under OSMesa only (module docstring)."""
+    return backend == "osmesa" if setting is None else setting
+
+
 def set_frustum_culling(robosuite_env: Any, enabled: bool = True) -> None:
     """Route the env's offscreen renders through `culled_render` (this env's context only), or back to
     robosuite's own `render`."""

@@ -235,10 +235,11 @@ def engine_alone(engine: PolicyEngine, collector: RolloutCollector, batch, bench
 def resolved_render_setting(env_cfg: EnvConfig, key: str) -> bool:
     """A render setting as the env workers will apply it (render_culling null: on under OSMesa only)."""
     value = getattr(env_cfg, key)
-    if value is None and key == "render_culling":
+    if key == "render_culling":
+        from envs.render_culling import culling_enabled
         from envs.rendering import chosen_backend
 
-        return chosen_backend(env_cfg.render_backend) == "osmesa"
+        return culling_enabled(value, chosen_backend(env_cfg.render_backend))
     return value
 
 

@@ -30,11 +30,18 @@ from typing import Any
 
 import hydra
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from common.config import check_choice, check_nonnegative_int, check_positive_int, reject_unknown_keys
+from common.config import (
+    check_choice,
+    check_int_list,
+    check_nonnegative_int,
+    check_positive_int,
+    reject_unknown_keys,
+)
 from envs.config import EnvConfig, register_hydra_schema
 from envs.libero_env import LiberoEnv
+from envs.render_options import render_context
 from envs.rendering import configure_gl
 from envs.suites import get_task
 from experiments.results import write_result
@@ -61,11 +68,8 @@ class RenderProbeConfig:
     commit: bool = False
 
     def __post_init__(self) -> None:
-        self.variants, self.task_ids = list(self.variants), [int(t) for t in self.task_ids]
-        if not self.task_ids:
-            raise ValueError("probe.task_ids must name at least one task")
-        for task_id in self.task_ids:
-            check_nonnegative_int("probe.task_ids entries", task_id)
+        self.variants = list(self.variants)
+        self.task_ids = check_int_list("probe.task_ids", self.task_ids, minimum=0)
         for name in self.variants:
             check_choice("probe.variants entries", name, tuple(VARIANTS))
         if "default" not in self.variants:
@@ -134,7 +138,7 @@ def probe_task(env_cfg: EnvConfig, task_id: int, probe: RenderProbeConfig) -> di
     env.begin_episode(0, probe.seed)
     created_s = time.perf_counter() - start
     try:
-        context = env.libero_env.sim._render_context_offscreen
+        context = render_context(env.libero_env)
         scene_samples = int(context.con.offSamples)
         record: dict[str, Any] = {"task": env.task.label, "create_s": created_s, "scene_multisamples": scene_samples,
                                   "reflective_geoms": reflective_geoms(env.libero_env.sim.model._model),
@@ -194,8 +198,7 @@ def summarize(payload: dict[str, Any]) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="probe_render_cost")
 def main(cfg: DictConfig) -> None:
     env_cfg = EnvConfig.from_mapping(cfg.env)
-    probe = RenderProbeConfig(**reject_unknown_keys(
-        RenderProbeConfig, OmegaConf.to_container(cfg.probe, resolve=True), "probe"))
+    probe = RenderProbeConfig(**reject_unknown_keys(RenderProbeConfig, cfg.probe, "probe"))
     payload = run(env_cfg, probe)
     write_result("probe_render_cost", payload, summarize(payload), probe.out_dir, commit=probe.commit, device="cuda"
                  if payload["gl_backend"] == "egl" else "cpu")

@@ -33,7 +33,7 @@ from typing import Any
 import hydra
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from common.config import check_choice, check_nonnegative_int, check_positive_int, reject_unknown_keys
 from envs.config import EnvConfig, register_hydra_schema
@@ -298,8 +298,7 @@ def main(cfg: DictConfig) -> None:
     env_cfg = EnvConfig.from_mapping(cfg.env)
     policy_cfg = PolicyConfig.from_mapping(cfg.policy)
     rollout = RolloutConfig.from_mapping(cfg.rollout)
-    probe = ContentionProbeConfig(**reject_unknown_keys(
-        ContentionProbeConfig, OmegaConf.to_container(cfg.probe, resolve=True), "probe"))
+    probe = ContentionProbeConfig(**reject_unknown_keys(ContentionProbeConfig, cfg.probe, "probe"))
     payload = run(env_cfg, policy_cfg, rollout, probe)
     write_result("probe_rollout_contention", payload, summarize(payload), probe.out_dir, commit=probe.commit,
                  device=resolve_device(probe.device))

@@ -9,8 +9,9 @@ import pytest
 @pytest.mark.parametrize("overrides, message", [
     ({"variants": ["no_reflections"]}, "must include 'default'"),
     ({"variants": ["default", "shiny"]}, "probe.variants entries"),
-    ({"task_ids": []}, "at least one task"),
-    ({"task_ids": [-1]}, "probe.task_ids entries"),
+    ({"task_ids": []}, r"probe\.task_ids must be a non-empty list of integers >= 0, got \[\]"),
+    ({"task_ids": [-1]}, r"probe\.task_ids must be a non-empty list of integers >= 0, got \[-1\]"),
+    ({"task_ids": [1.5]}, r"probe\.task_ids must be a non-empty list of integers >= 0, got \[1\.5\]"),
     ({"repeats": 0}, "probe.repeats"),
 ])
 def test_probe_config_names_the_bad_value(overrides, message):
