@@ -311,6 +311,13 @@ def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, be
     coll_cfg = dataclasses.replace(rollout.collector or CollectorConfig(), max_chunks=bench.chunks)
     for name in bench.variants:  # a variant that cannot apply fails here, not after ours' measured epoch
         variant_env(name, env_cfg)
+        if name == "other_render_at":  # before_predict needs env.render_every chunk_end and a renderer
+            other = variant_config(name, coll_cfg, env_cfg)
+            try:
+                other.check_against_env(env_cfg)
+            except ValueError as exc:
+                raise ValueError(f"bench.variants entry 'other_render_at' runs rollout.collector.render_at="
+                                 f"{other.render_at!r}, which this env cannot: {exc}") from exc
     if bench.predict_only and not coll_cfg.record_images:  # engine alone replays the observations ours recorded
         raise ValueError("bench.predict_only=true needs rollout.collector.record_images=true (the engine-alone "
                          "phase predicts on the observations ours recorded); or set bench.predict_only=false")

@@ -33,10 +33,12 @@ import numpy as np
 from omegaconf import DictConfig
 
 from common.config import (
+    check_bool,
     check_choice,
     check_int_list,
     check_nonnegative_int,
     check_positive_int,
+    is_number,
     reject_unknown_keys,
 )
 from envs.config import EnvConfig, register_hydra_schema
@@ -78,8 +80,11 @@ class RenderProbeConfig:
         for key in ("states", "repeats"):
             check_positive_int(f"probe.{key}", getattr(self, key))
         check_nonnegative_int("probe.steps_between", self.steps_between)
-        if not 0 < self.action_scale <= 1:
-            raise ValueError(f"probe.action_scale must be in (0, 1], got {self.action_scale}")
+        # the random actions' generator and LIBERO's seed: numpy refuses a negative one without naming the key
+        check_nonnegative_int("probe.seed", self.seed)
+        check_bool("probe.commit", self.commit)  # a quoted "false" is truthy: it would write to benchmarks/results
+        if not is_number(self.action_scale) or not 0 < self.action_scale <= 1:
+            raise ValueError(f"probe.action_scale must be in (0, 1], got {self.action_scale!r}")
 
 
 def log(message: str) -> None:
@@ -134,10 +139,10 @@ def probe_task(env_cfg: EnvConfig, task_id: int, probe: RenderProbeConfig) -> di
     env = LiberoEnv.from_config(dataclasses.replace(env_cfg, render_reflections=True, render_multisamples=None,
                                                     render_culling=False), task_id)
     rng = np.random.default_rng(probe.seed)
-    start = time.perf_counter()
-    env.begin_episode(0, probe.seed)
-    created_s = time.perf_counter() - start
-    try:
+    try:  # begin_episode builds the scene (GL context included): a failure after that must close it too
+        start = time.perf_counter()
+        env.begin_episode(0, probe.seed)
+        created_s = time.perf_counter() - start
         context = render_context(env.libero_env)
         scene_samples = int(context.con.offSamples)
         record: dict[str, Any] = {"task": env.task.label, "create_s": created_s, "scene_multisamples": scene_samples,
@@ -160,12 +165,22 @@ def probe_task(env_cfg: EnvConfig, task_id: int, probe: RenderProbeConfig) -> di
 
 
 def run(env_cfg: EnvConfig, probe: RenderProbeConfig) -> dict[str, Any]:
-    backend = configure_gl(env_cfg.render_backend)
+    if env_cfg.env_type != "libero":  # the probe builds LIBERO scenes whatever env_type says
+        raise ValueError(f"probe_render_cost probes LIBERO scenes: env.env_type must be 'libero', got "
+                         f"{env_cfg.env_type!r}")
+    if not env_cfg.cameras:  # nothing to time or compare: summarize would fail after every task ran
+        raise ValueError(f"probe_render_cost times and compares camera renders: env.cameras must name at least "
+                         f"one camera, got {env_cfg.cameras}")
     task_ids = sorted(set(probe.task_ids))
+    for task_id in task_ids:  # a bad task id fails before any scene is built (not after the others' probes)
+        try:
+            get_task(env_cfg.suite, task_id)
+        except ValueError as exc:
+            raise ValueError(f"probe.task_ids entry {task_id}: {exc}") from exc
+    backend = configure_gl(env_cfg.render_backend)
     log(f"{env_cfg.suite} tasks {task_ids}, {env_cfg.image_size} px, cameras {env_cfg.cameras}, GL {backend}")
     tasks = []
     for task_id in task_ids:
-        get_task(env_cfg.suite, task_id)  # a bad task id fails before any scene is built
         tasks.append(probe_task(env_cfg, task_id, probe))
         times = {name: statistics.fmean(s[name]["render_ms"] for s in tasks[-1]["states"]) for name in probe.variants}
         log(f"task {task_id}: render ms {', '.join(f'{k} {v:.2f}' for k, v in times.items())}; "
