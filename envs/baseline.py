@@ -78,6 +78,15 @@ class _LiberoEnvProcess:
                                       ignore_done=True)
         self.totals = {"render_s": 0.0}
         if cfg.cameras:
+            from envs.render_options import apply_render_options
+
+            # the options that change pixels hold on both sides of a comparison (culling changes none:
+            # it stays ours' engineering); without this the baseline rendered LIBERO's look whatever they said
+            try:
+                apply_render_options(self.env, cfg.render_reflections, cfg.render_multisamples)
+            except BaseException:
+                self.env.close()
+                raise
             _timed_camera_sensors(self.env.env, self.totals)
 
     def reset(self) -> None:

@@ -86,3 +86,23 @@ def test_options_reach_the_env_built_from_the_config():
         assert context.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] == 1 and context.con.offSamples == 0
     finally:
         env.close()
+
+
+@pytest.mark.libero
+def test_the_rlinf_style_baseline_renders_with_the_same_options():
+    """bench_rollout's speed-up compares ours with the RLinf-style baseline at the env config's render options:
+    the baseline's env must not keep LIBERO's reflections and 4x MSAA when the config turns them off."""
+    import mujoco
+
+    from envs.baseline import _LiberoEnvProcess
+    from envs.vector.catalog import worker_specs
+
+    cfg = EnvConfig(suite="libero_10", task_ids=[8], num_envs=1, num_workers=1, image_size=64,
+                    render_reflections=False, render_multisamples=0, show_progress=False)
+    process = _LiberoEnvProcess(cfg, worker_specs(cfg, [8])[0])
+    try:
+        context = process.env.sim._render_context_offscreen
+        assert context.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] == 0
+        assert context.con.offSamples == 0
+    finally:
+        process.close()
