@@ -95,6 +95,9 @@ class BenchRolloutConfig:
             check_positive_int("bench.torch_threads", self.torch_threads)
         for name in self.variants:
             check_choice("bench.variants entries", name, VARIANTS)
+        repeated = sorted({name for name in self.variants if self.variants.count(name) > 1})
+        if repeated:  # each variant's result is keyed by its name: a second run would overwrite the first
+            raise ValueError(f"bench.variants names {repeated} more than once: {list(self.variants)}")
         if not 0 < self.action_scale <= 1:
             raise ValueError(f"bench.action_scale must be in (0, 1], got {self.action_scale}")
 

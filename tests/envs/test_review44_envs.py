@@ -125,3 +125,11 @@ def test_probe_closes_the_env_when_its_first_episode_fails(monkeypatch):
     with pytest.raises(RuntimeError, match="object placement failed"):
         probe_task(env_cfg, 8, RenderProbeConfig(task_ids=[8]))
     assert closed == [True]
+
+
+def test_bench_rollout_refuses_a_variant_named_twice():
+    from experiments.bench_rollout import BenchRolloutConfig
+
+    with pytest.raises(ValueError, match=r"bench.variants names \['no_reflections'\] more than once"):
+        BenchRolloutConfig(variants=["no_reflections", "disjoint_workers", "no_reflections"])
+    BenchRolloutConfig(variants=["no_reflections", "disjoint_workers"])
