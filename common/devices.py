@@ -17,7 +17,8 @@ import re
 
 import torch
 
-_CUDA = re.compile(r"cuda(?::(\d+))?")
+# torch.device's own spelling: ASCII digits, no leading zero ("cuda:01" and "cuda:\u0661" are no device to torch)
+_CUDA = re.compile(r"cuda(?::(0|[1-9][0-9]*))?")
 
 
 def visible_cuda_index(key: str, name: str | torch.device, cuda_count: int) -> int | None:

@@ -23,10 +23,12 @@ env chunks finished during the timed calls (wall, summed physics and render seco
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +76,11 @@ class ContentionProbeConfig:
             check_nonnegative_int("probe.torch_threads entries", n)
         for n in self.render_waves:
             check_nonnegative_int("probe.render_waves entries", n)
+        for key in ("loads", "torch_threads", "render_waves"):  # each entry names one result: a repeat overwrote it
+            entries = getattr(self, key)
+            repeated = sorted({e for e in entries if entries.count(e) > 1}, key=str)
+            if repeated:
+                raise ValueError(f"probe.{key} lists {repeated} more than once, got {entries}")
         check_nonnegative_int("probe.render_workers_at_once", self.render_workers_at_once)
         check_nonnegative_int("probe.warmup_calls", self.warmup_calls)
         for key in ("calls", "env_chunks"):
@@ -150,26 +157,39 @@ class EnvLoad:
         start = time.perf_counter()
         result = self.vec.step_chunk(actions, render=self.kind == "render")
         timing = dict(result.info["timing"])
+        restart = bool(result.done.all())
         if self.kind == "deferred":
-            self._render_between_predicts(timing)
-        timing["end_s"] = time.perf_counter()
-        timing["chunk_wall_s"] = timing["end_s"] - start
-        if result.done.all():
+            # the render, and the reset that follows the episodes' end (it renders every env), wait for no predict
+            with self._between_predicts():
+                rendered = self.vec.render(self.workers_at_once)
+                self._chunk_end(timing, start)
+                if restart:
+                    self.vec.reset(group_size=self.cfg.group_size, seed=self.seed)
+            timing["render_s"] = rendered["timing"]["render_s"]
+            timing["render_wall_s"] = rendered["timing"]["wall_s"]
+            return timing
+        self._chunk_end(timing, start)
+        if restart:
             self.vec.reset(group_size=self.cfg.group_size, seed=self.seed)
         return timing
 
-    def _render_between_predicts(self, timing: dict[str, float]) -> None:
+    @staticmethod
+    def _chunk_end(timing: dict[str, float], start: float) -> None:
+        timing["end_s"] = time.perf_counter()
+        timing["chunk_wall_s"] = timing["end_s"] - start
+
+    @contextlib.contextmanager
+    def _between_predicts(self) -> Iterator[None]:
+        """Wait for the predict in flight to end; a predict that would start meanwhile waits for this."""
         with self.state:
             self.render_due = True
             self.state.wait_for(lambda: not self.predicting or self.stop)
         try:
-            rendered = self.vec.render(self.workers_at_once)
+            yield
         finally:
             with self.state:
                 self.render_due = False
                 self.state.notify_all()
-        timing["render_s"] = rendered["timing"]["render_s"]
-        timing["render_wall_s"] = rendered["timing"]["wall_s"]
 
 
 def time_predicts(engine: PolicyEngine, obs: dict[str, Any], probe: ContentionProbeConfig, group_size: int,
@@ -239,7 +259,19 @@ def probe_setting(engine: PolicyEngine, vec: VectorEnvBase, cfg: EnvConfig, obs:
     return {"predict": predict, "env_during_predicts": env_chunk_summary(inside)}
 
 
+def check_env(env_cfg: Any) -> None:
+    """The env alone always runs physics-only and deferred-render chunks (step_chunk(render=False)): refused
+    before the engine and the envs are built, which the first such chunk refused only after."""
+    if getattr(env_cfg, "env_type", None) == "worldmodel":
+        raise ValueError('probe_rollout_contention defers renders (step_chunk(render=False)), but env_type '
+                         '"worldmodel" has no renderer (its frames are the model\'s output)')
+    if env_cfg.render_every != "chunk_end":
+        raise ValueError('probe_rollout_contention defers renders (step_chunk(render=False)): it needs '
+                         f'env.render_every="chunk_end", got {env_cfg.render_every!r}')
+
+
 def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, probe: ContentionProbeConfig) -> dict:
+    check_env(env_cfg)
     device = resolve_device(probe.device)
     if device.type == "cuda":
         policy_cfg = policy_cfg.replace(fast={"enabled": True})
@@ -249,9 +281,10 @@ def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, pr
     log(f"device {device}; {env_cfg.num_envs} envs over {env_cfg.num_workers} workers, {env_cfg.image_size} px, "
         f"chunk {env_cfg.chunk_size}; policy {policy_cfg.name}; torch threads default {default_threads}")
     engine = PolicyEngine(engine_cfg, policy_cfg)
-    vec = make_vector_env(env_cfg)
+    vec = None
     payload: dict[str, Any] = {"default_torch_threads": default_threads, "settings": {}}
     try:
+        vec = make_vector_env(env_cfg)  # inside: an env that cannot be built must not leave the engine running
         obs = {key: (np.array(value) if isinstance(value, np.ndarray) else list(value))
                for key, value in vec.reset(group_size=env_cfg.group_size, seed=probe.seed).items()}
         payload["env_alone"] = env_alone(vec, env_cfg, probe)
@@ -260,10 +293,14 @@ def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, pr
         for _ in range(max(3, 2 * probe.warmup_calls)):
             engine.predict(obs, mode=probe.mode, group_size=env_cfg.group_size)
         payload["engine_warmup_s"] = time.perf_counter() - start
-        for threads in probe.torch_threads:
-            torch.set_num_threads(threads or default_threads)
+        # 0 is torch's default: where that is another entry's count, the setting would run twice under one name
+        counts = list(dict.fromkeys(threads or default_threads for threads in probe.torch_threads))
+        if len(counts) < len(probe.torch_threads):
+            log(f"probe.torch_threads {probe.torch_threads}: 0 is the default {default_threads} here, run once")
+        for threads in counts:
+            torch.set_num_threads(threads)
             for load_name in probe.loads:
-                name = f"{load_name}/threads{threads or default_threads}"
+                name = f"{load_name}/threads{threads}"
                 result = probe_setting(engine, vec, env_cfg, obs, probe, load_name)
                 payload["settings"][name] = result
                 log(f"{name}: predict median {result['predict']['median_ms']:.1f} ms (preprocess "
@@ -271,8 +308,11 @@ def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, pr
                     f"{result['predict']['median_sampling_ms']:.1f}); env {result.get('env_during_predicts')}")
     finally:
         torch.set_num_threads(default_threads)  # also when a setting fails: its threads must not outlive the probe
-        vec.close()
-        engine.close()
+        try:
+            if vec is not None:
+                vec.close()
+        finally:
+            engine.close()
     payload["config"] = {"env": env_cfg.to_dict(), "policy": policy_cfg.to_dict(), "engine": engine_cfg.to_dict(),
                          "probe": dataclasses.asdict(probe)}
     return payload

@@ -42,6 +42,7 @@ from common.config import (
     reject_unknown_keys,
     to_container,
 )
+from rollout.config import check_timeout
 
 MODES = ("none", "ddp", "fsdp2")
 BACKENDS = ("auto", "nccl", "gloo")
@@ -79,7 +80,8 @@ class ActorParallelConfig:
         check_choice(f"{KEY}.shard", self.shard, SHARDS)
         check_bool(f"{KEY}.reshard_after_forward", self.reshard_after_forward)
         check_positive_float(f"{KEY}.start_timeout_s", self.start_timeout_s)
-        check_positive_float(f"{KEY}.dist_timeout_s", self.dist_timeout_s)
+        # finite, at most a week: torch.distributed's timedelta overflowed on inf in init_group, naming no key
+        check_timeout(f"{KEY}.dist_timeout_s", self.dist_timeout_s)
         if self.torch_threads is not None:
             check_positive_int(f"{KEY}.torch_threads", self.torch_threads)
 

@@ -30,3 +30,19 @@ def test_a_gpu_the_machine_lacks_is_refused_by_key_and_value(name, count, match)
 def test_a_name_that_is_no_device_is_refused_by_key_and_value(name):
     with pytest.raises(ValueError, match=rf"run\.device must be a device name .*, got {name!r}"):
         visible_cuda_index("run.device", name, 8)
+
+
+@pytest.mark.parametrize("name", ["cuda:01", "cuda:00", "cuda:\u0661"])
+def test_an_index_torch_does_not_spell_is_refused_by_key_and_value(name):
+    """torch.device refuses a leading zero and non-ASCII digits ("Invalid device string"): the rule refused
+    none of them (cuda:01 was GPU 1), so the name reached a rank's torch.device and failed there, naming no key."""
+    import torch
+
+    from rollout.placement import resolve_device
+
+    with pytest.raises(RuntimeError):
+        torch.device(name)
+    with pytest.raises(ValueError, match=rf"run\.device must be a device name .*, got {name!r}"):
+        visible_cuda_index("run.device", name, 8)
+    with pytest.raises(ValueError, match=rf"rollout\.engine\.devices must be a device name .*, got {name!r}"):
+        resolve_device("rollout.engine.devices", name, 8)

@@ -151,3 +151,104 @@ def test_probe_restores_torch_threads_when_a_setting_fails(one_torch_thread, mon
     with pytest.raises(OSError, match="renderer gone"):
         probe_module.run(env_cfg, tiny_policy(), RolloutConfig(engine=EngineConfig(seed=0)), probe)
     assert torch.get_num_threads() == 1  # the setting's 2 threads do not outlive the probe
+
+
+@pytest.mark.parametrize("key, value", [("loads", ["none", "render", "none"]), ("torch_threads", [1, 1]),
+                                        ("render_waves", [2, 0, 2])])
+def test_probe_config_refuses_a_repeated_entry(key, value):
+    """Each entry names one result (settings "<load>/threads<n>", env_alone "deferred_waves<n>"): a repeat
+    ran again and overwrote the first under the same name."""
+    from experiments.probe_rollout_contention import ContentionProbeConfig
+
+    with pytest.raises(ValueError, match=rf"probe\.{key} lists \[.+\] more than once"):
+        ContentionProbeConfig(**{key: value})
+
+
+def test_probe_runs_a_thread_count_once_where_0_is_the_default(one_torch_thread, monkeypatch):  # noqa: F811
+    """torch_threads [0, 1] (the conf's default) where torch's default is 1 thread: both entries are
+    "threads1", so every load ran twice and the second result silently replaced the first."""
+    import experiments.probe_rollout_contention as probe_module
+
+    calls = []
+
+    def recorded_setting(engine, vec, cfg, obs, probe, load_name):
+        import torch
+
+        calls.append(f"{load_name}/threads{torch.get_num_threads()}")
+        return {"predict": {"median_ms": 1.0, "median_preprocess_ms": 0.5, "median_sampling_ms": 0.5}}
+
+    monkeypatch.setattr(probe_module, "probe_setting", recorded_setting)
+    env_cfg = countdown_env(num_envs=2, num_workers=1, group_size=1, max_episode_steps=40)
+    probe = probe_module.ContentionProbeConfig(torch_threads=[0, 1], loads=["none", "render"], warmup_calls=0,
+                                               calls=1, env_chunks=1, device="cpu", render_waves=[0])
+    payload = probe_module.run(env_cfg, tiny_policy(), RolloutConfig(engine=EngineConfig(seed=0)), probe)
+    assert calls == ["none/threads1", "render/threads1"]
+    assert set(payload["settings"]) == set(calls)
+
+
+def test_probe_closes_the_engine_when_the_envs_cannot_be_built(monkeypatch):
+    import experiments.probe_rollout_contention as probe_module
+
+    engines = []
+
+    class RecordedEngine(probe_module.PolicyEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    def no_envs(*args, **kwargs):
+        raise OSError("no display")
+
+    monkeypatch.setattr(probe_module, "PolicyEngine", RecordedEngine)
+    monkeypatch.setattr(probe_module, "make_vector_env", no_envs)
+    probe = probe_module.ContentionProbeConfig(device="cpu")
+    with pytest.raises(OSError, match="no display"):
+        probe_module.run(countdown_env(num_envs=2, num_workers=1, group_size=1), tiny_policy(),
+                         RolloutConfig(engine=EngineConfig(seed=0)), probe)
+    assert len(engines) == 1 and not engines[0].alive  # it stayed open (an inproc engine, local rank processes)
+
+
+def test_probe_refuses_per_substep_rendering_before_building_anything(monkeypatch):
+    """The env alone always runs physics-only and deferred chunks (step_chunk(render=False)): with
+    env.render_every="substep" the first of them failed, after the engine and every env were built."""
+    import experiments.probe_rollout_contention as probe_module
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("built before the env config was checked")
+
+    monkeypatch.setattr(probe_module, "PolicyEngine", unexpected)
+    monkeypatch.setattr(probe_module, "make_vector_env", unexpected)
+    probe = probe_module.ContentionProbeConfig(device="cpu", loads=["none"])
+    with pytest.raises(ValueError, match=r'needs env\.render_every="chunk_end", got \'substep\''):
+        probe_module.run(countdown_env(num_envs=2, num_workers=1, group_size=1, render_every="substep"),
+                         tiny_policy(), RolloutConfig(engine=EngineConfig(seed=0)), probe)
+
+
+def test_deferred_load_resets_only_between_predicts():
+    """The reset after the episodes' end renders every env: in the deferred load it ran right after the
+    chunk's gated render, while the next predict was already in flight."""
+    from experiments.probe_rollout_contention import ContentionProbeConfig, EnvLoad
+
+    env_cfg = countdown_env(num_envs=2, num_workers=1, group_size=1, max_episode_steps=4)  # a reset every chunk
+    vec = make_vector_env(env_cfg, in_process=True)
+    overlaps = []
+    try:
+        load = EnvLoad(vec, env_cfg, ContentionProbeConfig(), "deferred")
+        reset = vec.reset
+
+        def watched_reset(*args, **kwargs):
+            overlaps.append(load.predicting)
+            time.sleep(0.01)  # a reset long enough for a predict to try to start inside it
+            overlaps.append(load.predicting)
+            return reset(*args, **kwargs)
+
+        vec.reset = watched_reset
+        with load:
+            for _ in range(20):
+                load.begin_predict()
+                time.sleep(0.005)
+                load.end_predict()
+    finally:
+        vec.close()
+    assert len(overlaps) >= 6, "the load reset too rarely to tell"
+    assert not any(overlaps), "a reset ran while a predict was in flight"
