@@ -12,6 +12,7 @@ alone is enough for `PolicyEngine(EngineConfig(...), policy_cfg)`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -131,9 +132,13 @@ def _check_devices(key: str, devices: Any, num_ranks: int) -> str | list[str]:
     return devices
 
 
+# torch.device's own spelling: "cuda:", "cuda:01" or non-ASCII digits are no device to torch, which then failed
+# on the rank (with the ray backend, whose engine does not check visibility here) naming no key
+_DEVICE = re.compile(r"cpu|cuda(?::(?:0|[1-9][0-9]*))?")
+
+
 def _check_device(key: str, device: str) -> None:
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+    if not _DEVICE.fullmatch(device):
         raise ValueError(f"{key} entries must be 'cpu', 'cuda' or 'cuda:<index>', got {device!r}")
 
 

@@ -24,6 +24,11 @@ def test_hydra_group_builds(name, backend, ranks):
 @pytest.mark.parametrize("data, message", [
     ({"engine": {"num_ranks": 0}}, r"rollout.engine.num_ranks must be a positive integer, got 0"),
     ({"engine": {"devices": "gpu0"}}, r"rollout.engine.devices entries must be 'cpu', 'cuda' or 'cuda:<index>'"),
+    # spellings torch.device refuses: the rank failed on them (ray: no visibility check before it)
+    ({"engine": {"devices": "cuda:"}}, r"rollout.engine.devices entries must be .* got 'cuda:'"),
+    ({"engine": {"devices": "cuda:01"}}, r"rollout.engine.devices entries must be .* got 'cuda:01'"),
+    ({"engine": {"num_ranks": 2, "devices": ["cuda:0", "cuda:\u0661"]}},
+     r"rollout.engine.devices entries must be .* got 'cuda:\u0661'"),
     ({"engine": {"rank_timeout_s": -1}}, r"rollout.engine.rank_timeout_s must be a positive number"),
     ({"weights": {"format": "hf"}}, r"rollout.weights.format must be one of"),
     ({"weights": {"dist_backend": "mpi"}}, r"rollout.weights.dist_backend must be one of"),
