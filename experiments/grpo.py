@@ -7,7 +7,8 @@
     python -m experiments.grpo mode=eval eval.checkpoint=RUN_DIR
 
 Every group's config is validated (errors name the key and value) before the run directory is
-created, and so are the checkpoints it reads (run.resume, eval.checkpoint) and the GPUs it names
+created, and so are the checkpoints it reads (run.resume, eval.checkpoint; a resume that changes its
+run's tasks or model is refused, other env / policy changes are warned about) and the GPUs it names
 (against this machine's); a bad override stops here and nothing is written. Keys: grpo/run_config.py.
 """
 
@@ -25,6 +26,86 @@ register_env_schema()
 register_grpo_schema()
 
 
+# What a resume or an evaluation compares with the checkpoint's run (its config.yaml). The run's identity, what
+# it trains on and which model, must not change on a resume: a resume from the command line composes the config
+# again (the `smoke` defaults unless the run's own overrides are given again), and a `reach_tiny` run resumed as
+# `run.resume=RUN` went on training the reach weights on libero_10 task 2. Other env and policy settings may
+# change deliberately (as grpo.lr may) and are named in a warning; keys that only say where or how fast it runs
+# are not compared.
+COMPARED_GROUPS = ("env", "policy")
+RUN_IDENTITY_KEYS = frozenset({"env.env_type", "env.suite", "env.task_ids", "policy.name"})
+OPERATIONAL_KEYS = frozenset({
+    "env.num_workers", "env.show_progress", "env.worker_timeout_s", "env.create_timeout_s", "env.worker_nice",
+    "env.start_method", "env.restart_on_crash", "env.render_backend", "env.render_culling",
+})
+OPERATIONAL_PREFIXES = ("policy.fast.",)  # the fast path's options: kernels, buckets, graphs, caches
+
+
+def _flatten(node: object, prefix: str) -> dict[str, object]:
+    if isinstance(node, dict):
+        out: dict[str, object] = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}.{key}"))
+        return out
+    return {prefix: node}
+
+
+def checkpoint_run_differences(exp) -> tuple[str, str, list[str]] | None:
+    """(key, run directory, ["env.x 'old' -> 'new'", ...]) where run.resume (training) or eval.checkpoint
+    (evaluation) is a checkpoint of a run whose config.yaml has other env / policy settings than `exp`;
+    None where they agree or the checkpoint is not inside a run directory (a copied .pt file)."""
+    from omegaconf import OmegaConf
+
+    from grpo import checkpoint
+    from grpo.runs import CONFIG_FILE
+
+    key, path = (("eval.checkpoint", exp.eval.checkpoint) if exp.mode == "eval" else ("run.resume", exp.run.resume))
+    if not path:
+        return None
+    resolved = checkpoint.resolve(path)
+    if resolved.parent.name != checkpoint.CHECKPOINT_DIR:
+        return None
+    run_dir = resolved.parent.parent
+    config_file = run_dir / CONFIG_FILE
+    if not config_file.is_file():
+        return None
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)
+    except Exception:  # an unreadable config.yaml: nothing to compare with (the checkpoint itself was checked)
+        return None
+    if not isinstance(saved, dict):
+        return None
+    differences = []
+    for group in COMPARED_GROUPS:
+        old = _flatten(saved.get(group, {}), group)
+        new = _flatten(exp.raw.get(group, {}), group)
+        # keys in both only: a key the run's code did not have yet (or no longer has) is no difference of settings
+        for name in sorted(set(old) & set(new) - OPERATIONAL_KEYS):
+            if old[name] != new[name] and not name.startswith(OPERATIONAL_PREFIXES):
+                differences.append(f"{name} {old[name]!r} -> {new[name]!r}")
+    return (key, str(run_dir), differences) if differences else None
+
+
+def check_checkpoint_run_config(exp, limit: int = 8) -> None:
+    """A resume that changes its run's identity (RUN_IDENTITY_KEYS) is refused (ValueError); other env / policy
+    differences from the run's config.yaml, and every difference of an evaluation (which may score the weights
+    on other tasks on purpose), are named in a warning."""
+    found = checkpoint_run_differences(exp)
+    if found is None:
+        return
+    key, run_dir, differences = found
+    listed = ", ".join(differences[:limit]) + (f" and {len(differences) - limit} more" if len(differences) > limit
+                                               else "")
+    message = f"{key}: the run in {run_dir} had other settings than this command: {listed} (its config.yaml"
+    identity = [d for d in differences if d.split(" ", 1)[0] in RUN_IDENTITY_KEYS]
+    if key == "run.resume" and identity:
+        raise ValueError(f"{key}: the run in {run_dir} trained {', '.join(identity)} (its config.yaml): a resume "
+                         f"continues that run; give the run's overrides again, e.g. its +experiment=")
+    print(f"warning: {message} has them; give that run's overrides again, e.g. its +experiment=, to "
+          f"{'continue it as it was' if key == 'run.resume' else 'evaluate it on what it trained on'})",
+          file=sys.stderr)
+
+
 def run(cfg: DictConfig, force_mode: str | None = None) -> dict:
     from common.config import to_container
     from grpo.run_config import ExperimentConfig
@@ -38,6 +119,7 @@ def run(cfg: DictConfig, force_mode: str | None = None) -> dict:
             raw["mode"] = force_mode
         exp = ExperimentConfig.from_hydra(raw)
         check_checkpoints(exp)
+        check_checkpoint_run_config(exp)
         check_devices(exp)  # the GPUs it names, against this machine's
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
