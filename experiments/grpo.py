@@ -33,7 +33,7 @@ register_grpo_schema()
 # change deliberately (as grpo.lr may) and are named in a warning; keys that only say where or how fast it runs
 # are not compared.
 COMPARED_GROUPS = ("env", "policy")
-RUN_IDENTITY_KEYS = frozenset({"env.env_type", "env.suite", "env.task_ids", "policy.name"})
+RUN_IDENTITY_KEYS = frozenset({"policy.preset"})  # the model; the tasks are compared as the envs run them
 OPERATIONAL_KEYS = frozenset({
     "env.num_workers", "env.show_progress", "env.worker_timeout_s", "env.create_timeout_s", "env.worker_nice",
     "env.start_method", "env.restart_on_crash", "env.render_backend", "env.render_culling",
@@ -48,6 +48,33 @@ def _flatten(node: object, prefix: str) -> dict[str, object]:
             out.update(_flatten(value, f"{prefix}.{key}"))
         return out
     return {prefix: node}
+
+
+def trained_tasks(env_cfg) -> list[str]:
+    """The tasks a run's envs run, by label ("libero_10/2 (...)", "reach/0"): what env_type, suite and task_ids
+    mean together (task_ids null or one entry per group depends on num_envs and group_size)."""
+    from envs.vector.catalog import env_slots
+
+    return sorted({slot.label for slot in env_slots(env_cfg)})
+
+
+def _task_change(saved_env: object, exp) -> str | None:
+    """"tasks [...] -> [...]" where the run's envs ran other tasks than this command's would; None where they
+    agree or the run's env config no longer builds (an older run's keys: its raw keys are still compared)."""
+    from envs.config import EnvConfig
+
+    try:
+        old = trained_tasks(EnvConfig.from_mapping(saved_env))
+    except Exception:
+        return None
+    new = trained_tasks(exp.env)
+    if old == new:
+        return None
+
+    def shown(labels: list[str]) -> str:
+        return str(labels[:6])[:-1] + (f", ... {len(labels)} in all]" if len(labels) > 6 else "]")
+
+    return f"tasks {shown(old)} -> {shown(new)}"
 
 
 def checkpoint_run_differences(exp) -> tuple[str, str, list[str]] | None:
@@ -75,7 +102,8 @@ def checkpoint_run_differences(exp) -> tuple[str, str, list[str]] | None:
         return None
     if not isinstance(saved, dict):
         return None
-    differences = []
+    task_change = _task_change(saved.get("env"), exp)
+    differences = [task_change] if task_change else []
     for group in COMPARED_GROUPS:
         old = _flatten(saved.get(group, {}), group)
         new = _flatten(exp.raw.get(group, {}), group)
@@ -97,10 +125,11 @@ def check_checkpoint_run_config(exp, limit: int = 8) -> None:
     listed = ", ".join(differences[:limit]) + (f" and {len(differences) - limit} more" if len(differences) > limit
                                                else "")
     message = f"{key}: the run in {run_dir} had other settings than this command: {listed} (its config.yaml"
-    identity = [d for d in differences if d.split(" ", 1)[0] in RUN_IDENTITY_KEYS]
+    identity = [d for d in differences if d.split(" ", 1)[0] in RUN_IDENTITY_KEYS or d.startswith("tasks ")]
     if key == "run.resume" and identity:
-        raise ValueError(f"{key}: the run in {run_dir} trained {', '.join(identity)} (its config.yaml): a resume "
-                         f"continues that run; give the run's overrides again, e.g. its +experiment=")
+        raise ValueError(f"{key}: the run in {run_dir} differs in what it trains: {'; '.join(identity)} (its "
+                         f"config.yaml -> this command): a resume continues that run; give the run's overrides "
+                         f"again, e.g. its +experiment=")
     print(f"warning: {message} has them; give that run's overrides again, e.g. its +experiment=, to "
           f"{'continue it as it was' if key == 'run.resume' else 'evaluate it on what it trained on'})",
           file=sys.stderr)

@@ -132,8 +132,8 @@ def _check_devices(key: str, devices: Any, num_ranks: int) -> str | list[str]:
     return devices
 
 
-# torch.device's own spelling: "cuda:", "cuda:01" or non-ASCII digits are no device to torch, which then failed
-# on the rank (with the ray backend, whose engine does not check visibility here) naming no key
+# cpu, cuda or cuda:<index> with the index as torch.device writes it: "cuda:", "cuda:01" or non-ASCII digits are
+# no device to torch, which then failed on the rank (the ray backend checks no visibility first) naming no key
 _DEVICE = re.compile(r"cpu|cuda(?::(?:0|[1-9][0-9]*))?")
 
 

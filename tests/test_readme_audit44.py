@@ -68,8 +68,35 @@ def test_a_resume_on_other_tasks_than_the_run_is_refused_before_the_run_dir(tmp_
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "config error: run.resume" in err and str(trained_run) in err
-    assert "env.task_ids [0] -> [1]" in err and "+experiment=" in err
+    assert "tasks ['countdown/0'] -> ['countdown/1']" in err and "+experiment=" in err
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("overrides, change", [
+    # another model: the preset names it (`name` is filled in from it later)
+    (["policy=pi05_small"], "policy.preset 'tiny' -> 'pi05_small'"),
+    # task_ids null trains group g on task g mod N: more groups train more tasks, whatever task_ids says
+    (["env.task_ids=null", "env.num_envs=4"], "tasks ['countdown/0'] -> ['countdown/0', 'countdown/1']"),
+])
+def test_a_resume_with_another_model_or_more_tasks_is_refused(tmp_path, capsys, trained_run, overrides, change):
+    import experiments.grpo
+
+    with pytest.raises(SystemExit):
+        experiments.grpo.run(_composed(*COUNTDOWN, *overrides, "grpo.steps=2", f"run.resume={trained_run}",
+                                       f"run.dir={tmp_path / 'resumed'}"))
+    err = capsys.readouterr().err
+    assert "config error: run.resume" in err and change in err
+
+
+def test_a_resume_spelling_the_same_tasks_otherwise_goes_on(tmp_path, capsys, trained_run):
+    """task_ids [0] (one for all) and [0, 0] (one per group) run the same task: not refused."""
+    import experiments.grpo
+
+    run_dir = tmp_path / "resumed"
+    experiments.grpo.run(_composed(*COUNTDOWN, "env.task_ids=[0,0]", "grpo.steps=2", f"run.resume={trained_run}",
+                                   f"run.dir={run_dir}"))
+    assert "env.task_ids [0] -> [0, 0]" in capsys.readouterr().err  # named in the warning
+    assert (run_dir / "checkpoints" / "step_000002.pt").is_file()
 
 
 def test_a_resume_with_another_setting_warns_and_goes_on(tmp_path, capsys, trained_run):
@@ -85,13 +112,14 @@ def test_a_resume_with_another_setting_warns_and_goes_on(tmp_path, capsys, train
     assert (run_dir / "checkpoints" / "step_000002.pt").is_file()
 
 
-def test_a_resume_with_the_run_settings_goes_on(tmp_path, trained_run):
+def test_a_resume_with_the_run_settings_goes_on(tmp_path, capsys, trained_run):
     import experiments.grpo
 
     run_dir = tmp_path / "resumed"
-    # env.num_workers says where the envs run, not what they compute: it may change on resume
+    # env.num_workers says where the envs run, not what they compute: it may change on resume, unmentioned
     experiments.grpo.run(_composed(*COUNTDOWN, "env.num_workers=2", "grpo.steps=2", f"run.resume={trained_run}",
                                    f"run.dir={run_dir}"))
+    assert "warning: run.resume" not in capsys.readouterr().err
     assert (run_dir / "checkpoints" / "step_000002.pt").is_file()
 
 
