@@ -13,8 +13,9 @@ Per step:
    into global batches (one AdamW step each, gradient norm clipped) of micro-batches (one
    forward/backward each; gradients accumulate; row weights normalised per global batch).
 Only `policy.trainable_parameters()` are optimised (the expert with policy.train_expert_only);
-on CUDA the forward runs under bf16 autocast (grpo.autocast). Data-parallel over several GPUs
-(grpo.actor_parallel): grpo/actor_group.py, same interface.
+on CUDA the forward runs under bf16 autocast (grpo.autocast). With grpo.prefix_cache the frozen prefix's
+K/V of every row come from the old-log-prob pass (1.) in every update epoch (grpo/prefix_store.py).
+Data-parallel over several GPUs (grpo.actor_parallel): grpo/actor_group.py, same interface.
 train/entropy reports the Gaussian entropy of the rows' stochastic SDE steps; it is not in the
 loss (the std is not learned: see GRPOConfig.entropy_coef).
 """
@@ -33,8 +34,10 @@ from grpo import losses
 from grpo.config import GRPOConfig
 from grpo.distributed import full_parameters
 from grpo.observations import observation_from_rows
+from grpo.prefix_store import RowPrefixes
 from grpo.samples import Samples
 from policies import flow
+from policies.models.pi05 import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -107,23 +110,33 @@ class Actor:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
-    def chunk_logprob(self, policy, rows: Samples) -> Tensor:
-        """(R,) float32 chunk log-probs of the rows' stored transitions under `policy`."""
+    def chunk_logprob(self, policy, rows: Samples, prefix: PrefixCache | None = None,
+                      keep: tuple[RowPrefixes, Tensor] | None = None) -> Tensor:
+        """(R,) float32 chunk log-probs of the rows' stored transitions under `policy`. `prefix`: the rows'
+        kept prefix K/V (grpo.prefix_cache); `keep` = (store, the rows' ids): compute it here and keep it."""
         obs = observation_from_rows(policy.cfg, rows.images, rows.states, rows.tokens, rows.token_mask, self.device)
         with self.autocast():
-            out = self._log_prob(policy, obs, rows.chains.to(self.device), rows.denoise_inds.to(self.device))
+            if keep is not None:
+                store, ids = keep
+                with torch.no_grad():  # frozen (policy.train_expert_only, checked with the config)
+                    prefix = policy.prefix_cache(policy.inputs(obs))
+                store.add(ids, prefix)
+            out = self._log_prob(policy, obs, rows.chains.to(self.device), rows.denoise_inds.to(self.device), prefix)
         return out.float()
 
-    def _log_prob(self, policy, obs, chains: Tensor, denoise_inds: Tensor) -> Tensor:
+    def _log_prob(self, policy, obs, chains: Tensor, denoise_inds: Tensor,
+                  prefix: PrefixCache | None = None) -> Tensor:
         """The forward itself (the data-parallel actor routes the trained policy through its wrapper)."""
-        return policy.log_prob(obs, chains, denoise_inds).chunk_logprob
+        return policy.log_prob(obs, chains, denoise_inds, prefix=prefix).chunk_logprob
 
     @torch.no_grad()
-    def recompute(self, samples: Samples, policy=None) -> Tensor:
-        """Chunk log-probs of every row without gradients, micro-batched (CPU tensor)."""
+    def recompute(self, samples: Samples, policy=None, keep: RowPrefixes | None = None) -> Tensor:
+        """Chunk log-probs of every row without gradients, micro-batched (CPU tensor); with `keep`, every
+        row's prefix K/V is kept there (by row index) for the update epochs."""
         policy = policy or self.policy
         index = torch.arange(len(samples))
-        parts = [self.chunk_logprob(policy, samples.select(idx)).cpu() for idx in self._micro(index)]
+        parts = [self.chunk_logprob(policy, samples.select(idx), keep=None if keep is None else (keep, idx)).cpu()
+                 for idx in self._micro(index)]
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def step_entropy(self, rows: Samples) -> Tensor | None:
@@ -146,7 +159,9 @@ class Actor:
         if len(samples) == 0:
             return {"train/rows": 0, "train/optimizer_steps": 0}
         self.policy.train()
-        old = self.recompute(samples)
+        # vision and prefix are frozen: with grpo.prefix_cache their K/V come from this pass in every epoch
+        prefixes = RowPrefixes(cfg.prefix_cache) if cfg.prefix_cache != "off" else None
+        old = self.recompute(samples, keep=prefixes)
         metrics = gap_metrics(old, samples.rollout_logprob, cfg.clip_low, cfg.clip_high)
         is_weight = losses.truncated_is_weight(old, samples.rollout_logprob, cfg.tis_cap) if cfg.tis else None
         if is_weight is not None:
@@ -166,8 +181,9 @@ class Actor:
                 for micro in self._micro(global_index):
                     w = weights[offset: offset + len(micro)]
                     offset += len(micro)
+                    prefix = None if prefixes is None else prefixes.gather(micro, self.device)
                     terms = self._micro_step(samples.select(micro), old[micro], w, micro,
-                                             is_weight, ref)
+                                             is_weight, ref, prefix)
                     acc.add(terms, w)
                     if first:
                         metrics["train/clip_frac_first_mb"] = float(terms.ratio_outside.float().mean())
@@ -195,9 +211,10 @@ class Actor:
         """Nothing to stop (the ActorGroup stops its worker ranks)."""
 
     def _micro_step(self, rows: Samples, old: Tensor, weights: Tensor, index: Tensor,
-                    is_weight: Tensor | None, ref: Tensor | None) -> losses.LossTerms:
+                    is_weight: Tensor | None, ref: Tensor | None,
+                    prefix: PrefixCache | None = None) -> losses.LossTerms:
         cfg, dev = self.cfg, self.device
-        logprob = self.chunk_logprob(self.policy, rows)
+        logprob = self.chunk_logprob(self.policy, rows, prefix)
         terms = losses.grpo_loss(
             logprob, old.to(dev), rows.advantages.to(dev), weights.to(dev), cfg.clip_low, cfg.clip_high,
             cfg.dual_clip, is_weight=None if is_weight is None else is_weight[index].to(dev),

@@ -79,7 +79,9 @@ class DistributedActor(Actor):
         self.optimizer = make_optimizer(self.params, cfg)
 
     # ----- forward through the wrapper -----
-    def _log_prob(self, policy, obs, chains: Tensor, denoise_inds: Tensor) -> Tensor:
+    def _log_prob(self, policy, obs, chains: Tensor, denoise_inds: Tensor, prefix=None) -> Tensor:
+        if prefix is not None:  # refused with the config (grpo.prefix_cache needs actor_parallel.mode none)
+            raise ValueError("the data-parallel actor takes no kept prefix cache (grpo.prefix_cache)")
         if policy is not self.policy:  # the frozen reference: a plain local forward
             return super()._log_prob(policy, obs, chains, denoise_inds)
         return self.module(obs, chains, denoise_inds)

@@ -30,6 +30,7 @@ from grpo.distributed import ActorParallelConfig
 LOSS_AGGREGATIONS = ("token_mean", "trajectory_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AUTOCAST_MODES = ("auto", "bf16", "none")
+PREFIX_CACHES = ("off", "device", "host")
 
 
 @dataclass
@@ -69,6 +70,10 @@ class GRPOConfig:
     global_batch: int | None = None  # rows per optimiser step; null: all rows in one step
     micro_batch: int = 128  # rows per forward/backward (gradients accumulate over a global batch)
     autocast: str = "auto"  # auto: bf16 autocast on CUDA, none on CPU
+    # The frozen prefix's K/V of every row, computed once per actor update (the old-log-prob pass) and reused by
+    # every update epoch instead of re-running vision and prefix: "device" keeps it on the actor's device,
+    # "host" in CPU memory (~17 MB a row for the full pi0.5 at LIBERO's shapes); needs policy.train_expert_only
+    prefix_cache: str = "off"
     seed: int = 0  # shuffling of the rows (its RNG state is checkpointed)
     # ----- data-parallel actor (grpo/distributed.py): mode none | ddp | fsdp2, world_size, devices -----
     actor_parallel: ActorParallelConfig = field(default_factory=ActorParallelConfig)
@@ -105,6 +110,7 @@ class GRPOConfig:
         check_choice("grpo.loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
         check_choice("grpo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("grpo.autocast", self.autocast, AUTOCAST_MODES)
+        check_choice("grpo.prefix_cache", self.prefix_cache, PREFIX_CACHES)
         for key in ("kl_coef", "weight_decay"):
             _check_range(f"grpo.{key}", getattr(self, key), 0.0, math.inf)
         _check_number("grpo.entropy_coef", self.entropy_coef)

@@ -178,6 +178,23 @@ class ExperimentConfig:
         out.check_cross_group()
         return out
 
+    def _check_prefix_cache(self) -> None:
+        """grpo.prefix_cache reuses the old-log-prob pass's prefix K/V in the update epochs: only right while the
+        prefix does not train, and only the one-process actor takes it (the data-parallel one's wrapper forward
+        recomputes it; the consistent recompute runs the prefix through the fast path's graphs)."""
+        where = self.grpo.prefix_cache
+        if where == "off":
+            return
+        if not self.policy.train_expert_only:
+            raise ValueError(f"grpo.prefix_cache={where} needs policy.train_expert_only=true (a trained prefix "
+                             "changes with every optimiser step), got policy.train_expert_only=false")
+        if self.grpo.actor_parallel.mode != "none":
+            raise ValueError(f"grpo.prefix_cache={where} is built for the one-process actor only, got "
+                             f"grpo.actor_parallel.mode={self.grpo.actor_parallel.mode}")
+        if self.policy.fast.consistent_recompute:
+            raise ValueError(f"grpo.prefix_cache={where} and policy.fast.consistent_recompute=true exclude each "
+                             "other (the consistent recompute runs the prefix through the fast path's graphs)")
+
     def check_cross_group(self) -> None:
         env, pol, col = self.env, self.policy, self.collector
         col.check_against_env(env)
@@ -197,6 +214,7 @@ class ExperimentConfig:
         if not col.record_images and self.mode == "train":
             raise ValueError("rollout.collector.record_images must be true for training (the recompute needs them)")
         if self.mode == "train":
+            self._check_prefix_cache()
             pol.check_consistent_training()  # else the first recompute fails, after a rollout into the run dir
         if self.eval.tasks is not None and self.eval.num_envs is not None and self.eval.num_envs % len(self.eval.tasks):
             raise ValueError(f"eval.num_envs ({self.eval.num_envs}) must be a multiple of the number of "

@@ -212,6 +212,7 @@ class Policy(nn.Module):
         mode: str = "train",
         consistent: bool | None = None,
         fast_buckets: Tensor | None = None,
+        prefix: PrefixCache | None = None,
     ) -> LogProbOutput:
         """Recompute log-probs of stored transitions with gradients. The prefix is recomputed
         (under no_grad when policy.train_expert_only); only the needed expert steps run: one per
@@ -219,7 +220,9 @@ class Policy(nn.Module):
         `consistent` (default policy.fast.consistent_recompute): recompute through the fast path's
         kernels at the rollout's bucket shapes, reproducing a fast-path rollout's log-probs bit for
         bit (policies/fast/recompute.py); `fast_buckets` (B, 2) = the rollout's
-        `fast_sampler().last_buckets` rows, unless one-entry bucket lists pin them."""
+        `fast_sampler().last_buckets` rows, unless one-entry bucket lists pin them.
+        `prefix`: these rows' prefix K/V, computed earlier by `prefix_cache` from the same inputs and the same
+        frozen weights (policy.train_expert_only; GRPO's grpo.prefix_cache), used instead of recomputing it."""
         cfg, scfg = self.cfg, self.cfg.sampling
         mode = sampling.canonical_mode(mode, scfg.train_mode)
         if mode == "ode":
@@ -247,11 +250,18 @@ class Policy(nn.Module):
                 f"denoise_inds must be in [0, {k}) for mode {mode!r}, got {denoise_inds.min()}..{denoise_inds.max()}"
             )
         if cfg.fast.consistent_recompute if consistent is None else consistent:
+            if prefix is not None:
+                raise ValueError("log_prob: a given prefix cache and the consistent recompute exclude each other "
+                                 "(it runs the prefix through the fast path's own graphs)")
             from policies.fast.recompute import consistent_log_prob
 
             return consistent_log_prob(self, inputs, chains, denoise_inds, mode, fast_buckets)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not cfg.train_expert_only):
-            cache = self.prefix_cache(inputs)
+        if prefix is None:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not cfg.train_expert_only):
+                cache = self.prefix_cache(inputs)
+        else:
+            check_given_prefix(prefix, b, cfg.train_expert_only)
+            cache = prefix
         columns = [0] if mode == "sde" else list(range(k))
         step_lp = torch.stack(
             [
@@ -281,6 +291,16 @@ class Policy(nn.Module):
             {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()},
             str(path),
         )
+
+
+def check_given_prefix(prefix: PrefixCache, batch: int, train_expert_only: bool) -> None:
+    """A prefix cache handed to log_prob must be these rows' (one per row) and frozen: with the prefix trained, a
+    cache computed earlier holds the weights of then and no graph back to them."""
+    if not train_expert_only:
+        raise ValueError("log_prob: a given prefix cache needs policy.train_expert_only=true (a trained prefix "
+                         "must be recomputed with its current weights and gradients)")
+    if prefix.offsets.shape[0] != batch:
+        raise ValueError(f"log_prob: the given prefix cache holds {prefix.offsets.shape[0]} rows, the batch {batch}")
 
 
 def _check_finite(name: str, values: Tensor) -> None:

@@ -107,3 +107,20 @@ def test_bad_override_on_the_command_line_writes_nothing(tmp_path):
     assert proc.returncode != 0
     assert "env.group_size" in proc.stderr and "config error" in proc.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["grpo.prefix_cache=device", "policy.train_expert_only=false"], "needs policy.train_expert_only=true"),
+    (["grpo.prefix_cache=host", "grpo.actor_parallel.mode=ddp"], "one-process actor only"),
+    (["grpo.prefix_cache=gpu"], "grpo.prefix_cache must be one of"),
+    (["grpo.prefix_cache=device", "policy.fast.enabled=true", "policy.fast.consistent_recompute=true",
+      "policy.fast.attention=sdpa"],
+     "exclude each other"),
+])
+def test_prefix_cache_is_refused_where_it_cannot_hold(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        ExperimentConfig.from_hydra(composed(*overrides))
+
+
+def test_prefix_cache_composes_on_the_default_run():
+    assert ExperimentConfig.from_hydra(composed("grpo.prefix_cache=device")).grpo.prefix_cache == "device"
