@@ -18,6 +18,15 @@ def rows_inputs(policy, rows):
     return obs, policy.inputs(obs)
 
 
+def rows_and_cache(n: int):
+    """A tiny policy, n rows it sampled, their observation and their prefix cache."""
+    policy = tiny_policy()
+    rows = sampled_rows(policy, n)
+    obs, inputs = rows_inputs(policy, rows)
+    with torch.no_grad():
+        return policy, rows, obs, policy.prefix_cache(inputs)
+
+
 def assert_same_cache(a, b) -> None:
     for x, y in zip(a.keys + a.values + [a.pad_mask, a.offsets], b.keys + b.values + [b.pad_mask, b.offsets],
                     strict=True):
@@ -25,11 +34,7 @@ def assert_same_cache(a, b) -> None:
 
 
 def test_log_prob_with_a_given_prefix_equals_the_recomputed_one():
-    policy = tiny_policy()
-    rows = sampled_rows(policy, 4)
-    obs, inputs = rows_inputs(policy, rows)
-    with torch.no_grad():
-        cache = policy.prefix_cache(inputs)
+    policy, rows, obs, cache = rows_and_cache(4)
     plain = policy.log_prob(obs, rows.chains, rows.denoise_inds)
     given = policy.log_prob(obs, rows.chains, rows.denoise_inds, prefix=cache)
     torch.testing.assert_close(given.chunk_logprob, plain.chunk_logprob, rtol=0, atol=0)
@@ -38,11 +43,7 @@ def test_log_prob_with_a_given_prefix_equals_the_recomputed_one():
 
 
 def test_log_prob_refuses_a_prefix_of_other_rows_or_a_trained_prefix():
-    policy = tiny_policy()
-    rows = sampled_rows(policy, 4)
-    obs, inputs = rows_inputs(policy, rows)
-    with torch.no_grad():
-        cache = policy.prefix_cache(inputs)
+    policy, rows, obs, cache = rows_and_cache(4)
     with pytest.raises(ValueError, match="holds 2 rows, the batch 4"):
         policy.log_prob(obs, rows.chains, rows.denoise_inds, prefix=cache.index_select(torch.tensor([0, 1])))
     trained = tiny_policy(train_expert_only=False)
@@ -52,11 +53,7 @@ def test_log_prob_refuses_a_prefix_of_other_rows_or_a_trained_prefix():
 
 @pytest.mark.parametrize("where", ["device", "host"])
 def test_gather_returns_the_asked_rows_in_order_across_parts(where):
-    policy = tiny_policy()
-    rows = sampled_rows(policy, 6)
-    _, inputs = rows_inputs(policy, rows)
-    with torch.no_grad():
-        whole = policy.prefix_cache(inputs)
+    policy, _, _, whole = rows_and_cache(6)
     store = RowPrefixes(where)
     for part in (torch.tensor([0, 1, 2]), torch.tensor([3, 4]), torch.tensor([5])):
         store.add(part, whole.index_select(part))
