@@ -2,8 +2,9 @@
 
 With `policy.train_expert_only` the vision tower and the prefix stack do not train, so a row's prefix K/V
 (per expert layer, RoPE applied; `policies.models.pi05.PrefixCache`) is the same in every forward of one
-actor update: the old-log-prob pass computes it anyway, and each of the update epochs computed it again,
-which made vision + prefix nearly all of the actor's time (README, GRPO). `grpo.prefix_cache` keeps it:
+actor update: the old-log-prob pass computes it anyway, and each update epoch computes it again.
+`grpo.prefix_cache` keeps it (opt-in: on the H100 `host` mode measured no gain and `device` mode did not fit
+at micro-batch 32; README, GRPO):
 
     store = RowPrefixes("device")
     store.add(rows, cache)                 # the recompute pass: rows (R,) of the update, their cache
