@@ -41,6 +41,17 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def repeated_entries(values: list) -> list:
+    """The entries a list names more than once (sorted by their text): lists whose entries each name one result
+    (bench variants, probe settings) refuse them, since a repeat would overwrite the first result."""
+    return sorted({v for v in values if values.count(v) > 1}, key=str)
+
+
+# A CUDA device name as torch.device spells it: ASCII digits, no leading zero ("cuda:", "cuda:01" and
+# "cuda:\u0661" are no device to torch). One rule for common.devices and rollout.config (which imports no torch).
+CUDA_DEVICE_PATTERN = r"cuda(?::(0|[1-9][0-9]*))?"
+
+
 def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

@@ -17,8 +17,9 @@ import re
 
 import torch
 
-# torch.device's own spelling: ASCII digits, no leading zero ("cuda:01" and "cuda:\u0661" are no device to torch)
-_CUDA = re.compile(r"cuda(?::(0|[1-9][0-9]*))?")
+from common.config import CUDA_DEVICE_PATTERN
+
+_CUDA = re.compile(CUDA_DEVICE_PATTERN)  # torch.device's own spelling (common.config)
 
 
 def visible_cuda_index(key: str, name: str | torch.device, cuda_count: int) -> int | None:

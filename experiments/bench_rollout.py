@@ -46,7 +46,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from common.config import check_choice, check_nonnegative_int, check_positive_int, reject_unknown_keys
+from common.config import (
+    check_choice,
+    check_nonnegative_int,
+    check_positive_int,
+    reject_unknown_keys,
+    repeated_entries,
+)
 from envs.config import EnvConfig, register_hydra_schema
 from experiments.bench_rollout_baseline import measure_baseline
 from experiments.results import write_result
@@ -95,7 +101,7 @@ class BenchRolloutConfig:
             check_positive_int("bench.torch_threads", self.torch_threads)
         for name in self.variants:
             check_choice("bench.variants entries", name, VARIANTS)
-        repeated = sorted({name for name in self.variants if self.variants.count(name) > 1})
+        repeated = repeated_entries(self.variants)
         if repeated:  # each variant's result is keyed by its name: a second run would overwrite the first
             raise ValueError(f"bench.variants names {repeated} more than once: {list(self.variants)}")
         if not 0 < self.action_scale <= 1:

@@ -37,7 +37,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from common.config import check_choice, check_nonnegative_int, check_positive_int, reject_unknown_keys
+from common.config import (
+    check_choice,
+    check_nonnegative_int,
+    check_positive_int,
+    reject_unknown_keys,
+    repeated_entries,
+)
 from envs.config import EnvConfig, register_hydra_schema
 from envs.vector import VectorEnvBase, make_vector_env
 from experiments.bench_rollout import resolve_device
@@ -77,10 +83,9 @@ class ContentionProbeConfig:
         for n in self.render_waves:
             check_nonnegative_int("probe.render_waves entries", n)
         for key in ("loads", "torch_threads", "render_waves"):  # each entry names one result: a repeat overwrote it
-            entries = getattr(self, key)
-            repeated = sorted({e for e in entries if entries.count(e) > 1}, key=str)
+            repeated = repeated_entries(getattr(self, key))
             if repeated:
-                raise ValueError(f"probe.{key} lists {repeated} more than once, got {entries}")
+                raise ValueError(f"probe.{key} lists {repeated} more than once, got {getattr(self, key)}")
         check_nonnegative_int("probe.render_workers_at_once", self.render_workers_at_once)
         check_nonnegative_int("probe.warmup_calls", self.warmup_calls)
         for key in ("calls", "env_chunks"):

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from common.config import (
+    CUDA_DEVICE_PATTERN,
     check_bool,
     check_choice,
     check_nonnegative_int,
@@ -132,9 +133,9 @@ def _check_devices(key: str, devices: Any, num_ranks: int) -> str | list[str]:
     return devices
 
 
-# cpu, cuda or cuda:<index> with the index as torch.device writes it: "cuda:", "cuda:01" or non-ASCII digits are
-# no device to torch, which then failed on the rank (the ray backend checks no visibility first) naming no key
-_DEVICE = re.compile(r"cpu|cuda(?::(?:0|[1-9][0-9]*))?")
+# cpu, or a CUDA device as torch.device spells it: other spellings ("cuda:01") failed on the rank (the ray backend
+# checks no visibility first) naming no key
+_DEVICE = re.compile(f"cpu|{CUDA_DEVICE_PATTERN}")
 
 
 def _check_device(key: str, device: str) -> None:
