@@ -77,10 +77,11 @@ def _task_change(saved_env: object, exp) -> str | None:
     return f"tasks {shown(old)} -> {shown(new)}"
 
 
-def checkpoint_run_differences(exp) -> tuple[str, str, list[str]] | None:
-    """(key, run directory, ["env.x 'old' -> 'new'", ...]) where run.resume (training) or eval.checkpoint
-    (evaluation) is a checkpoint of a run whose config.yaml has other env / policy settings than `exp`;
-    None where they agree or the checkpoint is not inside a run directory (a copied .pt file)."""
+def checkpoint_run_differences(exp) -> tuple[str, str, list[str], list[str]] | None:
+    """(key, run directory, ["env.x 'old' -> 'new'", ...], the ones of them that change the run's identity)
+    where run.resume (training) or eval.checkpoint (evaluation) is a checkpoint of a run whose config.yaml has
+    other env / policy settings than `exp`; None where they agree or the checkpoint is not inside a run
+    directory (a copied .pt file)."""
     from omegaconf import OmegaConf
 
     from grpo import checkpoint
@@ -104,6 +105,7 @@ def checkpoint_run_differences(exp) -> tuple[str, str, list[str]] | None:
         return None
     task_change = _task_change(saved.get("env"), exp)
     differences = [task_change] if task_change else []
+    identity = list(differences)
     for group in COMPARED_GROUPS:
         old = _flatten(saved.get(group, {}), group)
         new = _flatten(exp.raw.get(group, {}), group)
@@ -111,26 +113,27 @@ def checkpoint_run_differences(exp) -> tuple[str, str, list[str]] | None:
         for name in sorted(set(old) & set(new) - OPERATIONAL_KEYS):
             if old[name] != new[name] and not name.startswith(OPERATIONAL_PREFIXES):
                 differences.append(f"{name} {old[name]!r} -> {new[name]!r}")
-    return (key, str(run_dir), differences) if differences else None
+                if name in RUN_IDENTITY_KEYS:
+                    identity.append(differences[-1])
+    return (key, str(run_dir), differences, identity) if differences else None
 
 
 def check_checkpoint_run_config(exp, limit: int = 8) -> None:
-    """A resume that changes its run's identity (RUN_IDENTITY_KEYS) is refused (ValueError); other env / policy
-    differences from the run's config.yaml, and every difference of an evaluation (which may score the weights
-    on other tasks on purpose), are named in a warning."""
+    """A resume that changes its run's identity (its tasks, RUN_IDENTITY_KEYS) is refused (ValueError); other
+    env / policy differences from the run's config.yaml, and every difference of an evaluation (which may score
+    the weights on other tasks on purpose), are named in a warning."""
     found = checkpoint_run_differences(exp)
     if found is None:
         return
-    key, run_dir, differences = found
-    listed = ", ".join(differences[:limit]) + (f" and {len(differences) - limit} more" if len(differences) > limit
-                                               else "")
-    message = f"{key}: the run in {run_dir} had other settings than this command: {listed} (its config.yaml"
-    identity = [d for d in differences if d.split(" ", 1)[0] in RUN_IDENTITY_KEYS or d.startswith("tasks ")]
+    key, run_dir, differences, identity = found
     if key == "run.resume" and identity:
         raise ValueError(f"{key}: the run in {run_dir} differs in what it trains: {'; '.join(identity)} (its "
                          f"config.yaml -> this command): a resume continues that run; give the run's overrides "
                          f"again, e.g. its +experiment=")
-    print(f"warning: {message} has them; give that run's overrides again, e.g. its +experiment=, to "
+    listed = ", ".join(differences[:limit]) + (f" and {len(differences) - limit} more" if len(differences) > limit
+                                               else "")
+    print(f"warning: {key}: the run in {run_dir} had other settings than this command: {listed} (its config.yaml "
+          f"has them; give that run's overrides again, e.g. its +experiment=, to "
           f"{'continue it as it was' if key == 'run.resume' else 'evaluate it on what it trained on'})",
           file=sys.stderr)
 
