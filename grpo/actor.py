@@ -118,8 +118,9 @@ class Actor:
         with self.autocast():
             if keep is not None:
                 store, ids = keep
+                obs = policy.inputs(obs)  # preprocessed once: the prefix below and log_prob both take it
                 with torch.no_grad():  # frozen (policy.train_expert_only, checked with the config)
-                    prefix = policy.prefix_cache(policy.inputs(obs))
+                    prefix = policy.prefix_cache(obs)
                 store.add(ids, prefix)
             out = self._log_prob(policy, obs, rows.chains.to(self.device), rows.denoise_inds.to(self.device), prefix)
         return out.float()

@@ -17,6 +17,8 @@ rows' prompts are stored at one width), so the rows' K/V concatenate as they are
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -63,28 +65,17 @@ class RowPrefixes:
         if missing:
             raise KeyError(f"no kept prefix cache for rows {missing[:8]}")
         places = [self._place[int(r)] for r in rows]
-        # one index_select per part the rows come from (parts in first-asked order), then the rows put back in
-        # the asked order: `slots` holds where each asked row lands in the parts' join
-        by_part: dict[int, list[int]] = {}
-        for part, position in places:
-            by_part.setdefault(part, []).append(position)
-        starts, start = {}, 0
-        for part, positions in by_part.items():
-            starts[part] = start
-            start += len(positions)
-        taken = dict.fromkeys(by_part, 0)
-        slots = []
-        for part, _ in places:
-            slots.append(starts[part] + taken[part])
-            taken[part] += 1
+        # the asked rows grouped by part (a stable sort), one index_select per part, then back in the asked order
+        order = sorted(range(len(places)), key=lambda i: places[i][0])
         pieces = []
-        for part, positions in by_part.items():
+        for part, group in itertools.groupby(order, key=lambda i: places[i][0]):
             cache = self._parts[part]
+            positions = [places[i][1] for i in group]
             pieces.append(cache.index_select(torch.tensor(positions, dtype=torch.long, device=cache.offsets.device)))
         joined = pieces[0] if len(pieces) == 1 else _concat(pieces)
-        permutation = torch.tensor(slots, dtype=torch.long)
-        if not torch.equal(permutation, torch.arange(len(slots))):
-            joined = joined.index_select(permutation.to(joined.offsets.device))
+        if order != sorted(order):
+            back = torch.argsort(torch.tensor(order))
+            joined = joined.index_select(back.to(joined.offsets.device))
         return _on(joined, device)
 
 
@@ -99,7 +90,6 @@ def _concat(pieces: list[PrefixCache]) -> PrefixCache:
 
 
 def _on(cache: PrefixCache, device: torch.device) -> PrefixCache:
-    move = (lambda t: t) if cache.offsets.device == torch.device(device) else (
-        lambda t: t.to(device, non_blocking=True))
-    return PrefixCache([move(k) for k in cache.keys], [move(v) for v in cache.values], move(cache.pad_mask),
-                       move(cache.offsets))
+    """The cache on `device` (`Tensor.to` returns a tensor already there as it is)."""
+    return PrefixCache([k.to(device) for k in cache.keys], [v.to(device) for v in cache.values],
+                       cache.pad_mask.to(device), cache.offsets.to(device))
