@@ -1,0 +1,199 @@
+"""Where one GRPO actor update's time goes: the old-log-prob pass, the update epochs, and the ops inside.
+
+    python -m experiments.profile_actor                                  # CPU smoke: tiny policy, 16 rows
+    python -m experiments.profile_actor --policy pi05 --rows 256 --micro-batch 32 --commit   # a GPU run
+
+The rows are real: the engine (rollout.engine.PolicyEngine, the fast path on CUDA) predicts `rows` random
+LIBERO-like observations in train mode after the trainer's fp32 weights were pushed into it, as in
+training (experiments.logprob_gap builds them the same way); their advantages are random normals, so every
+backward carries a gradient. For each `--prefix-cache` setting a fresh `grpo.actor.Actor` (the trainer's
+class, unchanged) then runs, timed with the device synchronised:
+- `recompute`: the no-grad old-log-prob pass alone, once;
+- `train`: a whole update (old-log-prob pass + `--epochs` epochs, one optimiser step an epoch);
+and its peak device memory. A setting that runs out of device memory is recorded as such.
+Then one more update of one epoch runs under torch.profiler. The policy's stages are labelled
+(`Policy.inputs`, vision, the prefix stack, the expert's velocity, the prefix store), and the JSON keeps each
+label's CPU and device time, the device time of the top ops, and the device's busy time against the wall
+time (a low share means the update waits on the host, not on the GPU).
+JSON `profile_actor_*` via experiments.results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from experiments.logprob_gap import policy_config, rollout_rows
+from experiments.results import write_result
+from grpo.actor import Actor
+from grpo.config import GRPOConfig
+from grpo.distributed import full_parameters
+from grpo.prefix_store import RowPrefixes
+from grpo.samples import Samples
+from grpo.trainer import trainer_policy_config
+from policies import build_policy
+from policies.models.pi05 import PI05Model
+from policies.policy import Policy
+from rollout.config import EngineConfig
+from rollout.engine import PolicyEngine
+
+# (class, method, label): the stages whose time the profile sums
+STAGES: list[tuple[type, str, str]] = [
+    (Policy, "inputs", "stage/inputs"),
+    (PI05Model, "embed_prefix", "stage/vision_and_embed"),
+    (PI05Model, "compute_prefix_cache", "stage/prefix_stack"),
+    (PI05Model, "velocity", "stage/expert_velocity"),
+    (RowPrefixes, "add", "stage/prefix_store_add"),
+    (RowPrefixes, "gather", "stage/prefix_store_gather"),
+]
+
+
+@contextlib.contextmanager
+def labelled_stages() -> Iterator[None]:
+    """Wrap each stage's method in a profiler label for the duration (restored after)."""
+    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in STAGES]
+
+    def wrap(method: Callable, label: str) -> Callable:
+        @functools.wraps(method)
+        def labelled(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                return method(*args, **kwargs)
+        return labelled
+
+    try:
+        for (cls, name, label), (_, _, method) in zip(STAGES, originals):
+            setattr(cls, name, wrap(method, label))
+        yield
+    finally:
+        for cls, name, method in originals:
+            setattr(cls, name, method)
+
+
+def synchronised_seconds(device: torch.device, fn: Callable[[], object]) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def make_actor(policy, args: argparse.Namespace, prefix_cache: str, epochs: int) -> Actor:
+    cfg = GRPOConfig(micro_batch=args.micro_batch, update_epochs=epochs, prefix_cache=prefix_cache,
+                     filter_groups=False, seed=args.seed)
+    return Actor(policy, cfg, show_progress=False)
+
+
+def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: str,
+                 device: torch.device) -> dict:
+    actor = make_actor(policy, args, prefix_cache, args.epochs)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        recompute_s = synchronised_seconds(device, lambda: actor.recompute(rows))
+        train_s = synchronised_seconds(device, lambda: actor.train(rows))
+    except torch.OutOfMemoryError as error:
+        return {"out_of_memory": str(error).splitlines()[0]}
+    finally:
+        actor.optimizer.zero_grad(set_to_none=True)
+    out = {"recompute_s": recompute_s, "train_s": train_s,
+           "epoch_s_estimate": (train_s - recompute_s) / args.epochs,
+           "recompute_ms_per_row": 1e3 * recompute_s / len(rows)}
+    if device.type == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    print(f"prefix_cache={prefix_cache}: recompute {recompute_s:.2f} s, train {train_s:.2f} s "
+          f"({args.epochs} epochs), ~{out['epoch_s_estimate']:.2f} s an epoch")
+    return out
+
+
+def event_device_us(event, own: bool) -> float:
+    """An averaged event's device time (torch renamed cuda_* to device_*)."""
+    name = "self_device_time_total" if own else "device_time_total"
+    legacy = "self_cuda_time_total" if own else "cuda_time_total"
+    return float(getattr(event, name, getattr(event, legacy, 0.0)))
+
+
+def profile_update(policy, rows: Samples, args: argparse.Namespace, device: torch.device) -> dict:
+    actor = make_actor(policy, args, args.profile_prefix_cache, 1)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with labelled_stages(), torch.profiler.profile(activities=activities) as prof:
+        wall_s = synchronised_seconds(device, lambda: actor.train(rows))
+    events = prof.key_averages()
+    stages = {e.key: {"cpu_s": e.cpu_time_total / 1e6, "device_s": event_device_us(e, own=False) / 1e6,
+                      "calls": e.count}
+              for e in events if e.key.startswith("stage/")}
+    # kernels are events of their own (device_type CUDA); host ops own the kernels they launched
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.key.startswith("stage/")]
+    busy_s = sum(event_device_us(e, own=True) for e in kernels) / 1e6
+    top = sorted(ops, key=lambda e: event_device_us(e, own=True) if device.type == "cuda" else e.self_cpu_time_total,
+                 reverse=True)[: args.top]
+    top_ops = [{"op": e.key, "calls": e.count, "self_device_s": event_device_us(e, own=True) / 1e6,
+                "self_cpu_s": e.self_cpu_time_total / 1e6} for e in top]
+    print(f"profiled update (1 epoch, prefix_cache={args.profile_prefix_cache}): wall {wall_s:.2f} s, "
+          f"device busy {busy_s:.2f} s")
+    for label, value in sorted(stages.items()):
+        print(f"  {label:28s} cpu {value['cpu_s']:8.3f} s  device {value['device_s']:8.3f} s  calls {value['calls']}")
+    for op in top_ops[:15]:
+        print(f"  {op['op'][:60]:60s} device {op['self_device_s']:8.3f} s  cpu {op['self_cpu_s']:8.3f} s")
+    return {"wall_s": wall_s, "device_busy_s": busy_s, "stages": stages, "top_ops": top_ops,
+            "prefix_cache": args.profile_prefix_cache}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policy", default="tiny", choices=["tiny", "pi05_small", "pi05"])
+    parser.add_argument("--rows", type=int, default=16, help="rows of the update (a multiple of --batch)")
+    parser.add_argument("--batch", type=int, default=8, help="rows per engine predict call")
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=2, help="update epochs of the timed updates")
+    parser.add_argument("--prefix-cache", nargs="+", default=["off", "host"], choices=["off", "host", "device"],
+                        help="grpo.prefix_cache settings to time, in order")
+    parser.add_argument("--profile-prefix-cache", default="off", choices=["off", "host", "device"])
+    parser.add_argument("--top", type=int, default=40, help="ops kept in the JSON, by device time")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--commit", action="store_true", help="write the JSON to benchmarks/results/")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.rows % args.batch:
+        parser.error(f"--rows {args.rows} must be a multiple of --batch {args.batch}")
+    if len(set(args.prefix_cache)) != len(args.prefix_cache):
+        parser.error(f"--prefix-cache names a setting twice: {args.prefix_cache}")
+
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")
+    device = torch.device("cuda" if cuda else "cpu") if args.device == "auto" else torch.device(args.device)
+    # the LIBERO RL configuration of logprob_gap: chunk 10, 4 steps, noise 0.5, fast path on CUDA, no pinning
+    shape = argparse.Namespace(policy=args.policy, chunk=10, steps=4, fast="auto", consistent="off",
+                               batch=args.batch, prompt_bucket=None)
+    cfg = policy_config(shape, cuda)
+    policy = build_policy(trainer_policy_config(cfg).replace(train_expert_only=True), device)
+    engine = PolicyEngine(EngineConfig(devices=str(device), seed=args.seed), cfg)
+    try:
+        engine.update_weights(full_parameters(policy.model, full=True), version=1)
+        rows = rollout_rows(engine, cfg, args.batch, args.rows // args.batch, args.seed)
+    finally:
+        engine.close()
+    rows.advantages = torch.randn(len(rows), generator=torch.Generator().manual_seed(args.seed))
+    make_actor(policy, args, "off", 1).recompute(rows.select(torch.arange(args.micro_batch)))  # warm-up
+    timed = {setting: time_setting(policy, rows, args, setting, device) for setting in args.prefix_cache}
+    profile = profile_update(policy, rows, args, device)
+    summary = {"policy": args.policy, "rows": len(rows), "micro_batch": args.micro_batch, "epochs": args.epochs,
+               **{f"{k}_train_s": v.get("train_s") for k, v in timed.items()},
+               **{f"{k}_recompute_s": v.get("recompute_s") for k, v in timed.items()},
+               "profiled_wall_s": profile["wall_s"], "profiled_device_busy_s": profile["device_busy_s"]}
+    payload = {"config": {**vars(args), "policy_cfg": cfg.to_dict()}, "timed": timed, "profile": profile}
+    write_result("profile_actor", payload, summary, out_dir=args.out, commit=args.commit, device=device)
+
+
+if __name__ == "__main__":
+    main()
