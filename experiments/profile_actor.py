@@ -4,10 +4,11 @@
     python -m experiments.profile_actor --policy pi05 --rows 256 --micro-batch 32 --commit   # a GPU run
 
 The rows are real: the engine (rollout.engine.PolicyEngine, the fast path on CUDA) predicts `rows` random
-LIBERO-like observations in train mode after the trainer's fp32 weights were pushed into it, as in
-training (experiments.logprob_gap builds them the same way); their advantages are random normals, so every
-backward carries a gradient. For each `--prefix-cache` setting a fresh `grpo.actor.Actor` (the trainer's
-class, unchanged) then runs, timed with the device synchronised:
+LIBERO-like observations (two cameras in the preset's camera slots, as `+experiment=libero10_pi05` runs) in
+train mode after the trainer's fp32 weights were pushed into it, as in training (experiments.logprob_gap
+builds them the same way); their advantages are random normals, so every backward carries a gradient.
+For each `--prefix-cache` setting a fresh `grpo.actor.Actor` (the trainer's class, unchanged) then runs,
+timed with the device synchronised:
 - `recompute`: the no-grad old-log-prob pass alone, once;
 - `train`: a whole update (old-log-prob pass + `--epochs` epochs, one optimiser step an epoch);
 and its peak device memory. A setting that runs out of device memory is recorded as such.
@@ -36,7 +37,7 @@ from grpo.distributed import full_parameters
 from grpo.prefix_store import RowPrefixes
 from grpo.samples import Samples
 from grpo.trainer import trainer_policy_config
-from policies import build_policy
+from policies import PolicyConfig, build_policy
 from policies.models.pi05 import PI05Model
 from policies.policy import Policy
 from rollout.config import EngineConfig
@@ -176,6 +177,8 @@ def main() -> None:
     shape = argparse.Namespace(policy=args.policy, chunk=10, steps=4, fast="auto", consistent="off",
                                batch=args.batch, prompt_bucket=None)
     cfg = policy_config(shape, cuda)
+    if args.policy != "tiny":  # the GRPO recipe's camera slots (libero10_pi05: the preset's three, one empty)
+        cfg = cfg.replace(cameras=PolicyConfig.preset(args.policy).cameras)
     policy = build_policy(trainer_policy_config(cfg).replace(train_expert_only=True), device)
     engine = PolicyEngine(EngineConfig(devices=str(device), seed=args.seed), cfg)
     try:

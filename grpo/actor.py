@@ -135,6 +135,7 @@ class Actor:
         """Chunk log-probs of every row without gradients, micro-batched (CPU tensor); with `keep`, every
         row's prefix K/V is kept there (by row index) for the update epochs."""
         policy = policy or self.policy
+        samples = samples.without_prompt_padding()
         index = torch.arange(len(samples))
         parts = [self.chunk_logprob(policy, samples.select(idx), keep=None if keep is None else (keep, idx)).cpu()
                  for idx in self._micro(index)]
@@ -160,6 +161,7 @@ class Actor:
         if len(samples) == 0:
             return {"train/rows": 0, "train/optimizer_steps": 0}
         self.policy.train()
+        samples = samples.without_prompt_padding()  # one width for the old-log-prob pass and every epoch
         # vision and prefix are frozen: with grpo.prefix_cache their K/V come from this pass in every epoch
         prefixes = RowPrefixes(cfg.prefix_cache) if cfg.prefix_cache != "off" else None
         old = self.recompute(samples, keep=prefixes)

@@ -59,7 +59,7 @@ class RankBatch:
 
 def split_batch(samples: Samples, owner: Tensor, world: int, orders: list[Tensor]) -> list[RankBatch]:
     """Every rank's RankBatch (rank 0 builds them; the rows travel to the workers)."""
-    out = []
+    out, samples = [], samples.without_prompt_padding()  # one prompt width on every rank (Actor.train's)
     for rank in range(world):
         ids = torch.nonzero(owner == rank).flatten()
         rows = samples.select(ids if len(ids) else torch.zeros(1, dtype=torch.int64))

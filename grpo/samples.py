@@ -48,6 +48,17 @@ class Samples:
             values[f.name] = {k: v[index] for k, v in value.items()} if isinstance(value, dict) else value[index]
         return Samples(**values)
 
+    def without_prompt_padding(self) -> Samples:
+        """These rows with the prompt columns past the last valid token of every row left out. Rows are stored at
+        policy.max_token_len (the collector zero-pads; LIBERO's prompts use ~45 of 200 columns), and those columns
+        are pad keys no token attends to that move no position, so the log-probs are the same at less work. One
+        width for all the rows, so every micro-batch of an update runs the same shapes (and rounds the same)."""
+        used = torch.nonzero(self.token_mask.any(dim=0))
+        width = int(used[-1]) + 1 if len(used) else 1
+        if width >= self.token_mask.shape[1]:
+            return self
+        return dataclasses.replace(self, tokens=self.tokens[:, :width], token_mask=self.token_mask[:, :width])
+
     @staticmethod
     def concat(parts: list[Samples]) -> Samples:
         if not parts:

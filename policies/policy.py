@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from common.devices import on_own_device
 from policies import sampling
 from policies.config import PolicyConfig
+from policies.fast.call_inputs import drop_unused_cameras
 from policies.models import reference
 from policies.models.pi05 import PI05Model, PrefixCache
 from policies.observation import ModelInputs, Observation, check_nonempty, model_inputs
@@ -58,6 +59,10 @@ class Policy(nn.Module):
         )
 
     def prefix_cache(self, inputs: ModelInputs) -> PrefixCache:
+        """The prefix K/V of `inputs`, without the camera slots masked in every row (the fast path's rule,
+        `drop_unused_cameras`): pi0.5 on LIBERO leaves one of three slots empty, and its SigLIP pass and 256
+        pad keys change no output. The cache holds the kept slots' tokens only."""
+        inputs, _, _ = drop_unused_cameras(inputs, inputs.image_masks.cpu())
         return self.model.prefix_cache(
             inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask
         )
