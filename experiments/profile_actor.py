@@ -31,13 +31,14 @@ import torch
 
 from experiments.logprob_gap import policy_config, rollout_rows
 from experiments.results import write_result
-from grpo.actor import Actor
+from grpo.actor import Actor, gap_metrics
 from grpo.config import GRPOConfig
 from grpo.distributed import full_parameters
 from grpo.prefix_store import RowPrefixes
 from grpo.samples import Samples
 from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
+from policies.models.gemma import RMSNorm
 from policies.models.pi05 import PI05Model
 from policies.policy import Policy
 from rollout.config import EngineConfig
@@ -75,6 +76,17 @@ def labelled_stages() -> Iterator[None]:
             setattr(cls, name, method)
 
 
+def cast_frozen_to_bf16(model: PI05Model) -> None:
+    """A probe of what the trainer could do (it keeps every weight in fp32 now): vision, token embedding and
+    prefix stack, frozen with policy.train_expert_only, in bf16 as the engine runs them, RMSNorm weights in fp32
+    (PI05Model.apply_precision's rule), so autocast casts no frozen weight and the prefix's activations are bf16."""
+    for module in (model.vision, model.embed_tokens, model.prefix):
+        module.to(torch.bfloat16)
+    for module in model.prefix.modules():
+        if isinstance(module, RMSNorm):
+            module.float()
+
+
 def synchronised_seconds(device: torch.device, fn: Callable[[], object]) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -98,7 +110,8 @@ def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        recompute_s = synchronised_seconds(device, lambda: actor.recompute(rows))
+        old = []
+        recompute_s = synchronised_seconds(device, lambda: old.append(actor.recompute(rows)))
         train_s = synchronised_seconds(device, lambda: actor.train(rows))
     except torch.OutOfMemoryError as error:
         return {"out_of_memory": str(error).splitlines()[0]}
@@ -106,11 +119,14 @@ def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: 
         actor.optimizer.zero_grad(set_to_none=True)
     out = {"recompute_s": recompute_s, "train_s": train_s,
            "epoch_s_estimate": (train_s - recompute_s) / args.epochs,
-           "recompute_ms_per_row": 1e3 * recompute_s / len(rows)}
+           "recompute_ms_per_row": 1e3 * recompute_s / len(rows),
+           # the engine's log-probs against this recompute's, before any update (grpo.actor.gap_metrics)
+           **gap_metrics(old[0], rows.rollout_logprob, 0.2, 0.2)}
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     print(f"prefix_cache={prefix_cache}: recompute {recompute_s:.2f} s, train {train_s:.2f} s "
-          f"({args.epochs} epochs), ~{out['epoch_s_estimate']:.2f} s an epoch")
+          f"({args.epochs} epochs), ~{out['epoch_s_estimate']:.2f} s an epoch, "
+          f"gap to the engine {out['rollout/logprob_gap']:.4f} nats")
     return out
 
 
@@ -160,6 +176,8 @@ def main() -> None:
     parser.add_argument("--prefix-cache", nargs="+", default=["off", "host"], choices=["off", "host", "device"],
                         help="grpo.prefix_cache settings to time, in order")
     parser.add_argument("--profile-prefix-cache", default="off", choices=["off", "host", "device"])
+    parser.add_argument("--frozen-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the frozen vision / prefix weights' dtype (bfloat16: a probe, cast_frozen_to_bf16)")
     parser.add_argument("--top", type=int, default=40, help="ops kept in the JSON, by device time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
@@ -180,6 +198,8 @@ def main() -> None:
     if args.policy != "tiny":  # the GRPO recipe's camera slots (libero10_pi05: the preset's three, one empty)
         cfg = cfg.replace(cameras=PolicyConfig.preset(args.policy).cameras)
     policy = build_policy(trainer_policy_config(cfg).replace(train_expert_only=True), device)
+    if args.frozen_dtype == "bfloat16":
+        cast_frozen_to_bf16(policy.model)
     engine = PolicyEngine(EngineConfig(devices=str(device), seed=args.seed), cfg)
     try:
         engine.update_weights(full_parameters(policy.model, full=True), version=1)
@@ -190,7 +210,8 @@ def main() -> None:
     make_actor(policy, args, "off", 1).recompute(rows.select(torch.arange(args.micro_batch)))  # warm-up
     timed = {setting: time_setting(policy, rows, args, setting, device) for setting in args.prefix_cache}
     profile = profile_update(policy, rows, args, device)
-    summary = {"policy": args.policy, "rows": len(rows), "micro_batch": args.micro_batch, "epochs": args.epochs,
+    summary = {"policy": args.policy, "frozen_dtype": args.frozen_dtype, "rows": len(rows),
+               "micro_batch": args.micro_batch, "epochs": args.epochs,
                **{f"{k}_train_s": v.get("train_s") for k, v in timed.items()},
                **{f"{k}_recompute_s": v.get("recompute_s") for k, v in timed.items()},
                "profiled_wall_s": profile["wall_s"], "profiled_device_busy_s": profile["device_busy_s"]}
