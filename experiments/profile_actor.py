@@ -38,7 +38,6 @@ from grpo.prefix_store import RowPrefixes
 from grpo.samples import Samples
 from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
-from policies.models.gemma import RMSNorm
 from policies.models.pi05 import PI05Model
 from policies.policy import Policy
 from rollout.config import EngineConfig
@@ -74,17 +73,6 @@ def labelled_stages() -> Iterator[None]:
     finally:
         for cls, name, method in originals:
             setattr(cls, name, method)
-
-
-def cast_frozen_to_bf16(model: PI05Model) -> None:
-    """A probe of what the trainer could do (it keeps every weight in fp32 now): vision, token embedding and
-    prefix stack, frozen with policy.train_expert_only, in bf16 as the engine runs them, RMSNorm weights in fp32
-    (PI05Model.apply_precision's rule), so autocast casts no frozen weight and the prefix's activations are bf16."""
-    for module in (model.vision, model.embed_tokens, model.prefix):
-        module.to(torch.bfloat16)
-    for module in model.prefix.modules():
-        if isinstance(module, RMSNorm):
-            module.float()
 
 
 def synchronised_seconds(device: torch.device, fn: Callable[[], object]) -> float:
@@ -176,8 +164,8 @@ def main() -> None:
     parser.add_argument("--prefix-cache", nargs="+", default=["off", "host"], choices=["off", "host", "device"],
                         help="grpo.prefix_cache settings to time, in order")
     parser.add_argument("--profile-prefix-cache", default="off", choices=["off", "host", "device"])
-    parser.add_argument("--frozen-dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="the frozen vision / prefix weights' dtype (bfloat16: a probe, cast_frozen_to_bf16)")
+    parser.add_argument("--frozen-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="policy.frozen_dtype of the trainer (auto: unset, fp32 like the trained weights)")
     parser.add_argument("--top", type=int, default=40, help="ops kept in the JSON, by device time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
@@ -197,9 +185,8 @@ def main() -> None:
     cfg = policy_config(shape, cuda)
     if args.policy != "tiny":  # the GRPO recipe's camera slots (libero10_pi05: the preset's three, one empty)
         cfg = cfg.replace(cameras=PolicyConfig.preset(args.policy).cameras)
-    policy = build_policy(trainer_policy_config(cfg).replace(train_expert_only=True), device)
-    if args.frozen_dtype == "bfloat16":
-        cast_frozen_to_bf16(policy.model)
+    frozen = None if args.frozen_dtype == "auto" else args.frozen_dtype
+    policy = build_policy(trainer_policy_config(cfg.replace(train_expert_only=True, frozen_dtype=frozen)), device)
     engine = PolicyEngine(EngineConfig(devices=str(device), seed=args.seed), cfg)
     try:
         engine.update_weights(full_parameters(policy.model, full=True), version=1)
@@ -210,7 +197,7 @@ def main() -> None:
     make_actor(policy, args, "off", 1).recompute(rows.select(torch.arange(args.micro_batch)))  # warm-up
     timed = {setting: time_setting(policy, rows, args, setting, device) for setting in args.prefix_cache}
     profile = profile_update(policy, rows, args, device)
-    summary = {"policy": args.policy, "frozen_dtype": args.frozen_dtype, "rows": len(rows),
+    summary = {"policy": args.policy, "frozen_dtype": policy.cfg.frozen_dtype, "rows": len(rows),
                "micro_batch": args.micro_batch, "epochs": args.epochs,
                **{f"{k}_train_s": v.get("train_s") for k, v in timed.items()},
                **{f"{k}_recompute_s": v.get("recompute_s") for k, v in timed.items()},

@@ -208,6 +208,11 @@ class PolicyConfig:
     max_period: float = 4.0
     dtype: str = "float32"  # "bfloat16" keeps vision, projector, norms, time/action projections in fp32 (LeRobot)
     train_expert_only: bool = True  # log_prob grads reach only the expert + action/time projections
+    # with train_expert_only: the frozen vision, token embedding and prefix stack in this dtype (their RMSNorm
+    # weights stay fp32); null: as policy.dtype says. Opt-in for GRPO's trainer, which keeps fp32 masters of every
+    # weight otherwise: weights it never updates need no master copy. Every policy built from the config gets it,
+    # the engine's too (its plain path's vision then runs in this dtype)
+    frozen_dtype: str | None = None
     tokenizer_path: str | None = (
         None  # PaliGemma SentencePiece model; None: built-in byte tokenizer
     )
@@ -268,6 +273,11 @@ class PolicyConfig:
         check_choice("policy.checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
         check_positive_finite("policy.init_scale", self.init_scale)
         check_bool("policy.train_expert_only", self.train_expert_only)  # a quoted "false" trained only the expert
+        if self.frozen_dtype is not None:
+            check_choice("policy.frozen_dtype", self.frozen_dtype, DTYPES)
+            if not self.train_expert_only:
+                raise ValueError(f"policy.frozen_dtype={self.frozen_dtype!r} needs policy.train_expert_only=true "
+                                 "(with the whole model trained nothing is frozen)")
         for name in ("checkpoint", "tokenizer_path"):  # a number would reach open() as a file descriptor
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (str, os.PathLike)) and str(value)):

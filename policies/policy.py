@@ -327,4 +327,6 @@ def build_policy(cfg: PolicyConfig, device: torch.device | str = "cpu") -> Polic
 
         load_checkpoint(model, cfg.checkpoint, cfg.checkpoint_format).raise_if_incomplete()
     model.apply_precision(cfg.dtype).to(device)
+    if cfg.frozen_dtype is not None:
+        model.apply_frozen_precision(cfg.frozen_dtype)
     return Policy(cfg, model)

@@ -114,6 +114,23 @@ class PI05Model(nn.Module):
             module.float()
         return self
 
+    def frozen_modules(self) -> list[nn.Module]:
+        """What policy.train_expert_only freezes: every module but trainable_parameters(True)'s."""
+        return [self.vision, self.embed_tokens, self.prefix]
+
+    def apply_frozen_precision(self, dtype: str) -> PI05Model:
+        """The frozen modules' weights in `dtype`, the prefix's RMSNorm weights in fp32 (apply_precision's rule).
+        A trainer keeps fp32 masters of what it updates; of the rest it needs no master copy, and in bf16 autocast
+        then casts none of those weights and the prefix's activations stay bf16."""
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"policy.frozen_dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        for module in self.frozen_modules():
+            module.to(getattr(torch, dtype))
+        for module in self.prefix.modules():
+            if isinstance(module, RMSNorm):
+                module.float()
+        return self
+
     # ----- prefix -----
     def embed_prefix(
         self, images: Tensor, image_masks: Tensor, tokens: Tensor, token_mask: Tensor
