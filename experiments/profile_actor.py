@@ -185,8 +185,10 @@ def main() -> None:
     cfg = policy_config(shape, cuda)
     if args.policy != "tiny":  # the GRPO recipe's camera slots (libero10_pi05: the preset's three, one empty)
         cfg = cfg.replace(cameras=PolicyConfig.preset(args.policy).cameras)
-    frozen = None if args.frozen_dtype == "auto" else args.frozen_dtype
-    policy = build_policy(trainer_policy_config(cfg.replace(train_expert_only=True, frozen_dtype=frozen)), device)
+    overrides = {"train_expert_only": True}
+    if args.frozen_dtype != "auto":  # "auto" sets nothing (so the script also runs on trees without the key)
+        overrides["frozen_dtype"] = args.frozen_dtype
+    policy = build_policy(trainer_policy_config(cfg.replace(**overrides)), device)
     engine = PolicyEngine(EngineConfig(devices=str(device), seed=args.seed), cfg)
     try:
         engine.update_weights(full_parameters(policy.model, full=True), version=1)
@@ -197,7 +199,7 @@ def main() -> None:
     make_actor(policy, args, "off", 1).recompute(rows.select(torch.arange(args.micro_batch)))  # warm-up
     timed = {setting: time_setting(policy, rows, args, setting, device) for setting in args.prefix_cache}
     profile = profile_update(policy, rows, args, device)
-    summary = {"policy": args.policy, "frozen_dtype": policy.cfg.frozen_dtype, "rows": len(rows),
+    summary = {"policy": args.policy, "frozen_dtype": getattr(policy.cfg, "frozen_dtype", None), "rows": len(rows),
                "micro_batch": args.micro_batch, "epochs": args.epochs,
                **{f"{k}_train_s": v.get("train_s") for k, v in timed.items()},
                **{f"{k}_recompute_s": v.get("recompute_s") for k, v in timed.items()},
