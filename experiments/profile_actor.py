@@ -136,8 +136,9 @@ def profile_update(policy, rows: Samples, args: argparse.Namespace, device: torc
     stages = {e.key: {"cpu_s": e.cpu_time_total / 1e6, "device_s": event_device_us(e, own=False) / 1e6,
                       "calls": e.count}
               for e in events if e.key.startswith("stage/")}
-    # kernels are events of their own (device_type CUDA); host ops own the kernels they launched
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # kernels are events of their own (device_type CUDA), and so are the labels' ranges on the GPU timeline
+    # (left out: they span kernels already counted); host ops own the kernels they launched
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("stage/")]
     ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.key.startswith("stage/")]
     busy_s = sum(event_device_us(e, own=True) for e in kernels) / 1e6
     top = sorted(ops, key=lambda e: event_device_us(e, own=True) if device.type == "cuda" else e.self_cpu_time_total,
