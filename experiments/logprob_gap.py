@@ -62,6 +62,13 @@ def policy_config(args: argparse.Namespace, cuda: bool) -> PolicyConfig:
     return PolicyConfig.preset(args.policy, **overrides)
 
 
+def device_from_arg(value: str) -> torch.device:
+    """--device: "auto" is cuda where torch sees a GPU, else cpu; anything else as torch.device spells it."""
+    if value == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(value)
+
+
 def raw_observations(cfg: PolicyConfig, n: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     size = cfg.vision.image_size
@@ -109,8 +116,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")
-    device = torch.device("cuda" if cuda else "cpu") if args.device == "auto" else torch.device(args.device)
+    device = device_from_arg(args.device)
+    cuda = device.type == "cuda"
     cfg = policy_config(args, cuda)
     trainer_policy = build_policy(trainer_policy_config(cfg), device)
     engine = PolicyEngine(EngineConfig(devices=str(device), seed=args.seed), cfg)

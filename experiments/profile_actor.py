@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from experiments.logprob_gap import policy_config, rollout_rows
+from experiments.logprob_gap import device_from_arg, policy_config, rollout_rows
 from experiments.results import write_result
 from grpo.actor import Actor, gap_metrics
 from grpo.config import GRPOConfig
@@ -173,13 +173,16 @@ def main() -> None:
     parser.add_argument("--commit", action="store_true", help="write the JSON to benchmarks/results/")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    for name in ("rows", "batch", "micro_batch", "epochs", "top"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.rows % args.batch:
         parser.error(f"--rows {args.rows} must be a multiple of --batch {args.batch}")
     if len(set(args.prefix_cache)) != len(args.prefix_cache):
         parser.error(f"--prefix-cache names a setting twice: {args.prefix_cache}")
 
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")
-    device = torch.device("cuda" if cuda else "cpu") if args.device == "auto" else torch.device(args.device)
+    device = device_from_arg(args.device)
+    cuda = device.type == "cuda"
     # the LIBERO RL configuration of logprob_gap: chunk 10, 4 steps, noise 0.5, fast path on CUDA, no pinning
     shape = argparse.Namespace(policy=args.policy, chunk=10, steps=4, fast="auto", consistent="off",
                                batch=args.batch, prompt_bucket=None)

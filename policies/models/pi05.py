@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from policies.config import PolicyConfig
+from common.config import check_choice
+from policies.config import DTYPES, PolicyConfig
 from policies.flow import sincos_time_embedding
 from policies.models.gemma import AdaRMSNorm, GemmaStack, RMSNorm, apply_rope, expand_kv
 from policies.models.siglip import SiglipVision
@@ -122,8 +123,7 @@ class PI05Model(nn.Module):
         """The frozen modules' weights in `dtype`, the prefix's RMSNorm weights in fp32 (apply_precision's rule).
         A trainer keeps fp32 masters of what it updates; of the rest it needs no master copy, and in bf16 autocast
         then casts none of those weights and the prefix's activations stay bf16."""
-        if dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"policy.frozen_dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        check_choice("policy.frozen_dtype", dtype, DTYPES)  # PolicyConfig's own check, for direct callers
         for module in self.frozen_modules():
             module.to(getattr(torch, dtype))
         for module in self.prefix.modules():

@@ -1,0 +1,35 @@
+"""experiments.profile_actor on the CPU: one small run writes its JSON, the labels come off again, bad sizes refused."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from experiments import profile_actor
+
+
+def run(monkeypatch, *argv: str) -> None:
+    monkeypatch.setattr(sys, "argv", ["profile_actor", *argv])
+    profile_actor.main()
+
+
+def test_a_small_run_times_each_setting_and_labels_the_stages(monkeypatch, tmp_path):
+    before = [getattr(cls, name) for cls, name, _ in profile_actor.STAGES]
+    run(monkeypatch, "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("profile_actor_*.json")
+    record = json.loads(path.read_text())
+    assert set(record["timed"]) == {"off", "host"}
+    for timed in record["timed"].values():
+        assert timed["train_s"] > timed["recompute_s"] > 0
+    for label in ("stage/prefix_stack", "stage/expert_velocity", "stage/vision_and_embed"):
+        assert record["profile"]["stages"][label]["calls"] > 0, label
+    assert [getattr(cls, name) for cls, name, _ in profile_actor.STAGES] == before  # the labels came off again
+
+
+@pytest.mark.parametrize("argv", [["--epochs", "0"], ["--rows", "6", "--batch", "4"],
+                                  ["--prefix-cache", "off", "off"]])
+def test_bad_sizes_and_repeats_are_refused(monkeypatch, argv):
+    with pytest.raises(SystemExit):
+        run(monkeypatch, *argv)
