@@ -12,7 +12,8 @@ at micro-batch 32; README, GRPO):
 
 "device" keeps the tensors where they were computed; "host" copies them to CPU memory (pinned where CUDA is
 available) and brings each micro-batch's rows back. The caches of one update share their prefix length (the
-rows' prompts are stored at one width), so the rows' K/V concatenate as they are.
+rows' prompts are stored at one width, and `observation_from_rows` masks a camera slot in every row or in none,
+so every micro-batch keeps the same slots), so the rows' K/V concatenate as they are.
 """
 
 from __future__ import annotations
