@@ -85,6 +85,19 @@ def synchronised_seconds(device: torch.device, fn: Callable[[], object]) -> floa
     return time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def weights_restored(policy) -> Iterator[None]:
+    """The trained weights put back afterwards: every setting's update starts from the weights the engine
+    predicted the rows with (else a later setting's gap to the engine measures the earlier updates)."""
+    saved = [p.detach().clone() for p in policy.trainable_parameters()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, value in zip(policy.trainable_parameters(), saved, strict=True):
+                param.copy_(value)
+
+
 def make_actor(policy, args: argparse.Namespace, prefix_cache: str, epochs: int) -> Actor:
     cfg = GRPOConfig(micro_batch=args.micro_batch, update_epochs=epochs, prefix_cache=prefix_cache,
                      filter_groups=False, seed=args.seed)
@@ -98,9 +111,10 @@ def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        old = []
-        recompute_s = synchronised_seconds(device, lambda: old.append(actor.recompute(rows)))
-        train_s = synchronised_seconds(device, lambda: actor.train(rows))
+        with weights_restored(policy):
+            old = []
+            recompute_s = synchronised_seconds(device, lambda: old.append(actor.recompute(rows)))
+            train_s = synchronised_seconds(device, lambda: actor.train(rows))
     except torch.OutOfMemoryError as error:
         return {"out_of_memory": str(error).splitlines()[0]}
     finally:
@@ -130,7 +144,7 @@ def profile_update(policy, rows: Samples, args: argparse.Namespace, device: torc
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with labelled_stages(), torch.profiler.profile(activities=activities) as prof:
+    with weights_restored(policy), labelled_stages(), torch.profiler.profile(activities=activities) as prof:
         wall_s = synchronised_seconds(device, lambda: actor.train(rows))
     events = prof.key_averages()
     stages = {e.key: {"cpu_s": e.cpu_time_total / 1e6, "device_s": event_device_us(e, own=False) / 1e6,

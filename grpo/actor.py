@@ -163,7 +163,7 @@ class Actor:
         self.policy.train()
         samples = samples.without_prompt_padding()  # one width for the old-log-prob pass and every epoch
         # vision and prefix are frozen: with grpo.prefix_cache their K/V come from this pass in every epoch
-        prefixes = RowPrefixes(cfg.prefix_cache) if cfg.prefix_cache != "off" else None
+        prefixes = RowPrefixes(cfg.prefix_cache, rows=len(samples)) if cfg.prefix_cache != "off" else None
         old = self.recompute(samples, keep=prefixes)
         metrics = gap_metrics(old, samples.rollout_logprob, cfg.clip_low, cfg.clip_high)
         is_weight = losses.truncated_is_weight(old, samples.rollout_logprob, cfg.tis_cap) if cfg.tis else None

@@ -6,19 +6,20 @@ actor update: the old-log-prob pass computes it anyway, and each update epoch co
 `grpo.prefix_cache` keeps it (opt-in: on the H100 `host` mode measured no gain and `device` mode did not fit
 at micro-batch 32; README, GRPO):
 
-    store = RowPrefixes("device")
+    store = RowPrefixes("device", rows=R)
     store.add(rows, cache)                 # the recompute pass: rows (R,) of the update, their cache
     cache = store.gather(micro, device)    # an update micro-batch's rows, in its order
 
-"device" keeps the tensors where they were computed; "host" copies them to CPU memory (pinned where CUDA is
-available) and brings each micro-batch's rows back. The caches of one update share their prefix length (the
-rows' prompts are stored at one width, and `observation_from_rows` masks a camera slot in every row or in none,
-so every micro-batch keeps the same slots), so the rows' K/V concatenate as they are.
+"device" keeps them on the device they were computed on; "host" in CPU memory (pinned where CUDA is available).
+Both keep one buffer per tensor with a slot per row of the update, allocated at the first `add` (so the store
+is told how many rows the update has), which `add` copies into and `gather` reads with one index_select: in
+"host" mode into a pinned buffer that goes to the device without blocking, so a micro-batch's rows cost one
+CPU copy and one transfer. The caches of one update share their prefix length (the rows' prompts are stored
+at one width, and `observation_from_rows` masks a camera slot in every row or in none, so every micro-batch
+keeps the same slots); a cache of another shape is refused.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import torch
 from torch import Tensor
@@ -26,71 +27,82 @@ from torch import Tensor
 from policies.models.pi05 import PrefixCache
 
 
-def _to_host(tensor: Tensor) -> Tensor:
-    if tensor.device.type == "cpu":
-        return tensor
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
-    out.copy_(tensor)
-    return out
-
-
 class RowPrefixes:
-    def __init__(self, where: str):
+    def __init__(self, where: str, rows: int):
         if where not in ("device", "host"):
             raise ValueError(f"grpo.prefix_cache must be 'device' or 'host' to keep caches, got {where!r}")
+        if rows < 1:
+            raise ValueError(f"a prefix store needs at least one row, got rows={rows}")
         self.where = where
-        self._parts: list[PrefixCache] = []
-        self._place: dict[int, tuple[int, int]] = {}  # row -> (part, position in the part)
+        self.rows = rows
+        self._kept = torch.zeros(rows, dtype=torch.bool)
+        self._slots: PrefixCache | None = None  # one buffer per tensor, (rows, ...) each
 
     def __len__(self) -> int:
-        return len(self._place)
+        return int(self._kept.sum())
 
     def add(self, rows: Tensor, cache: PrefixCache) -> None:
         """Keep `cache`, whose batch index i holds row rows[i] of the update."""
-        rows = [int(r) for r in rows]
+        rows = torch.as_tensor(rows, dtype=torch.long).cpu()
         if cache.offsets.shape[0] != len(rows):
             raise ValueError(f"a prefix cache of {cache.offsets.shape[0]} rows for {len(rows)} row ids")
-        again = [r for r in rows if r in self._place]
-        if again:
-            raise ValueError(f"rows {again[:8]} already have a kept prefix cache")
-        if self.where == "host":
-            cache = PrefixCache([_to_host(k) for k in cache.keys], [_to_host(v) for v in cache.values],
-                                _to_host(cache.pad_mask), _to_host(cache.offsets))
-        part = len(self._parts)
-        self._parts.append(cache)
-        self._place.update({row: (part, i) for i, row in enumerate(rows)})
+        outside = rows[(rows < 0) | (rows >= self.rows)]
+        if len(outside):
+            raise ValueError(f"rows {outside[:8].tolist()} are outside this update's {self.rows} rows")
+        again = rows[self._kept[rows]]
+        if len(again):
+            raise ValueError(f"rows {again[:8].tolist()} already have a kept prefix cache")
+        if self._slots is None:
+            self._slots = self._allocate(cache)
+        for slot, part in zip(_tensors(self._slots), _tensors(cache), strict=True):
+            if slot.shape[1:] != part.shape[1:] or slot.dtype != part.dtype:
+                raise ValueError(f"a prefix cache tensor of shape {tuple(part.shape[1:])} / {part.dtype} per row, "
+                                 f"the store keeps {tuple(slot.shape[1:])} / {slot.dtype} (one shape per update)")
+            _copy_rows(slot, rows, part)
+        self._kept[rows] = True
 
     def gather(self, rows: Tensor, device: torch.device) -> PrefixCache:
         """The kept caches of `rows`, in that order, on `device`."""
-        missing = [int(r) for r in rows if int(r) not in self._place]
-        if missing:
-            raise KeyError(f"no kept prefix cache for rows {missing[:8]}")
-        places = [self._place[int(r)] for r in rows]
-        # the asked rows grouped by part (a stable sort), one index_select per part, then back in the asked order
-        order = sorted(range(len(places)), key=lambda i: places[i][0])
-        pieces = []
-        for part, group in itertools.groupby(order, key=lambda i: places[i][0]):
-            cache = self._parts[part]
-            positions = [places[i][1] for i in group]
-            pieces.append(cache.index_select(torch.tensor(positions, dtype=torch.long, device=cache.offsets.device)))
-        joined = pieces[0] if len(pieces) == 1 else _concat(pieces)
-        if order != sorted(order):
-            back = torch.argsort(torch.tensor(order))
-            joined = joined.index_select(back.to(joined.offsets.device))
-        return _on(joined, device)
+        rows = torch.as_tensor(rows, dtype=torch.long).cpu()
+        inside = (rows >= 0) & (rows < self.rows)
+        known = torch.zeros_like(inside)
+        known[inside] = self._kept[rows[inside]]
+        if not bool(known.all()):
+            raise KeyError(f"no kept prefix cache for rows {rows[~known][:8].tolist()}")
+        return PrefixCache(*_regroup(self._slots, [_read_rows(t, rows, device) for t in _tensors(self._slots)]))
+
+    def _allocate(self, like: PrefixCache) -> PrefixCache:
+        pin = self.where == "host" and torch.cuda.is_available()
+        device = torch.device("cpu") if self.where == "host" else like.offsets.device
+        buffers = [torch.empty((self.rows, *t.shape[1:]), dtype=t.dtype, device=device, pin_memory=pin)
+                   for t in _tensors(like)]
+        return PrefixCache(*_regroup(like, buffers))
 
 
-def _concat(pieces: list[PrefixCache]) -> PrefixCache:
-    layers = len(pieces[0].keys)
-    return PrefixCache(
-        [torch.cat([p.keys[layer] for p in pieces]) for layer in range(layers)],
-        [torch.cat([p.values[layer] for p in pieces]) for layer in range(layers)],
-        torch.cat([p.pad_mask for p in pieces]),
-        torch.cat([p.offsets for p in pieces]),
-    )
+def _tensors(cache: PrefixCache) -> list[Tensor]:
+    return [*cache.keys, *cache.values, cache.pad_mask, cache.offsets]
 
 
-def _on(cache: PrefixCache, device: torch.device) -> PrefixCache:
-    """The cache on `device` (`Tensor.to` returns a tensor already there as it is)."""
-    return PrefixCache([k.to(device) for k in cache.keys], [v.to(device) for v in cache.values],
-                       cache.pad_mask.to(device), cache.offsets.to(device))
+def _regroup(like: PrefixCache, flat: list[Tensor]) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
+    """`flat` (in `_tensors` order) as PrefixCache's fields, with `like`'s layer count."""
+    layers = len(like.keys)
+    return flat[:layers], flat[layers:2 * layers], flat[2 * layers], flat[2 * layers + 1]
+
+
+def _copy_rows(slot: Tensor, rows: Tensor, part: Tensor) -> None:
+    """part's rows into slot's `rows`: a run of rows (the old-log-prob pass's micro-batches) as one slice copy,
+    device to pinned host directly; other orders through index_copy_ on the slot's device."""
+    first = int(rows[0])
+    if torch.equal(rows, torch.arange(first, first + len(rows))):
+        slot[first:first + len(rows)].copy_(part)
+    else:
+        slot.index_copy_(0, rows.to(slot.device), part.to(slot.device))
+
+
+def _read_rows(slot: Tensor, rows: Tensor, device: torch.device) -> Tensor:
+    """slot's `rows` on `device`; from the host through a pinned buffer, whose copy does not block."""
+    if slot.device.type != "cpu":
+        return slot.index_select(0, rows.to(slot.device)).to(device)
+    staged = torch.empty((len(rows), *slot.shape[1:]), dtype=slot.dtype, pin_memory=slot.is_pinned())
+    torch.index_select(slot, 0, rows, out=staged)
+    return staged.to(device, non_blocking=slot.is_pinned())

@@ -23,6 +23,9 @@ def test_a_small_run_times_each_setting_and_labels_the_stages(monkeypatch, tmp_p
     assert set(record["timed"]) == {"off", "host"}
     for timed in record["timed"].values():
         assert timed["train_s"] > timed["recompute_s"] > 0
+    # each setting starts from the engine's weights (the earlier setting's update is undone): the same gap
+    gaps = [timed["rollout/logprob_gap"] for timed in record["timed"].values()]
+    assert gaps[1] == pytest.approx(gaps[0], abs=1e-6)
     for label in ("stage/prefix_stack", "stage/expert_velocity", "stage/vision_and_embed"):
         assert record["profile"]["stages"][label]["calls"] > 0, label
     assert [getattr(cls, name) for cls, name, _ in profile_actor.STAGES] == before  # the labels came off again

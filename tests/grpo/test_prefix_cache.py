@@ -10,6 +10,7 @@ from grpo.actor import Actor
 from grpo.config import GRPOConfig
 from grpo.observations import observation_from_rows
 from grpo.prefix_store import RowPrefixes
+from policies.models.pi05 import PrefixCache
 from tests.grpo.helpers import sampled_rows, tiny_policy
 
 
@@ -54,8 +55,8 @@ def test_log_prob_refuses_a_prefix_of_other_rows_or_a_trained_prefix():
 @pytest.mark.parametrize("where", ["device", "host"])
 def test_gather_returns_the_asked_rows_in_order_across_parts(where):
     policy, _, _, whole = rows_and_cache(6)
-    store = RowPrefixes(where)
-    for part in (torch.tensor([0, 1, 2]), torch.tensor([3, 4]), torch.tensor([5])):
+    store = RowPrefixes(where, rows=6)
+    for part in (torch.tensor([0, 1, 2]), torch.tensor([5, 3]), torch.tensor([4])):  # a run, then any order
         store.add(part, whole.index_select(part))
     assert len(store) == 6
     for asked in ([4, 0, 5, 1], [2], [5, 4, 3, 2, 1, 0], [3, 3, 0]):
@@ -65,6 +66,21 @@ def test_gather_returns_the_asked_rows_in_order_across_parts(where):
         store.gather(torch.tensor([1, 7]), policy.device)
     with pytest.raises(ValueError, match=r"rows \[2\] already have"):
         store.add(torch.tensor([2]), whole.index_select(torch.tensor([2])))
+    with pytest.raises(ValueError, match=r"rows \[6\] are outside this update's 6 rows"):
+        store.add(torch.tensor([6]), whole.index_select(torch.tensor([2])))
+    with pytest.raises(ValueError, match=r"a prefix cache of 2 rows for 1 row ids"):
+        store.add(torch.tensor([0]), whole.index_select(torch.tensor([0, 1])))
+
+
+def test_a_cache_of_another_prefix_length_is_refused():
+    _, _, _, whole = rows_and_cache(2)
+    store = RowPrefixes("host", rows=4)
+    store.add(torch.tensor([0, 1]), whole)
+    shorter = PrefixCache([k[:, :, 1:] for k in whole.keys], [v[:, :, 1:] for v in whole.values],
+                          whole.pad_mask[:, 1:], whole.offsets)
+    with pytest.raises(ValueError, match="one shape per update"):
+        store.add(torch.tensor([2, 3]), shorter)
+    assert len(store) == 2
 
 
 def test_the_update_with_kept_prefixes_equals_the_recomputing_one():
