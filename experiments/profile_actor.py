@@ -88,8 +88,9 @@ def synchronised_seconds(device: torch.device, fn: Callable[[], object]) -> floa
 @contextlib.contextmanager
 def weights_restored(policy) -> Iterator[None]:
     """The trained weights put back afterwards: every setting's update starts from the weights the engine
-    predicted the rows with (else a later setting's gap to the engine measures the earlier updates)."""
-    saved = [p.detach().clone() for p in policy.trainable_parameters()]
+    predicted the rows with (else a later setting's gap to the engine measures the earlier updates). Kept in host
+    memory, outside the setting's peak device memory."""
+    saved = [p.detach().to("cpu", copy=True) for p in policy.trainable_parameters()]
     try:
         yield
     finally:
