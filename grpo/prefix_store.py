@@ -52,6 +52,10 @@ class RowPrefixes:
         again = rows[self._kept[rows]]
         if len(again):
             raise ValueError(f"rows {again[:8].tolist()} already have a kept prefix cache")
+        if len(rows.unique()) != len(rows):
+            raise ValueError(f"row ids named twice in one cache: {rows[:8].tolist()}")
+        if not len(rows):
+            return
         if self._slots is None:
             self._slots = self._allocate(cache)
         for slot, part in zip(_tensors(self._slots), _tensors(cache), strict=True):

@@ -70,6 +70,11 @@ def test_gather_returns_the_asked_rows_in_order_across_parts(where):
         store.add(torch.tensor([6]), whole.index_select(torch.tensor([2])))
     with pytest.raises(ValueError, match=r"a prefix cache of 2 rows for 1 row ids"):
         store.add(torch.tensor([0]), whole.index_select(torch.tensor([0, 1])))
+    fresh = RowPrefixes(where, rows=6)
+    with pytest.raises(ValueError, match=r"row ids named twice in one cache: \[1, 1\]"):
+        fresh.add(torch.tensor([1, 1]), whole.index_select(torch.tensor([0, 1])))
+    fresh.add(torch.zeros(0, dtype=torch.long), whole.index_select(torch.zeros(0, dtype=torch.long)))
+    assert len(fresh) == 0
 
 
 def test_a_cache_of_another_prefix_length_is_refused():
