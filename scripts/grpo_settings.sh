@@ -1,0 +1,29 @@
+# Side-by-side GRPO step timings on one machine, one run per setting, in the order given:
+#   bash scripts/grpo_settings.sh OUT_DIR BUDGET_S NAME="overrides" [NAME="overrides" ...]
+# e.g. (after `source scripts/device_prelude.sh` on the GPU machine)
+#   bash scripts/grpo_settings.sh $OUT 540 bf16="policy.frozen_dtype=bfloat16" base=""
+# Every run is the README's libero10_pi05 command cut to 2 steps of 1 rollout epoch (tasks 2 and 8,
+# 160 env steps; grpo.micro_batch=32, which fits an 80 GB H100) plus the setting's overrides. Each
+# keeps OUT_DIR/grpo_NAME_report.json (the profiler's step report) and its log and metrics in
+# OUT_DIR/grpo_NAME.tgz, so few files come back from the machine. Runs share BUDGET_S seconds: each
+# is stopped (timeout) at the budget's end, later settings are then skipped (named in the output).
+set -u
+out=$1; budget=$2; shift 2
+deadline=$(( $(date +%s) + budget ))
+base="+experiment=libero10_pi05 env.task_ids=[2,8,2,8,2,8,2,8] env.max_episode_steps=160 grpo.steps=2"
+base="$base grpo.rollout_epochs=1 grpo.filter_groups=false grpo.micro_batch=32 logger=none"
+base="$base profiler.exports=[json] run.checkpoint_every=0 eval.every=0"
+for setting in "$@"; do
+    name=${setting%%=*}; overrides=${setting#*=}
+    left=$(( deadline - $(date +%s) ))
+    if [ "$left" -lt 60 ]; then echo "SKIPPED $name: ${left} s of the budget left"; continue; fi
+    dir=$out/grpo_$name
+    # shellcheck disable=SC2086  # the overrides are words on purpose
+    timeout "$left" python -m experiments.grpo $base $overrides run.dir="$dir" > "$out/grpo_$name.log" 2>&1
+    echo "RUN $name (rc $?): $overrides"
+    grep -aoE 'step [0-9]+/[0-9]+ \|[^\r]*' "$out/grpo_$name.log" | tail -2
+    grep -aE 'Error|out of memory' "$out/grpo_$name.log" | tail -2
+    [ -f "$dir/report.json" ] && cp "$dir/report.json" "$out/grpo_${name}_report.json"
+    find "$dir" -name '*.pt' -delete
+    tar -czf "$out/grpo_$name.tgz" -C "$out" "grpo_$name.log" "grpo_$name" && rm -rf "$dir" "$out/grpo_$name.log"
+done
