@@ -21,7 +21,7 @@ for setting in "$@"; do
     # shellcheck disable=SC2086  # the overrides are words on purpose
     timeout "$left" python -m experiments.grpo $base $overrides run.dir="$dir" > "$out/grpo_$name.log" 2>&1
     echo "RUN $name (rc $?): $overrides"
-    grep -aoE 'step [0-9]+/[0-9]+ \|[^\r]*' "$out/grpo_$name.log" | tail -2
+    tr '\r' '\n' < "$out/grpo_$name.log" | grep -aE '^step [0-9]+/[0-9]+ ' | tail -2
     grep -aE 'Error|out of memory' "$out/grpo_$name.log" | tail -2
     [ -f "$dir/report.json" ] && cp "$dir/report.json" "$out/grpo_${name}_report.json"
     find "$dir" -name '*.pt' -delete
