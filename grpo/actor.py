@@ -155,6 +155,16 @@ class Actor:
     def _micro(self, index: Tensor) -> list[Tensor]:
         return list(torch.split(index, self.cfg.micro_batch))
 
+    def _micro_batches(self, index: Tensor, prefixes: RowPrefixes | None) -> tuple[Tensor, list[Tensor]]:
+        """A global batch's rows (reordered) and its micro-batches. With a store that kept only some rows (its
+        budget), the kept rows come first and no micro-batch mixes kept and recomputed rows: one optimiser step
+        sums the same gradients in another order."""
+        if prefixes is None or len(prefixes) == prefixes.rows:
+            return index, self._micro(index)
+        kept = prefixes.kept(index)
+        parts = [index[kept], index[~kept]]
+        return torch.cat(parts), [micro for part in parts if len(part) for micro in self._micro(part)]
+
     # ----- the update -----
     def train(self, samples: Samples) -> dict[str, float]:
         cfg = self.cfg
@@ -163,7 +173,10 @@ class Actor:
         self.policy.train()
         samples = samples.without_prompt_padding()  # one width for the old-log-prob pass and every epoch
         # vision and prefix are frozen: with grpo.prefix_cache their K/V come from this pass in every epoch
-        prefixes = RowPrefixes(cfg.prefix_cache, rows=len(samples)) if cfg.prefix_cache != "off" else None
+        prefixes = None
+        if cfg.prefix_cache != "off":
+            budget = None if cfg.prefix_cache_gib is None else int(cfg.prefix_cache_gib * 2**30)
+            prefixes = RowPrefixes(cfg.prefix_cache, rows=len(samples), budget_bytes=budget)
         old = self.recompute(samples, keep=prefixes)
         metrics = gap_metrics(old, samples.rollout_logprob, cfg.clip_low, cfg.clip_high)
         is_weight = losses.truncated_is_weight(old, samples.rollout_logprob, cfg.tis_cap) if cfg.tis else None
@@ -178,13 +191,16 @@ class Actor:
             order = torch.randperm(len(samples), generator=self.generator)
             batch = cfg.global_batch or len(samples)
             for global_index in torch.split(order, batch):
+                global_index, micros = self._micro_batches(global_index, prefixes)
                 weights = losses.normalise(raw_weights[global_index])
                 self.optimizer.zero_grad(set_to_none=True)
                 offset = 0
-                for micro in self._micro(global_index):
+                for micro in micros:
                     w = weights[offset: offset + len(micro)]
                     offset += len(micro)
-                    prefix = None if prefixes is None else prefixes.gather(micro, self.device)
+                    prefix = None
+                    if prefixes is not None and bool(prefixes.kept(micro).all()):
+                        prefix = prefixes.gather(micro, self.device)
                     terms = self._micro_step(samples.select(micro), old[micro], w, micro,
                                              is_weight, ref, prefix)
                     acc.add(terms, w)
@@ -196,6 +212,9 @@ class Actor:
                 self.optimizer.step()
                 self.updates += 1
         metrics.update(acc.metrics(cfg.update_epochs))
+        if prefixes is not None:
+            metrics["train/prefix_cache_rows"] = len(prefixes)
+            metrics["train/prefix_cache_gib"] = prefixes.kept_bytes / 2**30
         metrics["train/rows"] = len(samples)
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]  # what the steps used (not the config)
         return metrics

@@ -74,6 +74,9 @@ class GRPOConfig:
     # every update epoch instead of re-running vision and prefix: "device" keeps it on the actor's device,
     # "host" in CPU memory (~17 MB a row for the full pi0.5 at LIBERO's shapes); needs policy.train_expert_only
     prefix_cache: str = "off"
+    # The most memory (GiB) the kept caches of one update take; the rows past it recompute their prefix in every
+    # epoch (null: every row is kept)
+    prefix_cache_gib: float | None = None
     seed: int = 0  # shuffling of the rows (its RNG state is checkpointed)
     # ----- data-parallel actor (grpo/distributed.py): mode none | ddp | fsdp2, world_size, devices -----
     actor_parallel: ActorParallelConfig = field(default_factory=ActorParallelConfig)
@@ -111,6 +114,8 @@ class GRPOConfig:
         check_choice("grpo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("grpo.autocast", self.autocast, AUTOCAST_MODES)
         check_choice("grpo.prefix_cache", self.prefix_cache, PREFIX_CACHES)
+        if self.prefix_cache_gib is not None:
+            _check_range("grpo.prefix_cache_gib", self.prefix_cache_gib, 0.0, 2.0**20)  # finite: bytes are ints
         for key in ("kl_coef", "weight_decay"):
             _check_range(f"grpo.{key}", getattr(self, key), 0.0, math.inf)
         _check_number("grpo.entropy_coef", self.entropy_coef)

@@ -3,20 +3,24 @@
 With `policy.train_expert_only` the vision tower and the prefix stack do not train, so a row's prefix K/V
 (per expert layer, RoPE applied; `policies.models.pi05.PrefixCache`) is the same in every forward of one
 actor update: the old-log-prob pass computes it anyway, and each update epoch computes it again.
-`grpo.prefix_cache` keeps it (opt-in: on the H100 `host` mode measured no gain and `device` mode did not fit
-at micro-batch 32; README, GRPO):
+`grpo.prefix_cache` keeps it (README, GRPO: on an H100 `device` mode made the `libero10_pi05` step 2.1x faster,
+`host` mode's epochs ~25% faster):
 
-    store = RowPrefixes("device", rows=R)
+    store = RowPrefixes("device", rows=R, budget_bytes=B)
     store.add(rows, cache)                 # the recompute pass: rows (R,) of the update, their cache
-    cache = store.gather(micro, device)    # an update micro-batch's rows, in its order
+    store.kept(micro)                      # which of these rows have a kept cache
+    cache = store.gather(micro, device)    # kept rows only, in the micro-batch's order
 
 "device" keeps them on the device they were computed on; "host" in CPU memory (pinned where CUDA is available).
-Both keep one buffer per tensor with a slot per row of the update, allocated at the first `add` (so the store
-is told how many rows the update has), which `add` copies into and `gather` reads with one index_select: in
-"host" mode into a pinned buffer that goes to the device without blocking, so a micro-batch's rows cost one
-CPU copy and one transfer. The caches of one update share their prefix length (the rows' prompts are stored
-at one width, and `observation_from_rows` masks a camera slot in every row or in none, so every micro-batch
-keeps the same slots); a cache of another shape is refused.
+Both keep one buffer per tensor with a slot per kept row, allocated at the first `add` (so the store is told how
+many rows the update has), which `add` copies into and `gather` reads with one index_select: in "host" mode into
+a pinned buffer that goes to the device without blocking, so a micro-batch's rows cost one CPU copy and one
+transfer. `budget_bytes` (`grpo.prefix_cache_gib`) caps the buffers: the first rows added that fit are kept, the
+others are not (the actor recomputes their prefix in every epoch), so a recipe whose update has more rows than
+the card holds still gains on the rows that fit instead of running out of memory.
+The caches of one update share their prefix length (the rows' prompts are stored at one width, and
+`observation_from_rows` masks a camera slot in every row or in none, so every micro-batch keeps the same slots);
+a cache of another shape is refused.
 """
 
 from __future__ import annotations
@@ -28,59 +32,87 @@ from policies.models.pi05 import PrefixCache
 
 
 class RowPrefixes:
-    def __init__(self, where: str, rows: int):
+    def __init__(self, where: str, rows: int, budget_bytes: int | None = None):
         if where not in ("device", "host"):
             raise ValueError(f"grpo.prefix_cache must be 'device' or 'host' to keep caches, got {where!r}")
         if rows < 1:
             raise ValueError(f"a prefix store needs at least one row, got rows={rows}")
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"a prefix store's budget must be at least 0 bytes, got {budget_bytes}")
         self.where = where
         self.rows = rows
-        self._kept = torch.zeros(rows, dtype=torch.bool)
-        self._slots: PrefixCache | None = None  # one buffer per tensor, (rows, ...) each
+        self.budget_bytes = budget_bytes
+        self.capacity: int | None = None  # slots, set at the first add (the budget over one row's bytes)
+        self.row_bytes = 0
+        self._slot = torch.full((rows,), -1, dtype=torch.long)  # row -> its slot, -1: not kept
+        self._seen = torch.zeros(rows, dtype=torch.bool)  # rows added (kept or not)
+        self._slots: PrefixCache | None = None  # one buffer per tensor, (capacity, ...) each
 
     def __len__(self) -> int:
-        return int(self._kept.sum())
+        return int((self._slot >= 0).sum())
+
+    @property
+    def kept_bytes(self) -> int:
+        return len(self) * self.row_bytes
+
+    def kept(self, rows: Tensor) -> Tensor:
+        """(len(rows),) bool: which of `rows` have a kept cache."""
+        rows = torch.as_tensor(rows, dtype=torch.long).cpu()
+        inside = (rows >= 0) & (rows < self.rows)
+        out = torch.zeros_like(inside)
+        out[inside] = self._slot[rows[inside]] >= 0
+        return out
 
     def add(self, rows: Tensor, cache: PrefixCache) -> None:
-        """Keep `cache`, whose batch index i holds row rows[i] of the update."""
+        """Keep `cache`, whose batch index i holds row rows[i] of the update, as far as the budget goes."""
         rows = torch.as_tensor(rows, dtype=torch.long).cpu()
         if cache.offsets.shape[0] != len(rows):
             raise ValueError(f"a prefix cache of {cache.offsets.shape[0]} rows for {len(rows)} row ids")
         outside = rows[(rows < 0) | (rows >= self.rows)]
         if len(outside):
             raise ValueError(f"rows {outside[:8].tolist()} are outside this update's {self.rows} rows")
-        again = rows[self._kept[rows]]
+        again = rows[self._seen[rows]]
         if len(again):
-            raise ValueError(f"rows {again[:8].tolist()} already have a kept prefix cache")
+            raise ValueError(f"rows {again[:8].tolist()} were already added to this update's store")
         if len(rows.unique()) != len(rows):
             raise ValueError(f"row ids named twice in one cache: {rows[:8].tolist()}")
         if not len(rows):
             return
-        if self._slots is None:
-            self._slots = self._allocate(cache)
+        if self.capacity is None:
+            self._allocate(cache)
         for slot, part in zip(_tensors(self._slots), _tensors(cache), strict=True):
             if slot.shape[1:] != part.shape[1:] or slot.dtype != part.dtype:
                 raise ValueError(f"a prefix cache tensor of shape {tuple(part.shape[1:])} / {part.dtype} per row, "
                                  f"the store keeps {tuple(slot.shape[1:])} / {slot.dtype} (one shape per update)")
-            _copy_rows(slot, rows, part)
-        self._kept[rows] = True
+        self._seen[rows] = True
+        taken = len(self)
+        fits = min(len(rows), self.capacity - taken)
+        if fits <= 0:
+            return
+        slots = torch.arange(taken, taken + fits)
+        for slot, part in zip(_tensors(self._slots), _tensors(cache), strict=True):
+            _copy_rows(slot, slots, part[:fits])
+        self._slot[rows[:fits]] = slots
 
     def gather(self, rows: Tensor, device: torch.device) -> PrefixCache:
         """The kept caches of `rows`, in that order, on `device`."""
         rows = torch.as_tensor(rows, dtype=torch.long).cpu()
-        inside = (rows >= 0) & (rows < self.rows)
-        known = torch.zeros_like(inside)
-        known[inside] = self._kept[rows[inside]]
+        known = self.kept(rows)
         if not bool(known.all()):
             raise KeyError(f"no kept prefix cache for rows {rows[~known][:8].tolist()}")
-        return PrefixCache(*_regroup(self._slots, [_read_rows(t, rows, device) for t in _tensors(self._slots)]))
+        slots = self._slot[rows]
+        return PrefixCache(*_regroup(self._slots, [_read_rows(t, slots, device) for t in _tensors(self._slots)]))
 
-    def _allocate(self, like: PrefixCache) -> PrefixCache:
-        pin = self.where == "host" and torch.cuda.is_available()
+    def _allocate(self, like: PrefixCache) -> None:
+        """Slots for every row, or for as many as the budget holds (maybe none)."""
+        self.row_bytes = sum(t[0].numel() * t.element_size() for t in _tensors(like))
+        fit = self.rows if self.budget_bytes is None else self.budget_bytes // max(self.row_bytes, 1)
+        self.capacity = min(self.rows, fit)
+        pin = self.where == "host" and torch.cuda.is_available() and self.capacity > 0
         device = torch.device("cpu") if self.where == "host" else like.offsets.device
-        buffers = [torch.empty((self.rows, *t.shape[1:]), dtype=t.dtype, device=device, pin_memory=pin)
+        buffers = [torch.empty((self.capacity, *t.shape[1:]), dtype=t.dtype, device=device, pin_memory=pin)
                    for t in _tensors(like)]
-        return PrefixCache(*_regroup(like, buffers))
+        self._slots = PrefixCache(*_regroup(like, buffers))
 
 
 def _tensors(cache: PrefixCache) -> list[Tensor]:
@@ -93,14 +125,11 @@ def _regroup(like: PrefixCache, flat: list[Tensor]) -> tuple[list[Tensor], list[
     return flat[:layers], flat[layers:2 * layers], flat[2 * layers], flat[2 * layers + 1]
 
 
-def _copy_rows(slot: Tensor, rows: Tensor, part: Tensor) -> None:
-    """part's rows into slot's `rows`: a run of rows (the old-log-prob pass's micro-batches) as one slice copy,
-    device to pinned host directly; other orders through index_copy_ on the slot's device."""
-    first = int(rows[0])
-    if torch.equal(rows, torch.arange(first, first + len(rows))):
-        slot[first:first + len(rows)].copy_(part)
-    else:
-        slot.index_copy_(0, rows.to(slot.device), part.to(slot.device))
+def _copy_rows(slot: Tensor, slots: Tensor, part: Tensor) -> None:
+    """part's rows into the buffer's `slots`, a run (slots are handed out in order): one slice copy, device to
+    pinned host directly."""
+    first = int(slots[0])
+    slot[first:first + len(slots)].copy_(part)
 
 
 def _read_rows(slot: Tensor, rows: Tensor, device: torch.device) -> Tensor:

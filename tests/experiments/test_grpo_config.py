@@ -113,6 +113,7 @@ def test_bad_override_on_the_command_line_writes_nothing(tmp_path):
     (["grpo.prefix_cache=device", "policy.train_expert_only=false"], "needs policy.train_expert_only=true"),
     (["grpo.prefix_cache=host", "grpo.actor_parallel.mode=ddp"], "one-process actor only"),
     (["grpo.prefix_cache=gpu"], "grpo.prefix_cache must be one of"),
+    (["grpo.prefix_cache=device", "grpo.prefix_cache_gib=-1"], r"grpo.prefix_cache_gib must be in \[0.0, "),
     (["grpo.prefix_cache=device", "policy.fast.enabled=true", "policy.fast.consistent_recompute=true",
       "policy.fast.attention=sdpa"],
      "exclude each other"),
@@ -123,4 +124,5 @@ def test_prefix_cache_is_refused_where_it_cannot_hold(overrides, match):
 
 
 def test_prefix_cache_composes_on_the_default_run():
-    assert ExperimentConfig.from_hydra(composed("grpo.prefix_cache=device")).grpo.prefix_cache == "device"
+    grpo = ExperimentConfig.from_hydra(composed("grpo.prefix_cache=device", "grpo.prefix_cache_gib=2.5")).grpo
+    assert (grpo.prefix_cache, grpo.prefix_cache_gib) == ("device", 2.5)

@@ -64,7 +64,7 @@ def test_gather_returns_the_asked_rows_in_order_across_parts(where):
         assert_same_cache(store.gather(index, policy.device), whole.index_select(index))
     with pytest.raises(KeyError, match=r"no kept prefix cache for rows \[7\]"):
         store.gather(torch.tensor([1, 7]), policy.device)
-    with pytest.raises(ValueError, match=r"rows \[2\] already have"):
+    with pytest.raises(ValueError, match=r"rows \[2\] were already added"):
         store.add(torch.tensor([2]), whole.index_select(torch.tensor([2])))
     with pytest.raises(ValueError, match=r"rows \[6\] are outside this update's 6 rows"):
         store.add(torch.tensor([6]), whole.index_select(torch.tensor([2])))
@@ -88,25 +88,69 @@ def test_a_cache_of_another_prefix_length_is_refused():
     assert len(store) == 2
 
 
-def test_the_update_with_kept_prefixes_equals_the_recomputing_one():
+def test_a_budget_keeps_the_first_rows_that_fit():
+    policy, _, _, whole = rows_and_cache(6)
+    row_bytes = sum(t[0].numel() * t.element_size() for t in [*whole.keys, *whole.values, whole.pad_mask,
+                                                                 whole.offsets])
+    store = RowPrefixes("host", rows=6, budget_bytes=int(2.5 * row_bytes))
+    store.add(torch.tensor([3]), whole.index_select(torch.tensor([3])))
+    store.add(torch.tensor([0, 1, 2]), whole.index_select(torch.tensor([0, 1, 2])))
+    assert (store.capacity, len(store), store.kept_bytes) == (2, 2, 2 * row_bytes)
+    assert store.kept(torch.tensor([0, 1, 2, 3, 7])).tolist() == [True, False, False, True, False]
+    assert_same_cache(store.gather(torch.tensor([0, 3]), policy.device), whole.index_select(torch.tensor([0, 3])))
+    with pytest.raises(KeyError, match=r"no kept prefix cache for rows \[1\]"):
+        store.gather(torch.tensor([3, 1]), policy.device)
+    with pytest.raises(ValueError, match=r"rows \[1\] were already added"):  # added, though not kept
+        store.add(torch.tensor([1]), whole.index_select(torch.tensor([1])))
+    nothing = RowPrefixes("device", rows=6, budget_bytes=row_bytes - 1)
+    nothing.add(torch.arange(6), whole)
+    assert (nothing.capacity, len(nothing)) == (0, 0)
+    with pytest.raises(ValueError, match="at least 0 bytes, got -1"):
+        RowPrefixes("device", rows=6, budget_bytes=-1)
+
+
+def update_rows():
+    policy = tiny_policy()
+    return policy, sampled_rows(policy, 8, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2))
+
+
+def one_row_gib() -> float:
+    """One row's kept cache at the update's prefix length (the actor trims the prompts to the longest)."""
+    policy, rows = update_rows()
+    _, inputs = rows_inputs(policy, rows.without_prompt_padding().select(torch.tensor([0])))
+    with torch.no_grad():
+        cache = policy.prefix_cache(inputs)
+    return sum(t.numel() * t.element_size() for t in [*cache.keys, *cache.values, cache.pad_mask,
+                                                      cache.offsets]) / 2**30
+
+
+@pytest.mark.parametrize("settings", [{"prefix_cache": "device"}, {"prefix_cache": "host"},
+                                      {"prefix_cache": "device", "kept_rows": 5},
+                                      {"prefix_cache": "host", "kept_rows": 0}], ids=str)
+def test_the_update_with_kept_prefixes_equals_the_recomputing_one(settings):
     """Several epochs of shuffled micro-batches: the kept caches give the rows' prefixes in the micro-batches'
-    order (a wrong row would change the update), and no forward of an epoch runs vision or the prefix."""
-    results, prefix_calls = {}, {}
-    for where in ("off", "device", "host"):
-        policy = tiny_policy()
-        rows = sampled_rows(policy, 8, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2))
+    order (a wrong row would change the update), and no forward of an epoch runs vision or the prefix of a kept
+    row. Under a budget (grpo.prefix_cache_gib) only the rows that fit are kept, the others recompute theirs."""
+    kept_rows = settings.get("kept_rows", 8)
+    budget = None if "kept_rows" not in settings else (kept_rows + 0.5) * one_row_gib()
+    results, prefix_rows = {}, {}
+    for name, extra in (("off", {}), ("kept", {"prefix_cache": settings["prefix_cache"],
+                                               "prefix_cache_gib": budget})):
+        policy, rows = update_rows()
         calls = []
         original = policy.prefix_cache
         policy.prefix_cache = lambda inputs, _calls=calls, _original=original: (
             _calls.append(inputs.batch_size), _original(inputs))[1]
-        actor = Actor(policy, GRPOConfig(micro_batch=3, lr=1e-2, update_epochs=3, global_batch=6,
-                                         prefix_cache=where), show_progress=False)
+        actor = Actor(policy, GRPOConfig(micro_batch=3, lr=1e-2, update_epochs=3, global_batch=6, **extra),
+                      show_progress=False)
         metrics = actor.train(rows)
-        results[where] = ([p.detach().clone() for p in policy.trainable_parameters()], metrics)
-        prefix_calls[where] = sum(calls)
-    assert prefix_calls["off"] == 8 * 4  # the old-log-prob pass and three epochs
-    assert prefix_calls["device"] == prefix_calls["host"] == 8  # the old-log-prob pass only
-    for where in ("device", "host"):
-        for a, b in zip(results["off"][0], results[where][0], strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-        assert results[where][1]["train/optimizer_steps"] == results["off"][1]["train/optimizer_steps"]
+        results[name] = ([p.detach().clone() for p in policy.trainable_parameters()], metrics)
+        prefix_rows[name] = sum(calls)
+    assert prefix_rows["off"] == 8 * 4  # the old-log-prob pass and three epochs
+    assert prefix_rows["kept"] == 8 + 3 * (8 - kept_rows)  # the pass, then the rows not kept in every epoch
+    assert results["kept"][1]["train/prefix_cache_rows"] == kept_rows
+    # under a budget the micro-batches hold other rows (kept ones first), so the sums round differently
+    tolerance = {"rtol": 1e-5, "atol": 1e-7} if kept_rows == 8 else {"rtol": 1e-4, "atol": 1e-6}
+    for a, b in zip(results["off"][0], results["kept"][0], strict=True):
+        torch.testing.assert_close(a, b, **tolerance)
+    assert results["kept"][1]["train/optimizer_steps"] == results["off"][1]["train/optimizer_steps"]
