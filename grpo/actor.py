@@ -102,13 +102,18 @@ class Actor:
         return ref
 
     # ----- forward pieces -----
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast_dtype(self) -> torch.dtype | None:
+        """bf16 where the forward runs under autocast (grpo.autocast; auto: on CUDA), else None."""
         mode = self.cfg.autocast
         if mode == "auto":
             mode = "bf16" if self.device.type == "cuda" else "none"
-        if mode == "none":
+        return None if mode == "none" else torch.bfloat16
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        dtype = self.autocast_dtype()
+        if dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def chunk_logprob(self, policy, rows: Samples, prefix: PrefixCache | None = None,
                       keep: tuple[RowPrefixes, Tensor] | None = None) -> Tensor:
@@ -176,7 +181,9 @@ class Actor:
         prefixes = None
         if cfg.prefix_cache != "off":
             budget = None if cfg.prefix_cache_gib is None else int(cfg.prefix_cache_gib * 2**30)
-            prefixes = RowPrefixes(cfg.prefix_cache, rows=len(samples), budget_bytes=budget)
+            # under autocast the expert's attention reads the keys in bf16: kept so (RoPE left them fp32), exact
+            prefixes = RowPrefixes(cfg.prefix_cache, rows=len(samples), budget_bytes=budget,
+                                   key_dtype=self.autocast_dtype())
         old = self.recompute(samples, keep=prefixes)
         metrics = gap_metrics(old, samples.rollout_logprob, cfg.clip_low, cfg.clip_high)
         is_weight = losses.truncated_is_weight(old, samples.rollout_logprob, cfg.tis_cap) if cfg.tis else None

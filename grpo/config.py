@@ -72,7 +72,8 @@ class GRPOConfig:
     autocast: str = "auto"  # auto: bf16 autocast on CUDA, none on CPU
     # The frozen prefix's K/V of every row, computed once per actor update (the old-log-prob pass) and reused by
     # every update epoch instead of re-running vision and prefix: "device" keeps it on the actor's device,
-    # "host" in CPU memory (~17 MB a row for the full pi0.5 at LIBERO's shapes); needs policy.train_expert_only
+    # "host" in CPU memory (~11 MiB a row for the full pi0.5 at LIBERO's shapes, keys in bf16 under autocast);
+    # needs policy.train_expert_only
     prefix_cache: str = "off"
     # The most memory (GiB) the kept caches of one update take; the rows past it recompute their prefix in every
     # epoch (null: every row is kept)

@@ -109,33 +109,52 @@ def test_a_budget_keeps_the_first_rows_that_fit():
         RowPrefixes("device", rows=6, budget_bytes=-1)
 
 
+def test_keys_are_kept_in_the_asked_dtype():
+    policy, _, _, whole = rows_and_cache(3)
+    store = RowPrefixes("device", rows=3, key_dtype=torch.bfloat16)
+    store.add(torch.arange(3), whole)
+    got = store.gather(torch.tensor([2, 0]), policy.device)
+    assert {k.dtype for k in got.keys} == {torch.bfloat16}
+    for kept, computed in zip(got.keys, whole.index_select(torch.tensor([2, 0])).keys, strict=True):
+        torch.testing.assert_close(kept, computed.to(torch.bfloat16), rtol=0, atol=0)
+    assert_same_cache(PrefixCache(got.keys, [], got.pad_mask, got.offsets),
+                      PrefixCache(got.keys, [], *[t.index_select(0, torch.tensor([2, 0]))
+                                                 for t in (whole.pad_mask, whole.offsets)]))
+    for kept, computed in zip(got.values, whole.index_select(torch.tensor([2, 0])).values, strict=True):
+        torch.testing.assert_close(kept, computed, rtol=0, atol=0)
+
+
 def update_rows():
     policy = tiny_policy()
     return policy, sampled_rows(policy, 8, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2))
 
 
-def one_row_gib() -> float:
-    """One row's kept cache at the update's prefix length (the actor trims the prompts to the longest)."""
+def one_row_gib(bf16: bool) -> float:
+    """One row's kept cache at the update's prefix length (the actor trims the prompts to the longest); under
+    bf16 autocast its values come in bf16 and its keys are kept so."""
     policy, rows = update_rows()
     _, inputs = rows_inputs(policy, rows.without_prompt_padding().select(torch.tensor([0])))
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         cache = policy.prefix_cache(inputs)
-    return sum(t.numel() * t.element_size() for t in [*cache.keys, *cache.values, cache.pad_mask,
-                                                      cache.offsets]) / 2**30
+    keys = [k.to(torch.bfloat16) if bf16 else k for k in cache.keys]
+    return sum(t.numel() * t.element_size() for t in [*keys, *cache.values, cache.pad_mask, cache.offsets]) / 2**30
 
 
 @pytest.mark.parametrize("settings", [{"prefix_cache": "device"}, {"prefix_cache": "host"},
                                       {"prefix_cache": "device", "kept_rows": 5},
-                                      {"prefix_cache": "host", "kept_rows": 0}], ids=str)
+                                      {"prefix_cache": "host", "kept_rows": 0},
+                                      {"prefix_cache": "device", "autocast": "bf16"},
+                                      {"prefix_cache": "host", "autocast": "bf16"}], ids=str)
 def test_the_update_with_kept_prefixes_equals_the_recomputing_one(settings):
     """Several epochs of shuffled micro-batches: the kept caches give the rows' prefixes in the micro-batches'
     order (a wrong row would change the update), and no forward of an epoch runs vision or the prefix of a kept
     row. Under a budget (grpo.prefix_cache_gib) only the rows that fit are kept, the others recompute theirs."""
     kept_rows = settings.get("kept_rows", 8)
-    budget = None if "kept_rows" not in settings else (kept_rows + 0.5) * one_row_gib()
+    budget = None if "kept_rows" not in settings else (kept_rows + 0.5) * one_row_gib("autocast" in settings)
     results, prefix_rows = {}, {}
-    for name, extra in (("off", {}), ("kept", {"prefix_cache": settings["prefix_cache"],
-                                               "prefix_cache_gib": budget})):
+    autocast = {"autocast": settings.get("autocast", "auto")}  # bf16: the keys are kept in bf16 (CUDA's default)
+    for name, extra in (("off", autocast), ("kept", {"prefix_cache": settings["prefix_cache"],
+                                                     "prefix_cache_gib": budget, **autocast})):
         policy, rows = update_rows()
         calls = []
         original = policy.prefix_cache
@@ -149,7 +168,8 @@ def test_the_update_with_kept_prefixes_equals_the_recomputing_one(settings):
     assert prefix_rows["off"] == 8 * 4  # the old-log-prob pass and three epochs
     assert prefix_rows["kept"] == 8 + 3 * (8 - kept_rows)  # the pass, then the rows not kept in every epoch
     assert results["kept"][1]["train/prefix_cache_rows"] == kept_rows
-    # under a budget the micro-batches hold other rows (kept ones first), so the sums round differently
+    # under a budget the micro-batches hold other rows (kept ones first), so the sums round differently (in fp32:
+    # under bf16 autocast the GEMMs of other batch compositions differ by far more than the cache could show)
     tolerance = {"rtol": 1e-5, "atol": 1e-7} if kept_rows == 8 else {"rtol": 1e-4, "atol": 1e-6}
     for a, b in zip(results["off"][0], results["kept"][0], strict=True):
         torch.testing.assert_close(a, b, **tolerance)
