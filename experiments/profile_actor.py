@@ -102,7 +102,7 @@ def weights_restored(policy) -> Iterator[None]:
 
 def make_actor(policy, args: argparse.Namespace, prefix_cache: str, epochs: int) -> Actor:
     cfg = GRPOConfig(micro_batch=args.micro_batch, update_epochs=epochs, prefix_cache=prefix_cache,
-                     filter_groups=False, seed=args.seed)
+                     prefix_cache_gib=args.prefix_cache_gib, filter_groups=False, seed=args.seed)
     return Actor(policy, cfg, show_progress=False)
 
 
@@ -116,7 +116,8 @@ def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: 
         with weights_restored(policy):
             old = []
             recompute_s = synchronised_seconds(device, lambda: old.append(actor.recompute(rows)))
-            train_s = synchronised_seconds(device, lambda: actor.train(rows))
+            metrics = {}
+            train_s = synchronised_seconds(device, lambda: metrics.update(actor.train(rows)))
     except torch.OutOfMemoryError as error:
         return {"out_of_memory": str(error).splitlines()[0]}
     finally:
@@ -128,9 +129,11 @@ def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: 
            **gap_metrics(old[0], rows.rollout_logprob, 0.2, 0.2)}
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    out["prefix_cache_rows"] = metrics.get("train/prefix_cache_rows")
     print(f"prefix_cache={prefix_cache}: recompute {recompute_s:.2f} s, train {train_s:.2f} s "
           f"({args.epochs} epochs), ~{out['epoch_s_estimate']:.2f} s an epoch, "
-          f"gap to the engine {out['rollout/logprob_gap']:.4f} nats")
+          f"gap to the engine {out['rollout/logprob_gap']:.4f} nats"
+          + ("" if out["prefix_cache_rows"] is None else f", {out['prefix_cache_rows']} rows kept"))
     return out
 
 
@@ -181,6 +184,8 @@ def main() -> None:
     parser.add_argument("--prefix-cache", nargs="+", default=["off", "host"], choices=["off", "host", "device"],
                         help="grpo.prefix_cache settings to time, in order")
     parser.add_argument("--profile-prefix-cache", default="off", choices=["off", "host", "device"])
+    parser.add_argument("--prefix-cache-gib", type=float, default=None,
+                        help="grpo.prefix_cache_gib of the kept settings (default: every row kept)")
     parser.add_argument("--frozen-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="policy.frozen_dtype of the trainer (auto: unset, fp32 like the trained weights)")
     parser.add_argument("--top", type=int, default=40, help="ops kept in the JSON, by device time")

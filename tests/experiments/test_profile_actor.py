@@ -29,6 +29,14 @@ def test_a_small_run_times_each_setting_and_labels_the_stages(monkeypatch, tmp_p
     for label in ("stage/prefix_stack", "stage/expert_velocity", "stage/vision_and_embed"):
         assert record["profile"]["stages"][label]["calls"] > 0, label
     assert [getattr(cls, name) for cls, name, _ in profile_actor.STAGES] == before  # the labels came off again
+    assert record["timed"]["off"]["prefix_cache_rows"] is None and record["timed"]["host"]["prefix_cache_rows"] == 8
+
+
+def test_a_budget_keeps_only_the_rows_that_fit(monkeypatch, tmp_path):
+    run(monkeypatch, "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1", "--prefix-cache",
+        "device", "--prefix-cache-gib", "0", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("profile_actor_*.json")
+    assert json.loads(path.read_text())["timed"]["device"]["prefix_cache_rows"] == 0
 
 
 @pytest.mark.parametrize("argv", [["--epochs", "0"], ["--rows", "6", "--batch", "4"],
