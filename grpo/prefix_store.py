@@ -20,7 +20,7 @@ others are not (the actor recomputes their prefix in every epoch), so a recipe w
 the card holds still gains on the rows that fit instead of running out of memory. `key_dtype`: the keys are kept
 in it. The prefix stack leaves its keys in fp32 (RoPE runs in the trainer's fp32) and its values in bf16 under
 autocast, where the expert's attention casts both to bf16 anyway: the actor keeps them in bf16 there, a third less
-memory (a LIBERO row of the full pi0.5 measured 16.2 MB before) and the same log-probs.
+memory (a LIBERO row of the full pi0.5 measured 16.2 MiB before) and the same log-probs.
 The caches of one update share their prefix length (the rows' prompts are stored at one width, and
 `observation_from_rows` masks a camera slot in every row or in none, so every micro-batch keeps the same slots);
 a cache of another shape is refused.
