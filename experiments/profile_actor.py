@@ -102,7 +102,8 @@ def weights_restored(policy) -> Iterator[None]:
 
 def make_actor(policy, args: argparse.Namespace, prefix_cache: str, epochs: int) -> Actor:
     cfg = GRPOConfig(micro_batch=args.micro_batch, update_epochs=epochs, prefix_cache=prefix_cache,
-                     prefix_cache_gib=args.prefix_cache_gib, filter_groups=False, seed=args.seed)
+                     prefix_cache_gib=None if prefix_cache == "off" else args.prefix_cache_gib,
+                     filter_groups=False, seed=args.seed)
     return Actor(policy, cfg, show_progress=False)
 
 

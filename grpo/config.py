@@ -117,6 +117,9 @@ class GRPOConfig:
         check_choice("grpo.prefix_cache", self.prefix_cache, PREFIX_CACHES)
         if self.prefix_cache_gib is not None:
             _check_range("grpo.prefix_cache_gib", self.prefix_cache_gib, 0.0, 2.0**20)  # finite: bytes are ints
+            if self.prefix_cache == "off":
+                raise ValueError(f"grpo.prefix_cache_gib={self.prefix_cache_gib} caps kept prefix caches, but "
+                                 "grpo.prefix_cache is off: set grpo.prefix_cache=device (or host), or drop the cap")
         for key in ("kl_coef", "weight_decay"):
             _check_range(f"grpo.{key}", getattr(self, key), 0.0, math.inf)
         _check_number("grpo.entropy_coef", self.entropy_coef)

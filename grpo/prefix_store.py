@@ -118,8 +118,16 @@ class RowPrefixes:
         self.capacity = min(self.rows, fit)
         pin = self.where == "host" and torch.cuda.is_available() and self.capacity > 0
         device = torch.device("cpu") if self.where == "host" else like.offsets.device
-        buffers = [torch.empty((self.capacity, *t.shape[1:]), dtype=t.dtype, device=device, pin_memory=pin)
-                   for t in _tensors(like)]
+        try:
+            buffers = [torch.empty((self.capacity, *t.shape[1:]), dtype=t.dtype, device=device, pin_memory=pin)
+                       for t in _tensors(like)]
+        except torch.OutOfMemoryError as error:  # the update's caches do not fit: say which key caps them
+            need = self.capacity * self.row_bytes / 2**30
+            raise torch.OutOfMemoryError(
+                f"grpo.prefix_cache={self.where}: the kept prefix caches of {self.capacity} rows need {need:.2f} GiB "
+                f"({self.row_bytes / 2**20:.2f} MiB a row) and {device} has no room for them; set "
+                f"grpo.prefix_cache_gib to what fits (the other rows recompute their prefix) or "
+                f"grpo.prefix_cache=off") from error
         self._slots = PrefixCache(*_regroup(like, buffers))
 
 

@@ -114,6 +114,7 @@ def test_bad_override_on_the_command_line_writes_nothing(tmp_path):
     (["grpo.prefix_cache=host", "grpo.actor_parallel.mode=ddp"], "one-process actor only"),
     (["grpo.prefix_cache=gpu"], "grpo.prefix_cache must be one of"),
     (["grpo.prefix_cache=device", "grpo.prefix_cache_gib=-1"], r"grpo.prefix_cache_gib must be in \[0.0, "),
+    (["grpo.prefix_cache_gib=4"], r"grpo.prefix_cache_gib=4.0 caps kept prefix caches, but grpo.prefix_cache is off"),
     (["grpo.prefix_cache=device", "policy.fast.enabled=true", "policy.fast.consistent_recompute=true",
       "policy.fast.attention=sdpa"],
      "exclude each other"),

@@ -124,6 +124,18 @@ def test_keys_are_kept_in_the_asked_dtype():
         torch.testing.assert_close(kept, computed, rtol=0, atol=0)
 
 
+def test_caches_that_do_not_fit_name_the_key_that_caps_them(monkeypatch):
+    policy, _, _, whole = rows_and_cache(2)
+    store = RowPrefixes("device", rows=1000)
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(torch, "empty", no_room)
+    with pytest.raises(torch.OutOfMemoryError, match=r"prefix caches of 1000 rows need .* set grpo.prefix_cache_gib"):
+        store.add(torch.tensor([0, 1]), whole)
+
+
 def update_rows():
     policy = tiny_policy()
     return policy, sampled_rows(policy, 8, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2))
