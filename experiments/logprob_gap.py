@@ -33,7 +33,7 @@ from grpo.actor import Actor, gap_metrics
 from grpo.config import GRPOConfig
 from grpo.distributed import full_parameters
 from grpo.samples import Samples
-from grpo.trainer import trainer_policy_config
+from grpo.trainer import resolve_device, trainer_policy_config
 from policies import PolicyConfig, build_policy
 from rollout.config import EngineConfig
 from rollout.engine import PolicyEngine
@@ -60,13 +60,6 @@ def policy_config(args: argparse.Namespace, cuda: bool) -> PolicyConfig:
         overrides["fast"].update(attention="sdpa", batch_buckets=[args.batch], prompt_buckets=[args.prompt_bucket],
                                  consistent_recompute=True)
     return PolicyConfig.preset(args.policy, **overrides)
-
-
-def device_from_arg(value: str) -> torch.device:
-    """--device: "auto" is cuda where torch sees a GPU, else cpu; anything else as torch.device spells it."""
-    if value == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(value)
 
 
 def raw_observations(cfg: PolicyConfig, n: int, seed: int) -> dict:
@@ -116,7 +109,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    device = device_from_arg(args.device)
+    device = resolve_device(args.device)  # "auto": cuda where torch sees a GPU, else cpu
     cuda = device.type == "cuda"
     cfg = policy_config(args, cuda)
     trainer_policy = build_policy(trainer_policy_config(cfg), device)
