@@ -97,10 +97,11 @@ class RowPrefixes:
         fits = min(len(rows), self.capacity - taken)
         if fits <= 0:
             return
-        slots = torch.arange(taken, taken + fits)
+        # slots are handed out in order, so the rows kept fill a run of them: one slice copy per tensor (device to
+        # pinned host directly in "host" mode)
         for slot, part in zip(_tensors(self._slots), _tensors(cache), strict=True):
-            _copy_rows(slot, slots, part[:fits])
-        self._slot[rows[:fits]] = slots
+            slot[taken:taken + fits].copy_(part[:fits])
+        self._slot[rows[:fits]] = torch.arange(taken, taken + fits)
 
     def gather(self, rows: Tensor, device: torch.device) -> PrefixCache:
         """The kept caches of `rows`, in that order, on `device`."""
@@ -113,7 +114,7 @@ class RowPrefixes:
 
     def _allocate(self, like: PrefixCache) -> None:
         """Slots for every row, or for as many as the budget holds (maybe none)."""
-        self.row_bytes = sum(t[0].numel() * t.element_size() for t in _tensors(like))
+        self.row_bytes = row_bytes(like)
         fit = self.rows if self.budget_bytes is None else self.budget_bytes // max(self.row_bytes, 1)
         self.capacity = min(self.rows, fit)
         pin = self.where == "host" and torch.cuda.is_available() and self.capacity > 0
@@ -131,6 +132,11 @@ class RowPrefixes:
         self._slots = PrefixCache(*_regroup(like, buffers))
 
 
+def row_bytes(cache: PrefixCache) -> int:
+    """One row's bytes of `cache` (every tensor's, as stored)."""
+    return sum(t[0].numel() * t.element_size() for t in _tensors(cache))
+
+
 def _tensors(cache: PrefixCache) -> list[Tensor]:
     return [*cache.keys, *cache.values, cache.pad_mask, cache.offsets]
 
@@ -139,13 +145,6 @@ def _regroup(like: PrefixCache, flat: list[Tensor]) -> tuple[list[Tensor], list[
     """`flat` (in `_tensors` order) as PrefixCache's fields, with `like`'s layer count."""
     layers = len(like.keys)
     return flat[:layers], flat[layers:2 * layers], flat[2 * layers], flat[2 * layers + 1]
-
-
-def _copy_rows(slot: Tensor, slots: Tensor, part: Tensor) -> None:
-    """part's rows into the buffer's `slots`, a run (slots are handed out in order): one slice copy, device to
-    pinned host directly."""
-    first = int(slots[0])
-    slot[first:first + len(slots)].copy_(part)
 
 
 def _read_rows(slot: Tensor, rows: Tensor, device: torch.device) -> Tensor:

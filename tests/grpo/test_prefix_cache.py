@@ -9,7 +9,7 @@ import torch
 from grpo.actor import Actor
 from grpo.config import GRPOConfig
 from grpo.observations import observation_from_rows
-from grpo.prefix_store import RowPrefixes
+from grpo.prefix_store import RowPrefixes, row_bytes
 from policies.models.pi05 import PrefixCache
 from tests.grpo.helpers import sampled_rows, tiny_policy
 
@@ -90,19 +90,21 @@ def test_a_cache_of_another_prefix_length_is_refused():
 
 def test_a_budget_keeps_the_first_rows_that_fit():
     policy, _, _, whole = rows_and_cache(6)
-    row_bytes = sum(t[0].numel() * t.element_size() for t in [*whole.keys, *whole.values, whole.pad_mask,
-                                                                 whole.offsets])
-    store = RowPrefixes("host", rows=6, budget_bytes=int(2.5 * row_bytes))
+    # counted here, not with prefix_store.row_bytes: the store's own count is what this checks
+    one_row = sum(t[0].numel() * t.element_size() for t in [*whole.keys, *whole.values, whole.pad_mask,
+                                                            whole.offsets])
+    assert row_bytes(whole) == one_row
+    store = RowPrefixes("host", rows=6, budget_bytes=int(2.5 * one_row))
     store.add(torch.tensor([3]), whole.index_select(torch.tensor([3])))
     store.add(torch.tensor([0, 1, 2]), whole.index_select(torch.tensor([0, 1, 2])))
-    assert (store.capacity, len(store), store.kept_bytes) == (2, 2, 2 * row_bytes)
+    assert (store.capacity, len(store), store.kept_bytes) == (2, 2, 2 * one_row)
     assert store.kept(torch.tensor([0, 1, 2, 3, 7])).tolist() == [True, False, False, True, False]
     assert_same_cache(store.gather(torch.tensor([0, 3]), policy.device), whole.index_select(torch.tensor([0, 3])))
     with pytest.raises(KeyError, match=r"no kept prefix cache for rows \[1\]"):
         store.gather(torch.tensor([3, 1]), policy.device)
     with pytest.raises(ValueError, match=r"rows \[1\] were already added"):  # added, though not kept
         store.add(torch.tensor([1]), whole.index_select(torch.tensor([1])))
-    nothing = RowPrefixes("device", rows=6, budget_bytes=row_bytes - 1)
+    nothing = RowPrefixes("device", rows=6, budget_bytes=one_row - 1)
     nothing.add(torch.arange(6), whole)
     assert (nothing.capacity, len(nothing)) == (0, 0)
     with pytest.raises(ValueError, match="at least 0 bytes, got -1"):
@@ -117,9 +119,8 @@ def test_keys_are_kept_in_the_asked_dtype():
     assert {k.dtype for k in got.keys} == {torch.bfloat16}
     for kept, computed in zip(got.keys, whole.index_select(torch.tensor([2, 0])).keys, strict=True):
         torch.testing.assert_close(kept, computed.to(torch.bfloat16), rtol=0, atol=0)
-    assert_same_cache(PrefixCache(got.keys, [], got.pad_mask, got.offsets),
-                      PrefixCache(got.keys, [], *[t.index_select(0, torch.tensor([2, 0]))
-                                                 for t in (whole.pad_mask, whole.offsets)]))
+    for kept, computed in ((got.pad_mask, whole.pad_mask), (got.offsets, whole.offsets)):
+        torch.testing.assert_close(kept, computed.index_select(0, torch.tensor([2, 0])), rtol=0, atol=0)
     for kept, computed in zip(got.values, whole.index_select(torch.tensor([2, 0])).values, strict=True):
         torch.testing.assert_close(kept, computed, rtol=0, atol=0)
 
@@ -149,7 +150,7 @@ def one_row_gib(bf16: bool) -> float:
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         cache = policy.prefix_cache(inputs)
     keys = [k.to(torch.bfloat16) if bf16 else k for k in cache.keys]
-    return sum(t.numel() * t.element_size() for t in [*keys, *cache.values, cache.pad_mask, cache.offsets]) / 2**30
+    return row_bytes(PrefixCache(keys, cache.values, cache.pad_mask, cache.offsets)) / 2**30
 
 
 @pytest.mark.parametrize("settings", [{"prefix_cache": "device"}, {"prefix_cache": "host"},
