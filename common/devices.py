@@ -48,6 +48,14 @@ def visible_cuda_index(key: str, name: str | torch.device, cuda_count: int) -> i
     raise ValueError(f"{key} is {text!r}, but only {cuda_count} GPU(s) are visible (cuda:0..cuda:{cuda_count - 1})")
 
 
+def auto_device(name: str | torch.device) -> torch.device:
+    """A script's or config's device setting as a device: "auto" is the GPU where torch sees one, else the CPU;
+    any other name is taken as it is ("cuda" without an index: the current GPU, as torch reads it)."""
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def device_context(device: torch.device | str):
     """Make `device` current (kernels, streams, graph capture) for a CUDA device; nothing otherwise."""
     device = torch.device(device)

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from common.config import is_int
+from common.devices import auto_device
 from experiments import bench_predict_common as common
 from experiments import bench_predict_compiled as compiled_side
 from experiments import bench_predict_lerobot as lerobot_side
@@ -198,11 +199,6 @@ def add_bf16_variant(variants: dict, core, cfg: PolicyConfig, bench: BenchPredic
     built = common.memory_since(mark, device)
     variants["lerobot_bf16"] = (clone, built["resident_mib"] if built else lerobot_side.param_mib(clone))
     result["weights_mib"]["lerobot_bf16"] = lerobot_side.param_mib(clone)
-
-
-def run_device(bench: BenchPredictConfig) -> torch.device:
-    """bench.device, "auto" being the GPU where there is one."""
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if bench.device == "auto" else bench.device)
 
 
 def configuration_cfg(name: str, base: PolicyConfig, device: torch.device) -> PolicyConfig:
@@ -460,7 +456,7 @@ def main(cfg: DictConfig) -> None:
     bench = BenchPredictConfig(**OmegaConf.to_container(cfg.bench, resolve=True))
     budget = common.Budget(bench.time_budget_s)
     base = PolicyConfig.from_mapping(cfg.policy)
-    device = run_device(bench)
+    device = auto_device(bench.device)
     if bench.gap_skipped():
         print(f"{bench.gap_skipped()}: no log-prob gap measured (recorded)")
     ceilings = measure_ceilings(device)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.devices import auto_device
 from policies.config import PolicyConfig
 from policies.observation import ModelInputs
 
@@ -39,7 +40,7 @@ CONFIGURATIONS = {
 
 def run_device_and_dtype() -> tuple[torch.device, str]:
     """The GPU in bf16 where there is one, else the CPU in fp32 (the scripts' smoke runs)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = auto_device("auto")
     return device, "bfloat16" if device.type == "cuda" else "float32"
 
 

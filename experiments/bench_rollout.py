@@ -53,6 +53,7 @@ from common.config import (
     reject_unknown_keys,
     repeated_entries,
 )
+from common.devices import auto_device
 from envs.config import EnvConfig, register_hydra_schema
 from experiments.bench_rollout_baseline import measure_baseline
 from experiments.results import write_result
@@ -302,15 +303,8 @@ def close_tracing(tracing: dict) -> dict[str, str]:
 # ----------------------------------------------------------------------------- run
 
 
-def resolve_device(device: str) -> torch.device:
-    """A bench's `device` setting ("auto", "cpu", "cuda") as the device it runs on."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, bench: BenchRolloutConfig) -> dict:
-    device = resolve_device(bench.device)
+    device = auto_device(bench.device)
     if device.type == "cuda":
         policy_cfg = policy_cfg.replace(fast={"enabled": True})
     # intra-op threads spinning against the busy env workers slow a CPU predict ~10x, and a CUDA one's
@@ -411,7 +405,7 @@ def main(cfg: DictConfig) -> None:
     bench = BenchRolloutConfig(**bench_data)
     payload = run(env_cfg, policy_cfg, rollout, bench)
     write_result("bench_rollout", payload, summarize(env_cfg, payload), bench.out_dir, commit=bench.commit,
-                 device=resolve_device(bench.device))
+                 device=auto_device(bench.device))
 
 
 if __name__ == "__main__":

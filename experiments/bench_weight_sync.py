@@ -35,6 +35,7 @@ import torch.multiprocessing as tmp
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from common.devices import auto_device
 from experiments.results import measured_or_recorded, write_result
 from policies import PolicyConfig
 from rollout.config import EngineConfig
@@ -333,7 +334,7 @@ def print_table(s: dict) -> None:
 def main(cfg: DictConfig) -> None:
     bench = BenchWeightSyncConfig(**OmegaConf.to_container(cfg.bench, resolve=True))
     policy_cfg = PolicyConfig.from_mapping(cfg.policy)
-    device = ("cuda:0" if torch.cuda.is_available() else "cpu") if bench.device == "auto" else bench.device
+    device = str(auto_device(bench.device))
     if device == "cpu":
         torch.set_num_threads(1)  # small CPU copies: extra threads only wait on each other
     print(f"device {device}; policy {policy_cfg.name} ({policy_cfg.dtype})")

@@ -26,6 +26,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from common.devices import auto_device
 from experiments.results import measured_or_recorded, write_result
 from worldmodels.bench_tools import profile_gemms, run_closed_loop, time_regeneration, time_sequential
 from worldmodels.config import WorldModelConfig
@@ -72,12 +73,6 @@ class BenchWorldModelConfig:
         for name in ("warmup_chunks", "chunks_per_stream", "lookahead", "sequential_chunks", "regenerate_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"bench.{name} must be >= 1, got {getattr(self, name)}")
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def model_config(raw, device: torch.device) -> WorldModelConfig:
@@ -281,7 +276,7 @@ def summarize(p: dict) -> dict:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_worldmodel")
 def main(raw: DictConfig) -> None:
     bench = BenchWorldModelConfig(**OmegaConf.to_container(raw.bench, resolve=True))
-    device = pick_device(bench.device)
+    device = auto_device(bench.device)
     if device.type == "cpu":
         torch.set_num_threads(bench.cpu_threads)
     cfg = model_config(OmegaConf.to_container(raw.worldmodel, resolve=True), device)

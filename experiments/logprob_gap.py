@@ -28,12 +28,13 @@ import time
 import numpy as np
 import torch
 
+from common.devices import auto_device
 from experiments.results import write_result
 from grpo.actor import Actor, gap_metrics
 from grpo.config import GRPOConfig
 from grpo.distributed import full_parameters
 from grpo.samples import Samples
-from grpo.trainer import resolve_device, trainer_policy_config
+from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
 from rollout.config import EngineConfig
 from rollout.engine import PolicyEngine
@@ -109,7 +110,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    device = resolve_device(args.device)  # "auto": cuda where torch sees a GPU, else cpu
+    device = auto_device(args.device)  # "auto": cuda where torch sees a GPU, else cpu
     cuda = device.type == "cuda"
     cfg = policy_config(args, cuda)
     trainer_policy = build_policy(trainer_policy_config(cfg), device)

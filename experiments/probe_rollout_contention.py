@@ -44,9 +44,9 @@ from common.config import (
     reject_unknown_keys,
     repeated_entries,
 )
+from common.devices import auto_device
 from envs.config import EnvConfig, register_hydra_schema
 from envs.vector import VectorEnvBase, make_vector_env
-from experiments.bench_rollout import resolve_device
 from experiments.results import write_result
 from policies import PolicyConfig
 from rollout.config import RolloutConfig
@@ -277,7 +277,7 @@ def check_env(env_cfg: Any) -> None:
 
 def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, probe: ContentionProbeConfig) -> dict:
     check_env(env_cfg)
-    device = resolve_device(probe.device)
+    device = auto_device(probe.device)
     if device.type == "cuda":
         policy_cfg = policy_cfg.replace(fast={"enabled": True})
     engine_cfg = dataclasses.replace(rollout.engine, devices=str(device) if rollout.engine.devices == "auto"
@@ -346,7 +346,7 @@ def main(cfg: DictConfig) -> None:
     probe = ContentionProbeConfig(**reject_unknown_keys(ContentionProbeConfig, cfg.probe, "probe"))
     payload = run(env_cfg, policy_cfg, rollout, probe)
     write_result("probe_rollout_contention", payload, summarize(payload), probe.out_dir, commit=probe.commit,
-                 device=resolve_device(probe.device))
+                 device=auto_device(probe.device))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from common.devices import auto_device
 from experiments.logprob_gap import policy_config, rollout_rows
 from experiments.results import write_result
 from grpo.actor import Actor, gap_metrics
@@ -37,7 +38,7 @@ from grpo.config import GRPOConfig
 from grpo.distributed import full_parameters
 from grpo.prefix_store import RowPrefixes
 from grpo.samples import Samples
-from grpo.trainer import resolve_device, trainer_policy_config
+from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
 from policies.models.pi05 import PI05Model
 from policies.policy import Policy
@@ -203,7 +204,7 @@ def main() -> None:
     if len(set(args.prefix_cache)) != len(args.prefix_cache):
         parser.error(f"--prefix-cache names a setting twice: {args.prefix_cache}")
 
-    device = resolve_device(args.device)
+    device = auto_device(args.device)
     cuda = device.type == "cuda"
     # the LIBERO RL configuration of logprob_gap: chunk 10, 4 steps, noise 0.5, fast path on CUDA, no pinning
     shape = argparse.Namespace(policy=args.policy, chunk=10, steps=4, fast="auto", consistent="off",

@@ -27,6 +27,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from common.devices import auto_device
 from envs.config import EnvConfig, register_hydra_schema
 from experiments.results import write_result
 from policies import PolicyConfig
@@ -59,7 +60,7 @@ class RolloutProfileConfig:
             raise ValueError(f"rollout.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
     def resolved_device(self) -> str:
-        return ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        return str(auto_device(self.device))
 
 
 def _device_type(name: str) -> str | None:

@@ -29,9 +29,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from common.devices import auto_device
 from experiments import bench_predict_common as common
 from experiments import bench_predict_compiled as compiled_side
-from experiments.bench_predict import BenchPredictConfig, compile_jobs, configuration_cfg, run_device
+from experiments.bench_predict import BenchPredictConfig, compile_jobs, configuration_cfg
 from experiments.results import write_result
 from policies.config import PolicyConfig
 
@@ -49,7 +50,7 @@ def main(cfg: DictConfig) -> None:
     bench = BenchPredictConfig(**OmegaConf.to_container(cfg.bench, resolve=True))
     if not bench.lerobot_compile_cache_dir:
         raise ValueError("bench.lerobot_compile_cache_dir is null: a warm-up needs a cache directory to fill")
-    device = run_device(bench)
+    device = auto_device(bench.device)
     jobs = warm_jobs(bench, PolicyConfig.from_mapping(cfg.policy), device)
     outs, cache = compiled_side.run_compile_jobs(
         jobs, compile_s=bench.lerobot_compile_budget_s, timing_s_per_batch=FINISH_S, device=device,

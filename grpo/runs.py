@@ -74,11 +74,12 @@ def write_config(run_dir: Path, cfg: ExperimentConfig) -> Path:
 
 def run_evaluation(cfg: ExperimentConfig, run_dir: Path) -> dict:
     """ODE evaluation of the initial weights or eval.checkpoint: table, eval.json, videos, wandb."""
+    from common.devices import auto_device
     from grpo import checkpoint
     from grpo.distributed import full_parameters
     from grpo.evaluate import Evaluator
     from grpo.reporting import WandbRun
-    from grpo.trainer import resolve_device, seed_everything, trainer_policy_config
+    from grpo.trainer import seed_everything, trainer_policy_config
     from policies import build_policy
     from rollout.engine import PolicyEngine
 
@@ -93,7 +94,7 @@ def run_evaluation(cfg: ExperimentConfig, run_dir: Path) -> dict:
         engine = PolicyEngine(cfg.rollout.engine, cfg.policy, cfg.rollout.weights)
         step = 0
         if cfg.eval.checkpoint:
-            policy = build_policy(trainer_policy_config(cfg.policy), resolve_device(cfg.run.device))
+            policy = build_policy(trainer_policy_config(cfg.policy), auto_device(cfg.run.device))
             step = checkpoint.load_model_weights(policy.model, cfg.eval.checkpoint)
             engine.update_weights(full_parameters(policy.model, full=True), version=max(step, 1))
             del policy

@@ -53,12 +53,6 @@ from rollout.weights_push import PushTiming, make_pusher
 CURVE_FILE = "success_rate.png"
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

@@ -4,8 +4,19 @@ and the world-model server's ServeConfig.check_visible both use it), every refus
 from __future__ import annotations
 
 import pytest
+import torch
 
-from common.devices import visible_cuda_index
+from common.devices import auto_device, visible_cuda_index
+
+
+@pytest.mark.parametrize(("cuda", "expected"), [(True, "cuda"), (False, "cpu")])
+def test_auto_is_the_gpu_where_torch_sees_one(monkeypatch, cuda, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert auto_device("auto") == torch.device(expected)
+    # any other name is taken as written, whatever the machine has
+    assert auto_device("cpu") == torch.device("cpu")
+    assert auto_device("cuda:1") == torch.device("cuda", 1)
+    assert auto_device(torch.device("cuda", 2)) == torch.device("cuda", 2)
 
 
 @pytest.mark.parametrize(("name", "count", "index"), [
