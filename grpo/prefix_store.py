@@ -83,14 +83,12 @@ class RowPrefixes:
             raise ValueError(f"row ids named twice in one cache: {rows[:8].tolist()}")
         if not len(rows):
             return
-        if self.key_dtype is not None:
-            cache = PrefixCache([k.to(self.key_dtype) for k in cache.keys], cache.values, cache.pad_mask,
-                                cache.offsets)
         if self.capacity is None:
             self._allocate(cache)
-        for slot, part in zip(_tensors(self._slots), _tensors(cache), strict=True):
-            if slot.shape[1:] != part.shape[1:] or slot.dtype != part.dtype:
-                raise ValueError(f"a prefix cache tensor of shape {tuple(part.shape[1:])} / {part.dtype} per row, "
+        for slot, part, dtype in zip(_tensors(self._slots), _tensors(cache), stored_dtypes(cache, self.key_dtype),
+                                     strict=True):
+            if slot.shape[1:] != part.shape[1:] or slot.dtype != dtype:
+                raise ValueError(f"a prefix cache tensor of shape {tuple(part.shape[1:])} / {dtype} per row, "
                                  f"the store keeps {tuple(slot.shape[1:])} / {slot.dtype} (one shape per update)")
         self._seen[rows] = True
         taken = len(self)
@@ -98,7 +96,8 @@ class RowPrefixes:
         if fits <= 0:
             return
         # slots are handed out in order, so the rows kept fill a run of them: one slice copy per tensor (device to
-        # pinned host directly in "host" mode)
+        # pinned host directly in "host" mode), which also converts the keys to key_dtype (as .to() would), for the
+        # kept rows only
         for slot, part in zip(_tensors(self._slots), _tensors(cache), strict=True):
             slot[taken:taken + fits].copy_(part[:fits])
         self._slot[rows[:fits]] = torch.arange(taken, taken + fits)
@@ -114,14 +113,15 @@ class RowPrefixes:
 
     def _allocate(self, like: PrefixCache) -> None:
         """Slots for every row, or for as many as the budget holds (maybe none)."""
-        self.row_bytes = row_bytes(like)
+        dtypes = stored_dtypes(like, self.key_dtype)
+        self.row_bytes = row_bytes(like, self.key_dtype)
         fit = self.rows if self.budget_bytes is None else self.budget_bytes // max(self.row_bytes, 1)
         self.capacity = min(self.rows, fit)
         pin = self.where == "host" and torch.cuda.is_available() and self.capacity > 0
         device = torch.device("cpu") if self.where == "host" else like.offsets.device
         try:
-            buffers = [torch.empty((self.capacity, *t.shape[1:]), dtype=t.dtype, device=device, pin_memory=pin)
-                       for t in _tensors(like)]
+            buffers = [torch.empty((self.capacity, *t.shape[1:]), dtype=dtype, device=device, pin_memory=pin)
+                       for t, dtype in zip(_tensors(like), dtypes, strict=True)]
         except torch.OutOfMemoryError as error:  # the update's caches do not fit: say which key caps them
             need = self.capacity * self.row_bytes / 2**30
             raise torch.OutOfMemoryError(
@@ -132,9 +132,16 @@ class RowPrefixes:
         self._slots = PrefixCache(*_regroup(like, buffers))
 
 
-def row_bytes(cache: PrefixCache) -> int:
-    """One row's bytes of `cache` (every tensor's, as stored)."""
-    return sum(t[0].numel() * t.element_size() for t in _tensors(cache))
+def stored_dtypes(cache: PrefixCache, key_dtype: torch.dtype | None = None) -> list[torch.dtype]:
+    """The dtype each of `cache`'s tensors (in `_tensors` order) is kept in: the keys in `key_dtype` if given."""
+    layers = len(cache.keys)
+    return [key_dtype if key_dtype is not None and i < layers else t.dtype for i, t in enumerate(_tensors(cache))]
+
+
+def row_bytes(cache: PrefixCache, key_dtype: torch.dtype | None = None) -> int:
+    """One row's bytes of `cache` as a store keeps it (its keys in `key_dtype` if given)."""
+    return sum(t[0].numel() * dtype.itemsize for t, dtype in zip(_tensors(cache), stored_dtypes(cache, key_dtype),
+                                                                 strict=True))
 
 
 def _tensors(cache: PrefixCache) -> list[Tensor]:

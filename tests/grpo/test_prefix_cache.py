@@ -125,6 +125,30 @@ def test_keys_are_kept_in_the_asked_dtype():
         torch.testing.assert_close(kept, computed, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_a_budget_counts_the_keys_in_their_kept_dtype(where):
+    policy, _, _, whole = rows_and_cache(3)
+    assert {k.dtype for k in whole.keys} == {torch.float32}
+    # counted by hand: the keys at 2 bytes an element, the rest as computed
+    one_row = sum(k[0].numel() * 2 for k in whole.keys) + sum(
+        t[0].numel() * t.element_size() for t in [*whole.values, whole.pad_mask, whole.offsets])
+    assert row_bytes(whole, torch.bfloat16) == one_row < row_bytes(whole)
+    store = RowPrefixes(where, rows=3, budget_bytes=2 * one_row, key_dtype=torch.bfloat16)
+    store.add(torch.arange(3), whole)  # two fit in bf16, where in fp32 only one would
+    assert (store.capacity, len(store), store.row_bytes, store.kept_bytes) == (2, 2, one_row, 2 * one_row)
+    got = store.gather(torch.tensor([1, 0]), policy.device)
+    for kept, computed in zip(got.keys, whole.index_select(torch.tensor([1, 0])).keys, strict=True):
+        torch.testing.assert_close(kept, computed.to(torch.bfloat16), rtol=0, atol=0)
+    # a cache whose keys already come in bf16 is the same kind of row
+    again = RowPrefixes(where, rows=2, key_dtype=torch.bfloat16)
+    again.add(torch.tensor([0]), whole.index_select(torch.tensor([0])))
+    row = whole.index_select(torch.tensor([1]))
+    again.add(torch.tensor([1]), PrefixCache([k.to(torch.bfloat16) for k in row.keys], row.values, row.pad_mask,
+                                             row.offsets))
+    assert_same_cache(again.gather(torch.tensor([1, 0]), policy.device), store.gather(torch.tensor([1, 0]),
+                                                                                       policy.device))
+
+
 def test_caches_that_do_not_fit_name_the_key_that_caps_them(monkeypatch):
     policy, _, _, whole = rows_and_cache(2)
     store = RowPrefixes("device", rows=1000)
@@ -149,8 +173,7 @@ def one_row_gib(bf16: bool) -> float:
     _, inputs = rows_inputs(policy, rows.without_prompt_padding().select(torch.tensor([0])))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         cache = policy.prefix_cache(inputs)
-    keys = [k.to(torch.bfloat16) if bf16 else k for k in cache.keys]
-    return row_bytes(PrefixCache(keys, cache.values, cache.pad_mask, cache.offsets)) / 2**30
+    return row_bytes(cache, torch.bfloat16 if bf16 else None) / 2**30
 
 
 @pytest.mark.parametrize("settings", [{"prefix_cache": "device"}, {"prefix_cache": "host"},
