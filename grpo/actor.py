@@ -14,7 +14,8 @@ Per step:
    forward/backward each; gradients accumulate; row weights normalised per global batch).
 Only `policy.trainable_parameters()` are optimised (the expert with policy.train_expert_only);
 on CUDA the forward runs under bf16 autocast (grpo.autocast). With grpo.prefix_cache the frozen prefix's
-K/V of every row come from the old-log-prob pass (1.) in every update epoch (grpo/prefix_store.py).
+K/V of every row come from the old-log-prob pass (1.) in every update epoch (grpo/prefix_store.py); with
+policy.fast.consistent_recompute they are the fast path's, restored into its buckets (the same bits).
 Data-parallel over several GPUs (grpo.actor_parallel): grpo/actor_group.py, same interface.
 train/entropy reports the Gaussian entropy of the rows' stochastic SDE steps; it is not in the
 loss (the std is not learned: see GRPOConfig.entropy_coef).
@@ -120,14 +121,14 @@ class Actor:
         """(R,) float32 chunk log-probs of the rows' stored transitions under `policy`. `prefix`: the rows'
         kept prefix K/V (grpo.prefix_cache); `keep` = (store, the rows' ids): compute it here and keep it."""
         obs = observation_from_rows(policy.cfg, rows.images, rows.states, rows.tokens, rows.token_mask, self.device)
+        chains, denoise_inds = rows.chains.to(self.device), rows.denoise_inds.to(self.device)
         with self.autocast():
-            if keep is not None:
+            if keep is not None:  # the prefix as this forward computes it (the plain model's or the fast path's)
                 store, ids = keep
-                obs = policy.inputs(obs)  # preprocessed once: the prefix below and log_prob both take it
-                with torch.no_grad():  # frozen (policy.train_expert_only, checked with the config)
-                    prefix = policy.prefix_cache(obs)
-                store.add(ids, prefix)
-            out = self._log_prob(policy, obs, rows.chains.to(self.device), rows.denoise_inds.to(self.device), prefix)
+                out = policy.log_prob(obs, chains, denoise_inds, return_prefix=True)
+                store.add(ids, out.prefix)
+                return out.chunk_logprob.float()
+            out = self._log_prob(policy, obs, chains, denoise_inds, prefix)
         return out.float()
 
     def _log_prob(self, policy, obs, chains: Tensor, denoise_inds: Tensor,
@@ -181,9 +182,11 @@ class Actor:
         prefixes = None
         if cfg.prefix_cache != "off":
             budget = None if cfg.prefix_cache_gib is None else int(cfg.prefix_cache_gib * 2**30)
-            # under autocast the expert's attention reads the keys in bf16: kept so (RoPE left them fp32), exact
+            # under autocast the plain expert's attention reads the keys in bf16: kept so (RoPE left them fp32),
+            # exact; the consistent recompute's come from the fast path in its own dtype, kept as they are
+            consistent = self.policy.cfg.fast.enabled and self.policy.cfg.fast.consistent_recompute
             prefixes = RowPrefixes(cfg.prefix_cache, rows=len(samples), budget_bytes=budget,
-                                   key_dtype=self.autocast_dtype())
+                                   key_dtype=None if consistent else self.autocast_dtype())
         old = self.recompute(samples, keep=prefixes)
         metrics = gap_metrics(old, samples.rollout_logprob, cfg.clip_low, cfg.clip_high)
         is_weight = losses.truncated_is_weight(old, samples.rollout_logprob, cfg.tis_cap) if cfg.tis else None

@@ -181,7 +181,7 @@ class ExperimentConfig:
     def _check_prefix_cache(self) -> None:
         """grpo.prefix_cache reuses the old-log-prob pass's prefix K/V in the update epochs: only right while the
         prefix does not train, and only the one-process actor takes it (the data-parallel one's wrapper forward
-        recomputes it; the consistent recompute runs the prefix through the fast path's graphs)."""
+        recomputes it). With the consistent recompute the kept K/V are the fast path's, copied back into its buckets."""
         where = self.grpo.prefix_cache
         if where == "off":
             return
@@ -191,9 +191,6 @@ class ExperimentConfig:
         if self.grpo.actor_parallel.mode != "none":
             raise ValueError(f"grpo.prefix_cache={where} is built for the one-process actor only, got "
                              f"grpo.actor_parallel.mode={self.grpo.actor_parallel.mode}")
-        if self.policy.fast.consistent_recompute:
-            raise ValueError(f"grpo.prefix_cache={where} and policy.fast.consistent_recompute=true exclude each "
-                             "other (the consistent recompute runs the prefix through the fast path's graphs)")
 
     def check_cross_group(self) -> None:
         env, pol, col = self.env, self.policy, self.collector

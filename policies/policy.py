@@ -218,6 +218,7 @@ class Policy(nn.Module):
         consistent: bool | None = None,
         fast_buckets: Tensor | None = None,
         prefix: PrefixCache | None = None,
+        return_prefix: bool = False,
     ) -> LogProbOutput:
         """Recompute log-probs of stored transitions with gradients. The prefix is recomputed
         (under no_grad when policy.train_expert_only); only the needed expert steps run: one per
@@ -226,8 +227,12 @@ class Policy(nn.Module):
         kernels at the rollout's bucket shapes, reproducing a fast-path rollout's log-probs bit for
         bit (policies/fast/recompute.py); `fast_buckets` (B, 2) = the rollout's
         `fast_sampler().last_buckets` rows, unless one-entry bucket lists pin them.
-        `prefix`: these rows' prefix K/V, computed earlier by `prefix_cache` from the same inputs and the same
-        frozen weights (policy.train_expert_only; GRPO's grpo.prefix_cache), used instead of recomputing it."""
+        `prefix`: these rows' prefix K/V, computed earlier from the same inputs and the same frozen weights
+        (policy.train_expert_only; GRPO's grpo.prefix_cache), used instead of recomputing it: by `prefix_cache`, or
+        the `prefix` of an earlier call's output; `return_prefix`: the output's `prefix` holds the rows' prefix K/V
+        for such later calls. A consistent call copies a given prefix into the fast path's bucket instead of running
+        vision and prefix there, so it takes a consistent call's own `prefix` (the bucket's layout: valid tokens
+        first, its prompt bucket's length; checked), and returns the rollout's log-probs bit for bit with it."""
         cfg, scfg = self.cfg, self.cfg.sampling
         mode = sampling.canonical_mode(mode, scfg.train_mode)
         if mode == "ode":
@@ -254,18 +259,16 @@ class Policy(nn.Module):
             raise ValueError(
                 f"denoise_inds must be in [0, {k}) for mode {mode!r}, got {denoise_inds.min()}..{denoise_inds.max()}"
             )
+        if prefix is not None:
+            check_given_prefix(prefix, b, cfg.train_expert_only)
         if cfg.fast.consistent_recompute if consistent is None else consistent:
-            if prefix is not None:
-                raise ValueError("log_prob: a given prefix cache and the consistent recompute exclude each other "
-                                 "(it runs the prefix through the fast path's own graphs)")
             from policies.fast.recompute import consistent_log_prob
 
-            return consistent_log_prob(self, inputs, chains, denoise_inds, mode, fast_buckets)
+            return consistent_log_prob(self, inputs, chains, denoise_inds, mode, fast_buckets, prefix, return_prefix)
         if prefix is None:
             with torch.set_grad_enabled(torch.is_grad_enabled() and not cfg.train_expert_only):
                 cache = self.prefix_cache(inputs)
         else:
-            check_given_prefix(prefix, b, cfg.train_expert_only)
             cache = prefix
         columns = [0] if mode == "sde" else list(range(k))
         step_lp = torch.stack(
@@ -283,7 +286,7 @@ class Policy(nn.Module):
             logprobs = sampling.reduce_logprobs(
                 mode, step_lp, chains, denoise_inds, cfg.logprob_chunk, cfg.action_dim
             )
-        return LogProbOutput(logprobs, logprobs.flatten(1).sum(dim=1), step_lp)
+        return LogProbOutput(logprobs, logprobs.flatten(1).sum(dim=1), step_lp, cache if return_prefix else None)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return self.model.trainable_parameters(self.cfg.train_expert_only)

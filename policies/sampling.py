@@ -50,6 +50,7 @@ class LogProbOutput:
     logprobs: Tensor  # (B, logprob_chunk, action_dim), same convention as SampleOutput.logprobs
     chunk_logprob: Tensor  # (B,)
     step_logprobs: Tensor  # (B, n, H, max_action_dim) for the n recomputed steps
+    prefix: PrefixCache | None = None  # the rows' prefix K/V, when log_prob was asked for it (return_prefix)
 
 
 def canonical_mode(mode: str, train_mode: str) -> str:

@@ -17,7 +17,9 @@ How, per micro-batch:
    it per row (`FastSampler.last_buckets` right after the rollout's sample call), or one-entry
    `policy.fast.batch_buckets` / `prompt_buckets` pin it for every row.
 2. Vision + prefix: the fast path's own stages (its CUDA graphs) under no_grad
-   (policy.train_expert_only: nothing there is trained).
+   (policy.train_expert_only: nothing there is trained). Or, given the rows' `prefix` (what an earlier
+   call returned with `return_prefix`: the K/V slots as the prefix stage wrote them; GRPO's
+   grpo.prefix_cache), those slots copied back into the bucket: the same bits without vision or prefix.
 3. Each needed step k: the rollout's expert velocity at x_k = chains[:, k] and a twin of its
    flow_step kernel scoring the stored chains[:, k+1] (flow_logprob.py), one CUDA graph per
    bucket and step; wrapped in autograd.ConsistentStep, whose backward is the plain model's fp32
@@ -44,10 +46,13 @@ from policies.sampling import LogProbOutput
 
 
 def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mode: str,
-                        fast_buckets: Tensor | None = None) -> LogProbOutput:
+                        fast_buckets: Tensor | None = None, prefix: PrefixCache | None = None,
+                        return_prefix: bool = False) -> LogProbOutput:
     """Policy.log_prob's consistent mode. inputs: ModelInputs on the policy's device; chains
     (B, K+1, H, D) fp32 and denoise_inds (B, K) long, already validated by Policy.log_prob;
-    mode "sde" or "sde_all"."""
+    mode "sde" or "sde_all". `prefix`: the rows' prefix K/V from an earlier consistent call's output
+    (`return_prefix`), copied into each chunk's bucket instead of running vision and prefix (grpo.prefix_cache):
+    the same bits as the stages would write, so the same log-probs and gradients."""
     cfg = policy.cfg
     if not cfg.fast.enabled:
         raise ValueError("consistent log_prob needs policy.fast.enabled=true: it reproduces the fast-path rollout "
@@ -65,7 +70,8 @@ def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mo
         named = velocity_parameters(policy.model)
         weights = [p for _, p in named]
         needs_grad = torch.is_grad_enabled() and (table.requires_grad or any(w.requires_grad for w in weights))
-        chunk = _ChunkRunner(sampler, inputs, chains, steps, len(columns), table, named, needs_grad)
+        chunk = _ChunkRunner(sampler, inputs, chains, steps, len(columns), table, named, needs_grad, prefix,
+                             return_prefix)
         pieces, index = [], []
         for key, rows in _groups(keys):
             for part in rows.split(key[0]):
@@ -80,7 +86,8 @@ def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mo
         logprobs = step_lp[:, 0, : cfg.logprob_chunk, : cfg.action_dim]
     else:
         logprobs = sampling.reduce_logprobs(mode, step_lp, chains, denoise_inds, cfg.logprob_chunk, cfg.action_dim)
-    return LogProbOutput(logprobs, logprobs.flatten(1).sum(dim=1), step_lp)
+    return LogProbOutput(logprobs, logprobs.flatten(1).sum(dim=1), step_lp,
+                         chunk.rows_prefix(b) if return_prefix else None)
 
 
 def row_buckets(fast, batch: int, fast_buckets: Tensor | None) -> Tensor:
@@ -121,17 +128,30 @@ def _groups(keys: Tensor):
 class _ChunkRunner:
     """Runs chunks of rows (at most one bucket each) through vision, prefix and the needed steps."""
 
-    def __init__(self, sampler, inputs, chains, steps, num_columns, table, named, needs_grad):
+    def __init__(self, sampler, inputs, chains, steps, num_columns, table, named, needs_grad,
+                 prefix: PrefixCache | None = None, keep_prefix: bool = False):
         self.sampler, self.inputs, self.chains, self.steps = sampler, inputs, chains, steps
         self.num_columns, self.table, self.needs_grad = num_columns, table, needs_grad
         self.names = tuple(name for name, _ in named)
         self.weights = [p for _, p in named]
+        self.prefix = prefix  # the call's rows' prefix K/V, given (restored into each bucket)
+        self.kept: list[tuple[Tensor, PrefixCache]] | None = [] if keep_prefix else None  # (rows, their K/V)
 
     def run(self, key: tuple[int, ...], part: Tensor):
         """Yields (log-probs (n, H, D), flat row*columns+column index) per distinct step of the rows."""
         sampler, dev = self.sampler, self.sampler.device
-        bucket = self._prefix(key, part)
-        cache = _snapshot(bucket, len(part)) if self.needs_grad else None
+        if self.prefix is None:
+            bucket = self._prepare(key, part, ("vision", "prefix"))  # the K/V caches filled
+            keep = self.needs_grad or self.kept is not None
+            cache = _snapshot(bucket, len(part)) if keep else None
+        else:
+            cache = self.prefix.index_select(part.to(self.prefix.offsets.device))
+            bucket = self._prepare(key, part)
+            _restore(bucket, cache)
+        if self.kept is not None:
+            self.kept.append((part, cache))
+        if not self.needs_grad:
+            cache = None
         chains = self.chains[part.to(self.chains.device)]
         steps = self.steps[part]
         for step in sorted(set(steps.flatten().tolist())):
@@ -148,8 +168,27 @@ class _ChunkRunner:
                     logp = run.forward()
             yield logp, (part[rows] * self.num_columns + cols).to(dev)
 
+    def rows_prefix(self, batch: int) -> PrefixCache | None:
+        """The kept chunks' prefix K/V as one cache in the call's row order (every row ran in one chunk)."""
+        if not self.kept:
+            return None
+        rows = torch.cat([part for part, _ in self.kept])
+        caches = [cache for _, cache in self.kept]
+        lengths = sorted({cache.pad_mask.shape[1] for cache in caches})
+        if len(lengths) > 1:
+            raise ValueError(f"consistent log_prob: these rows ran in buckets of several prefix lengths {lengths}, "
+                             "whose K/V cannot be kept as one cache; pin one prompt bucket "
+                             "(a one-entry policy.fast.prompt_buckets)")
+        order = torch.empty(batch, dtype=torch.long)
+        order[rows] = torch.arange(batch)  # row r's place in the chunks' concatenation
+        joined = PrefixCache(*[[torch.cat(layer) for layer in zip(*parts, strict=True)]
+                               for parts in ([c.keys for c in caches], [c.values for c in caches])],
+                             torch.cat([c.pad_mask for c in caches]), torch.cat([c.offsets for c in caches]))
+        return joined.index_select(order.to(joined.offsets.device))
+
     @torch.no_grad()
-    def _prefix(self, key: tuple[int, ...], part: Tensor):
+    def _prepare(self, key: tuple[int, ...], part: Tensor, stages: tuple[str, ...] = ()):
+        """The chunk's rows in their bucket (inputs, token layout, attention plans), then `stages` run."""
         sampler, inputs = self.sampler, self.inputs
         index = part.to(inputs.tokens.device)
         rows = type(inputs)(inputs.images[index], inputs.image_masks[index], inputs.tokens[index],
@@ -165,9 +204,10 @@ class _ChunkRunner:
                     raise ValueError(f"consistent log_prob: bucket {key} uses the {attn.name!r} attention backend, "
                                      "whose results depend on the other rows; set policy.fast.attention to 'sdpa' or "
                                      "'triton'")
-            sampler.precompile_stages(bucket, dict.fromkeys(("vision", "prefix")))
-            sampler.run_stage(bucket, "vision")
-            sampler.run_stage(bucket, "prefix")
+            if stages:
+                sampler.precompile_stages(bucket, dict.fromkeys(stages))
+            for stage in stages:
+                sampler.run_stage(bucket, stage)
         return bucket
 
 
@@ -177,6 +217,23 @@ def _fill_chains(bucket, chains: Tensor, step: int) -> None:
     buf[:n, step: step + 2].copy_(chains[:, step: step + 2])
     if n < len(buf):
         buf[n:, step: step + 2].copy_(buf[:1, step: step + 2].expand(len(buf) - n, -1, -1, -1))
+
+
+@torch.no_grad()
+def _restore(bucket, cache: PrefixCache) -> None:
+    """`_snapshot`'s inverse: a chunk's kept prefix K/V back into the bucket's caches, after `prepare` laid out
+    the same rows (checked: the same prefix length and valid-first layout with the same valid counts; a cache
+    of other rows or from the plain path is refused), before any expert step."""
+    t, n = bucket.tensors, cache.offsets.shape[0]
+    p = t["embeddings"].shape[1]
+    offsets = t["suffix_positions"][:n, 0]
+    if cache.pad_mask.shape[1] != p or not torch.equal(cache.offsets.to(offsets.device), offsets) or not torch.equal(
+            cache.pad_mask.to(offsets.device), torch.arange(p, device=offsets.device)[None, :] < offsets[:, None]):
+        raise ValueError(f"consistent log_prob: the given prefix cache ({cache.pad_mask.shape[1]} slots) is not these "
+                         f"rows' in their bucket's layout ({p} slots, valid tokens first); pass the `prefix` of a "
+                         "consistent log_prob call on the same rows")
+    for dst, src in zip([*bucket.k_cache, *bucket.v_cache], [*cache.keys, *cache.values], strict=True):
+        dst[:n, :p].copy_(src.transpose(1, 2))
 
 
 def _snapshot(bucket, n: int) -> PrefixCache:

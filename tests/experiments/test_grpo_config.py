@@ -115,9 +115,6 @@ def test_bad_override_on_the_command_line_writes_nothing(tmp_path):
     (["grpo.prefix_cache=gpu"], "grpo.prefix_cache must be one of"),
     (["grpo.prefix_cache=device", "grpo.prefix_cache_gib=-1"], r"grpo.prefix_cache_gib must be in \[0.0, "),
     (["grpo.prefix_cache_gib=4"], r"grpo.prefix_cache_gib=4.0 caps kept prefix caches, but grpo.prefix_cache is off"),
-    (["grpo.prefix_cache=device", "policy.fast.enabled=true", "policy.fast.consistent_recompute=true",
-      "policy.fast.attention=sdpa"],
-     "exclude each other"),
 ])
 def test_prefix_cache_is_refused_where_it_cannot_hold(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -127,3 +124,11 @@ def test_prefix_cache_is_refused_where_it_cannot_hold(overrides, match):
 def test_prefix_cache_composes_on_the_default_run():
     grpo = ExperimentConfig.from_hydra(composed("grpo.prefix_cache=device", "grpo.prefix_cache_gib=2.5")).grpo
     assert (grpo.prefix_cache, grpo.prefix_cache_gib) == ("device", 2.5)
+
+
+def test_prefix_cache_composes_with_the_consistent_recompute():
+    """It keeps the fast path's K/V there (policies/fast/recompute.py restores them into the buckets)."""
+    exp = ExperimentConfig.from_hydra(composed(
+        "grpo.prefix_cache=host", "policy.fast.enabled=true", "policy.fast.consistent_recompute=true",
+        "policy.fast.attention=sdpa", "policy.fast.batch_buckets=[4]", "policy.fast.prompt_buckets=[200]"))
+    assert exp.grpo.prefix_cache == "host" and exp.policy.fast.consistent_recompute

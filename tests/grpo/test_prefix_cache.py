@@ -210,3 +210,32 @@ def test_the_update_with_kept_prefixes_equals_the_recomputing_one(settings):
     for a, b in zip(results["off"][0], results["kept"][0], strict=True):
         torch.testing.assert_close(a, b, **tolerance)
     assert results["kept"][1]["train/optimizer_steps"] == results["off"][1]["train/optimizer_steps"]
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_the_consistent_update_with_kept_prefixes_equals_the_recomputing_one(where):
+    """policy.fast.consistent_recompute: the kept K/V are the fast path's, copied back into its buckets, so no
+    epoch runs vision or the prefix and the update is the same bit for bit (the trainer re-scores the rollout
+    exactly in both: gap 0)."""
+    fast = {"enabled": True, "consistent_recompute": True, "attention": "sdpa", "batch_buckets": [4],
+            "prompt_buckets": [128]}
+    results, prefix_runs = {}, {}
+    for name in ("off", where):
+        policy = tiny_policy(fast=fast)
+        rows = sampled_rows(policy, 8, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2))
+        sampler, runs = policy.fast_sampler(), []
+        original = sampler.run_stage
+        sampler.run_stage = lambda bucket, stage, fn=None, _runs=runs, _original=original: (
+            _runs.append(stage), _original(bucket, stage, fn))[1]
+        actor = Actor(policy, GRPOConfig(micro_batch=3, lr=1e-2, update_epochs=3, global_batch=6, prefix_cache=name),
+                      show_progress=False)
+        metrics = actor.train(rows)
+        assert metrics["rollout/logprob_gap"] == 0.0
+        results[name] = [p.detach().clone() for p in policy.trainable_parameters()]
+        prefix_runs[name] = runs.count("prefix")
+    # micro-batches of 3, 3 and 2 rows (one bucket run each) in the old-log-prob pass and in each of the three
+    # epochs (global batches of 6 and 2 rows)
+    assert prefix_runs["off"] == 3 + 3 * 3
+    assert prefix_runs[where] == 3
+    for a, b in zip(results["off"], results[where], strict=True):
+        assert torch.equal(a, b)

@@ -58,12 +58,14 @@ def select(inputs, index):
     return ModelInputs(inputs.images[index], inputs.image_masks[index], inputs.tokens[index], inputs.token_mask[index])
 
 
-def recompute_in_micro_batches(policy, rows, micro, seed=0, **kwargs):
-    """Shuffled rows re-scored micro-batch by micro-batch -> (log-probs, step log-probs, order)."""
+def recompute_in_micro_batches(policy, rows, micro, seed=0, kept=None, **kwargs):
+    """Shuffled rows re-scored micro-batch by micro-batch -> (log-probs, step log-probs, order); `kept`: every
+    row's prefix K/V (a consistent call's returned `prefix`), given to each micro-batch."""
     inputs, chains, inds, _, _, buckets = rows
     order = torch.randperm(len(chains), generator=torch.Generator().manual_seed(seed))
     outs = [policy.log_prob(select(inputs, idx), chains[idx], inds[idx], consistent=True, fast_buckets=buckets[idx],
-                            **kwargs) for idx in order.split(micro)]
+                            prefix=None if kept is None else kept.index_select(idx), **kwargs)
+            for idx in order.split(micro)]
     return torch.cat([o.logprobs for o in outs]), torch.cat([o.step_logprobs for o in outs]), order
 
 
@@ -186,6 +188,44 @@ def test_fp8_trainer_with_fp32_masters_reproduces_a_bf16_engine_bitwise():
     for a, b in zip(ours, theirs):
         assert torch.equal(a.scale, b.scale) and torch.equal(a.qweight.view(torch.uint8), b.qweight.view(torch.uint8))
     assert torch.equal(got, logprobs), f"gap {(got - logprobs).abs().max()}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_kept_prefix_gives_the_rollout_bits_and_the_same_gradients(dtype):
+    """grpo.prefix_cache with the consistent recompute: a call's returned prefix K/V, given back for the rows in
+    another order and other micro-batches, replaces vision and prefix without changing a bit."""
+    policy = fast_policy(dtype=dtype)
+    inputs, chains, inds, logprobs, _, buckets = rows = rollout(policy, [CALLS[1], CALLS[3]], seed=6)
+    assert {tuple(b[:2]) for b in buckets.tolist()} == {(4, 8), (1, 8), (2, 8)}  # one prompt bucket, 3 batch ones
+    with torch.no_grad():
+        first = policy.log_prob(inputs, chains, inds, consistent=True, fast_buckets=buckets, return_prefix=True)
+    assert torch.equal(first.logprobs, logprobs) and first.prefix.offsets.shape == (len(chains),)
+    got, _, order = recompute_in_micro_batches(policy, rows, 3, seed=1)  # without a prefix, with autograd
+    kept, _, _ = recompute_in_micro_batches(policy, rows, 3, seed=1, kept=first.prefix)
+    assert torch.equal(kept.detach(), logprobs[order]) and torch.equal(got.detach(), kept.detach())
+    weights = torch.randn(len(chains), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for prefix in (None, first.prefix.index_select(order)):
+        policy.model.zero_grad(set_to_none=True)
+        out = policy.log_prob(select(inputs, order), chains[order], inds[order], consistent=True,
+                              fast_buckets=buckets[order], prefix=prefix)
+        (out.chunk_logprob * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None})
+    assert set(grads[0]) == set(grads[1]) and len(grads[0]) > 0
+    for name, want in grads[0].items():
+        assert torch.equal(grads[1][name], want), name
+
+
+def test_a_kept_prefix_is_refused_where_it_cannot_be_the_rows():
+    policy = fast_policy()
+    inputs, chains, inds, _, _, buckets = rollout(policy, [CALLS[1], CALLS[3]], seed=6)
+    with torch.no_grad():
+        plain = policy.log_prob(inputs, chains, inds, consistent=False, return_prefix=True).prefix
+        with pytest.raises(ValueError, match="not these rows' in their bucket's layout"):
+            policy.log_prob(inputs, chains, inds, consistent=True, fast_buckets=buckets, prefix=plain)
+        mixed = rollout(policy, CALLS[:2], seed=7)  # prompt buckets 16 and 8: K/V of two lengths
+        with pytest.raises(ValueError, match=r"several prefix lengths .*one-entry policy.fast.prompt_buckets"):
+            policy.log_prob(mixed[0], mixed[1], mixed[2], consistent=True, fast_buckets=mixed[5], return_prefix=True)
 
 
 def test_errors_name_the_problem():
