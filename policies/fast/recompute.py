@@ -145,7 +145,7 @@ class _ChunkRunner:
             keep = self.needs_grad or self.kept is not None
             cache = _snapshot(bucket, len(part)) if keep else None
         else:
-            cache = self.prefix.index_select(part.to(self.prefix.offsets.device))
+            cache = _rows_of(self.prefix, part)
             bucket = self._prepare(key, part)
             _restore(bucket, cache)
         if self.kept is not None:
@@ -179,12 +179,15 @@ class _ChunkRunner:
             raise ValueError(f"consistent log_prob: these rows ran in buckets of several prefix lengths {lengths}, "
                              "whose K/V cannot be kept as one cache; pin one prompt bucket "
                              "(a one-entry policy.fast.prompt_buckets)")
+        if len(caches) == 1:
+            joined = caches[0]
+        else:
+            joined = PrefixCache(*[[torch.cat(layer) for layer in zip(*parts, strict=True)]
+                                   for parts in ([c.keys for c in caches], [c.values for c in caches])],
+                                 torch.cat([c.pad_mask for c in caches]), torch.cat([c.offsets for c in caches]))
         order = torch.empty(batch, dtype=torch.long)
         order[rows] = torch.arange(batch)  # row r's place in the chunks' concatenation
-        joined = PrefixCache(*[[torch.cat(layer) for layer in zip(*parts, strict=True)]
-                               for parts in ([c.keys for c in caches], [c.values for c in caches])],
-                             torch.cat([c.pad_mask for c in caches]), torch.cat([c.offsets for c in caches]))
-        return joined.index_select(order.to(joined.offsets.device))
+        return _rows_of(joined, order)
 
     @torch.no_grad()
     def _prepare(self, key: tuple[int, ...], part: Tensor, stages: tuple[str, ...] = ()):
@@ -217,6 +220,14 @@ def _fill_chains(bucket, chains: Tensor, step: int) -> None:
     buf[:n, step: step + 2].copy_(chains[:, step: step + 2])
     if n < len(buf):
         buf[n:, step: step + 2].copy_(buf[:1, step: step + 2].expand(len(buf) - n, -1, -1, -1))
+
+
+def _rows_of(cache: PrefixCache, rows: Tensor) -> PrefixCache:
+    """cache.index_select(rows), without the copy where `rows` are all of them in order (one chunk of a pinned
+    bucket holds a whole micro-batch)."""
+    if len(rows) == cache.offsets.shape[0] and torch.equal(rows.cpu(), torch.arange(len(rows))):
+        return cache
+    return cache.index_select(rows.to(cache.offsets.device))
 
 
 @torch.no_grad()
