@@ -17,6 +17,10 @@ Then one more update of one epoch runs under torch.profiler. The policy's stages
 (`Policy.inputs`, vision, the prefix stack, the expert's velocity, the prefix store), and the JSON keeps each
 label's CPU and device time, the device time of the top ops, and the device's busy time against the wall
 time (a low share means the update waits on the host, not on the GPU).
+`--consistent`: the trainer re-scores through the fast path (policy.fast.consistent_recompute, pinned to --batch
+rows and --prompt-bucket tokens, sdpa attention; also on the CPU, through the kernels' PyTorch twins), labelled by
+its own stages (the fast path's vision/prefix graphs, the kept prefix restored into a bucket, the expert step's
+graphed forward and the plain fp32 reference its backward re-runs).
 JSON `profile_actor_*` via experiments.results.
 """
 
@@ -40,6 +44,9 @@ from grpo.prefix_store import RowPrefixes
 from grpo.samples import Samples
 from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
+from policies.fast import recompute
+from policies.fast.autograd import StepRun
+from policies.fast.runner import FastSampler
 from policies.models.pi05 import PI05Model
 from policies.policy import Policy
 from rollout.config import EngineConfig
@@ -53,6 +60,11 @@ STAGES: list[tuple[type, str, str]] = [
     (PI05Model, "velocity", "stage/expert_velocity"),
     (RowPrefixes, "add", "stage/prefix_store_add"),
     (RowPrefixes, "gather", "stage/prefix_store_gather"),
+    # the consistent recompute (--consistent)
+    (FastSampler, "run_stage", "stage/fast_graph_stage"),
+    (recompute, "_restore", "stage/consistent_prefix_restore"),
+    (StepRun, "forward", "stage/consistent_step_forward"),
+    (StepRun, "reference", "stage/consistent_step_backward_reference"),
 ]
 
 
@@ -190,6 +202,9 @@ def main() -> None:
                         help="grpo.prefix_cache_gib of the kept settings (default: every row kept)")
     parser.add_argument("--frozen-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="policy.frozen_dtype of the trainer (auto: unset, fp32 like the trained weights)")
+    parser.add_argument("--consistent", action="store_true",
+                        help="the trainer's recompute through the fast path (policy.fast.consistent_recompute)")
+    parser.add_argument("--prompt-bucket", type=int, default=128, help="with --consistent: the pinned prompt bucket")
     parser.add_argument("--top", type=int, default=40, help="ops kept in the JSON, by device time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
@@ -207,8 +222,9 @@ def main() -> None:
     device = auto_device(args.device)
     cuda = device.type == "cuda"
     # the LIBERO RL configuration of logprob_gap: chunk 10, 4 steps, noise 0.5, fast path on CUDA, no pinning
-    shape = argparse.Namespace(policy=args.policy, chunk=10, steps=4, fast="auto", consistent="off",
-                               batch=args.batch, prompt_bucket=None)
+    shape = argparse.Namespace(policy=args.policy, chunk=10, steps=4, fast="on" if args.consistent else "auto",
+                               consistent="on" if args.consistent else "off", batch=args.batch,
+                               prompt_bucket=args.prompt_bucket)
     cfg = policy_config(shape, cuda)
     if args.policy != "tiny":  # the GRPO recipe's camera slots (libero10_pi05: the preset's three, one empty)
         cfg = cfg.replace(cameras=PolicyConfig.preset(args.policy).cameras)
@@ -231,7 +247,7 @@ def main() -> None:
     timed = {setting: time_setting(policy, rows, args, setting, device) for setting in args.prefix_cache}
     profile = profile_update(policy, rows, args, device)
     summary = {"policy": args.policy, "frozen_dtype": getattr(policy.cfg, "frozen_dtype", None), "rows": len(rows),
-               "micro_batch": args.micro_batch, "epochs": args.epochs,
+               "micro_batch": args.micro_batch, "epochs": args.epochs, "consistent": args.consistent,
                **{f"{k}_train_s": v.get("train_s") for k, v in timed.items()},
                **{f"{k}_recompute_s": v.get("recompute_s") for k, v in timed.items()},
                "profiled_wall_s": profile["wall_s"], "profiled_device_busy_s": profile["device_busy_s"]}

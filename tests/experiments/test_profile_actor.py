@@ -39,6 +39,21 @@ def test_a_budget_keeps_only_the_rows_that_fit(monkeypatch, tmp_path):
     assert json.loads(path.read_text())["timed"]["device"]["prefix_cache_rows"] == 0
 
 
+def test_the_consistent_recompute_with_its_kept_prefix_is_timed_and_labelled(monkeypatch, tmp_path):
+    run(monkeypatch, "--consistent", "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1",
+        "--prefix-cache", "off", "device", "--profile-prefix-cache", "device", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("profile_actor_*.json")
+    record = json.loads(path.read_text())
+    assert record["summary"]["consistent"] is True
+    for timed in record["timed"].values():
+        assert timed["rollout/logprob_gap"] == 0.0  # the engine's fast-path rollout, re-scored exactly
+    assert record["timed"]["device"]["prefix_cache_rows"] == 8
+    stages = record["profile"]["stages"]
+    for label in ("stage/fast_graph_stage", "stage/consistent_prefix_restore", "stage/consistent_step_forward",
+                  "stage/consistent_step_backward_reference"):
+        assert stages[label]["calls"] > 0, label
+
+
 @pytest.mark.parametrize("argv", [["--epochs", "0"], ["--rows", "6", "--batch", "4"],
                                   ["--prefix-cache", "off", "off"]])
 def test_bad_sizes_and_repeats_are_refused(monkeypatch, argv):
