@@ -4,7 +4,8 @@ are: the update must equal the recomputing one, as on the CPU (tests/grpo/test_p
 
 The consistent case runs the fast path, so its prefix and expert take the head_dim-256 widths every fast-path GPU
 test uses (tests/policies/test_fast_gpu.py): a first version on the tiny preset's head_dim 16 (round 48) diverged
-and left the process's CUDA graph state broken for the GPU tests after it."""
+and left the process's CUDA graph state broken for the GPU tests after it (that version also built a second policy
+for the kept run, whose fast path could time other "auto" choices than the first's)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,13 @@ def test_the_cuda_update_with_kept_prefixes_equals_the_recomputing_one(where, co
     # rows as a rollout stores them (on the host), sampled once on the CPU: both updates read the same rows
     rows = sampled_rows(build_policy(cfg.replace(fast={"enabled": False, "consistent_recompute": False})), 8,
                         advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2))
+    # one policy for both updates, its weights put back in between: a second fast sampler would time its own "auto"
+    # choices (GEMM algorithms, overlap) and could pick others, whose bf16 results differ in the last bits
+    policy = build_policy(trainer_policy_config(cfg), device="cuda")  # fp32 masters (and the bf16 fast path)
+    initial = {k: v.clone() for k, v in policy.state_dict().items()}
     weights = {}
     for name in ("off", where):
-        policy = build_policy(trainer_policy_config(cfg), device="cuda")  # fp32 masters (and the bf16 fast path)
+        policy.load_state_dict(initial)  # in place: the fast path's bf16 shadows follow (version counters)
         actor = Actor(policy, GRPOConfig(micro_batch=4, lr=1e-2, update_epochs=3, prefix_cache=name),
                       show_progress=False)
         assert actor.autocast_dtype() == torch.bfloat16
