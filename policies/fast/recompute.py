@@ -230,16 +230,25 @@ def _rows_of(cache: PrefixCache, rows: Tensor) -> PrefixCache:
     return cache.index_select(rows.to(cache.offsets.device))
 
 
+def _layout(bucket, n: int) -> tuple[int, Tensor, Tensor]:
+    """The first n rows' prefix layout in the bucket: its slot count p, each row's valid-token count (= first
+    expert position) and the key mask. Slots [0, n_valid) hold the valid tokens in order (attention.py's
+    layout), so slot j carries position j; the rest is masked."""
+    t = bucket.tensors
+    p = t["embeddings"].shape[1]
+    offsets = t["suffix_positions"][:n, 0]
+    return p, offsets, torch.arange(p, device=offsets.device)[None, :] < offsets[:, None]
+
+
 @torch.no_grad()
 def _restore(bucket, cache: PrefixCache) -> None:
     """`_snapshot`'s inverse: a chunk's kept prefix K/V back into the bucket's caches, after `prepare` laid out
     the same rows (checked: the same prefix length and valid-first layout with the same valid counts; a cache
     of other rows or from the plain path is refused), before any expert step."""
-    t, n = bucket.tensors, cache.offsets.shape[0]
-    p = t["embeddings"].shape[1]
-    offsets = t["suffix_positions"][:n, 0]
+    n = cache.offsets.shape[0]
+    p, offsets, pad_mask = _layout(bucket, n)
     if cache.pad_mask.shape[1] != p or not torch.equal(cache.offsets.to(offsets.device), offsets) or not torch.equal(
-            cache.pad_mask.to(offsets.device), torch.arange(p, device=offsets.device)[None, :] < offsets[:, None]):
+            cache.pad_mask.to(offsets.device), pad_mask):
         raise ValueError(f"consistent log_prob: the given prefix cache ({cache.pad_mask.shape[1]} slots) is not these "
                          f"rows' in their bucket's layout ({p} slots, valid tokens first); pass the `prefix` of a "
                          "consistent log_prob call on the same rows")
@@ -249,12 +258,8 @@ def _restore(bucket, cache: PrefixCache) -> None:
 
 def _snapshot(bucket, n: int) -> PrefixCache:
     """The first n rows' prefix K/V as the plain model's PrefixCache (for the backward), taken
-    before any expert step overwrites the suffix slots. Slots [0, n_valid) hold the valid tokens
-    in order (attention.py's layout), so slot j carries position j; the rest is masked."""
-    t = bucket.tensors
-    p = t["embeddings"].shape[1]
-    offsets = t["suffix_positions"][:n, 0].clone()
-    pad_mask = torch.arange(p, device=offsets.device)[None, :] < offsets[:, None]
+    before any expert step overwrites the suffix slots (`_layout`)."""
+    p, offsets, pad_mask = _layout(bucket, n)
     keys = [cache[:n, :p].transpose(1, 2).clone() for cache in bucket.k_cache]
     values = [cache[:n, :p].transpose(1, 2).clone() for cache in bucket.v_cache]
-    return PrefixCache(keys, values, pad_mask, offsets)
+    return PrefixCache(keys, values, pad_mask, offsets.clone())
