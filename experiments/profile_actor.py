@@ -158,6 +158,22 @@ def event_device_us(event, own: bool) -> float:
     return float(getattr(event, name, getattr(event, legacy, 0.0)))
 
 
+def stage_times(events) -> dict[str, dict]:
+    """Each label's host time and the device time of the kernels launched under it (its CPU event), and, on CUDA,
+    its range on the GPU timeline (a second event of the same name, idle gaps and graph replays included; it has no
+    host time: read alone, it would report every stage at 0 s of CPU, as round 49's first GPU profile did)."""
+    stages: dict[str, dict] = {}
+    for e in events:
+        if not e.key.startswith("stage/"):
+            continue
+        stage = stages.setdefault(e.key, {})
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            stage.update(cpu_s=e.cpu_time_total / 1e6, device_s=event_device_us(e, own=False) / 1e6, calls=e.count)
+        else:
+            stage["device_span_s"] = event_device_us(e, own=False) / 1e6
+    return stages
+
+
 def profile_update(policy, rows: Samples, args: argparse.Namespace, device: torch.device) -> dict:
     actor = make_actor(policy, args, args.profile_prefix_cache, 1)
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -166,9 +182,7 @@ def profile_update(policy, rows: Samples, args: argparse.Namespace, device: torc
     with weights_restored(policy), labelled_stages(), torch.profiler.profile(activities=activities) as prof:
         wall_s = synchronised_seconds(device, lambda: actor.train(rows))
     events = prof.key_averages()
-    stages = {e.key: {"cpu_s": e.cpu_time_total / 1e6, "device_s": event_device_us(e, own=False) / 1e6,
-                      "calls": e.count}
-              for e in events if e.key.startswith("stage/")}
+    stages = stage_times(events)
     # kernels are events of their own (device_type CUDA), and so are the labels' ranges on the GPU timeline
     # (left out: they span kernels already counted); host ops own the kernels they launched
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("stage/")]
@@ -181,7 +195,9 @@ def profile_update(policy, rows: Samples, args: argparse.Namespace, device: torc
     print(f"profiled update (1 epoch, prefix_cache={args.profile_prefix_cache}): wall {wall_s:.2f} s, "
           f"device busy {busy_s:.2f} s")
     for label, value in sorted(stages.items()):
-        print(f"  {label:28s} cpu {value['cpu_s']:8.3f} s  device {value['device_s']:8.3f} s  calls {value['calls']}")
+        span = "" if "device_span_s" not in value else f"  span on the device {value['device_span_s']:8.3f} s"
+        print(f"  {label:40s} cpu {value.get('cpu_s', 0.0):8.3f} s  kernels {value.get('device_s', 0.0):8.3f} s"
+              f"{span}  calls {value.get('calls', 0)}")
     for op in top_ops[:15]:
         print(f"  {op['op'][:60]:60s} device {op['self_device_s']:8.3f} s  cpu {op['self_cpu_s']:8.3f} s")
     return {"wall_s": wall_s, "device_busy_s": busy_s, "stages": stages, "top_ops": top_ops,

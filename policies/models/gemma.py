@@ -83,12 +83,21 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def expand_kv(x: Tensor, num_heads: int) -> Tensor:
-    """(B, KV, T, hd) -> (B, H, T, hd) by repeating each KV head H/KV times (a view when KV == 1)."""
-    b, kv, t, hd = x.shape
-    if kv == num_heads:
-        return x
-    return x[:, :, None].expand(b, kv, num_heads // kv, t, hd).reshape(b, num_heads, t, hd)
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor) -> Tensor:
+    """q (B, H, S, hd), k and v (B, KV, T, hd), key_mask (B, 1, 1, T) bool, the same for every query -> (B, H, S, hd).
+
+    The H/KV query heads that share a KV head attend as one sequence of (H/KV)*S queries against that head's keys:
+    the same products as repeating K/V per head, but the attention kernel reads each K/V once instead of H/KV
+    times and its backward accumulates no per-head dK/dV that are summed afterwards (pi0.5: 8 heads, 1 KV head, and
+    the expert's 10-50 queries a row fill an attention tile only after the fold). Exact only because the mask
+    does not depend on the query (padding only, no causal part), as in both pi0.5 stacks."""
+    b, heads, s, hd = q.shape
+    kv = k.shape[1]
+    if key_mask.shape[-2] != 1:
+        raise ValueError(f"grouped_attention needs a key mask without a query dimension, got {tuple(key_mask.shape)}")
+    folded = q.reshape(b, kv, (heads // kv) * s, hd)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=key_mask)
+    return out.reshape(b, heads, s, hd)
 
 
 class GemmaBlock(nn.Module):

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from common.config import check_choice
 from policies.config import DTYPES, PolicyConfig
 from policies.flow import sincos_time_embedding
-from policies.models.gemma import AdaRMSNorm, GemmaStack, RMSNorm, apply_rope, expand_kv
+from policies.models.gemma import AdaRMSNorm, GemmaStack, RMSNorm, apply_rope, grouped_attention
 from policies.models.siglip import SiglipVision
 
 
@@ -175,10 +175,7 @@ class PI05Model(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             keys.append(k)
             values.append(v)
-            heads = q.shape[1]
-            attn = F.scaled_dot_product_attention(
-                q, expand_kv(k, heads), expand_kv(v, heads), attn_mask=key_mask
-            )
+            attn = grouped_attention(q, k, v, key_mask)
             h = h + layer.attention_output(attn)
             h = h + layer.mlp(layer.post_norm(h))
         return PrefixCache(keys, values, pad_mask, pad_mask.sum(dim=1))
@@ -219,10 +216,9 @@ class PI05Model(nn.Module):
             normed, gate = layer.input_norm(h, modulation[:, 2 * i])
             q, k, v = layer.project_qkv(normed)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            heads = q.shape[1]
-            k_all = expand_kv(torch.cat([cache.keys[i], k], dim=2), heads)
-            v_all = expand_kv(torch.cat([cache.values[i], v], dim=2), heads)
-            attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=key_mask)
+            k_all = torch.cat([cache.keys[i], k], dim=2)
+            v_all = torch.cat([cache.values[i], v], dim=2)
+            attn = grouped_attention(q, k_all, v_all, key_mask)
             h = h + layer.attention_output(attn) * gate
             normed, gate = layer.post_norm(h, modulation[:, 2 * i + 1])
             h = h + layer.mlp(normed) * gate

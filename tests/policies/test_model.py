@@ -140,3 +140,27 @@ def test_bfloat16_precision_policy():
     slow = policy.sample(batch, mode="ode", noise=noise, reference_path=True).chains
     rel = float((fast - slow).norm() / slow.norm())
     assert torch.isfinite(fast).all() and rel < 2e-2
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+def test_grouped_attention_equals_attention_over_repeated_heads(kv_heads):
+    """The folded GQA attention against the textbook one: K/V repeated per query head, softmax over unmasked keys,
+    in float64 on fresh random inputs with padded keys (a whole row of one sample masked but one key)."""
+    from policies.models.gemma import grouped_attention
+
+    g = torch.Generator().manual_seed(kv_heads)
+    b, heads, s, t, hd = 3, 8, 5, 11, 16
+    q = torch.randn(b, heads, s, hd, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, kv_heads, t, hd, generator=g, dtype=torch.float64) for _ in range(2))
+    keep = torch.rand(b, t, generator=g) > 0.3
+    keep[:, 0] = True
+    keep[1] = False
+    keep[1, 4] = True
+    rep = heads // kv_heads
+    scores = q @ k.repeat_interleave(rep, dim=1).transpose(-1, -2) / hd**0.5
+    weights = scores.masked_fill(~keep[:, None, None, :], float("-inf")).softmax(dim=-1)
+    want = weights @ v.repeat_interleave(rep, dim=1)
+    got = grouped_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, keep[:, None, None, :])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="without a query dimension"):
+        grouped_attention(q, k, v, keep[:, None, None, :].expand(b, 1, s, t))
