@@ -1,14 +1,14 @@
-"""Autograd for one recomputed denoise step: the fast path's kernels forward, the reference math backward.
+"""Autograd for the recomputed denoise steps of one chunk: the fast path's kernels forward, the reference math backward.
 
-`ConsistentStep.apply(run, table, *weights)` returns the element-wise log-density of the stored
-transitions chains[:, k] -> chains[:, k+1] of some rows of a bucket:
+`ConsistentChunk.apply(run, table, *weights)` returns the element-wise log-density of the stored
+transitions chains[:, k] -> chains[:, k+1] of the chunk's rows, each row at its own step k:
 - forward: `run.forward()`, the fast path's own expert velocity (`FastSampler._velocity`: the
   same kernels on the same weights: skinny GEMMs or F.linear, the norm, RoPE and action_io
   kernels, the bucket's attention backend) and flow_logprob.py's twin of the rollout's flow_step, at the
   rollout's bucket shapes: the rollout's numbers bit for bit;
 - backward: `run.reference(table, weights)`, the plain model's `velocity` (policies/models/pi05.py)
   and policies.flow's log-density in fp32 under autograd at the same inputs (x_k, x_{k+1}, the
-  prefix K/V the fast path computed, the modulation rows of step k, the weights upcast to fp32),
+  prefix K/V the fast path computed, each row's modulation row, the weights upcast to fp32),
   differentiated by torch.autograd.grad. So the gradients are those of the reference math at the
   rollout's point, whatever the forward's precision.
 `table` is the AdaRMS modulation table (K, 2L+1, 3W) computed with autograd from the time MLP and
@@ -59,34 +59,46 @@ class _VelocityCall(nn.Module):
 
 
 @dataclass
-class StepRun:
-    """One recomputed step k over rows `rows` of a prepared bucket (vision + prefix already run,
-    chains[:, k] and chains[:, k+1] of every bucket row filled in)."""
+class ChunkRun:
+    """The needed steps of one chunk of a prepared bucket (vision + prefix already run): step `steps[i]` scores
+    bucket rows `rows[i]`. Forward: one fast-path graph per step. Backward: one reference call over all the
+    chunk's rows at once, each row at its own step (its modulation row and step constants gathered per row, as
+    policies.sampling.recompute_step_logprobs does), so the plain model's kernels launch once per chunk, not once
+    per step: the backward's Python launches, not its kernels, bound it on the GPU (round 49's profile)."""
 
     sampler: object  # FastSampler
     bucket: object  # runner.Bucket
-    step: int
-    rows: Tensor  # (n,) positions in the bucket
-    x: Tensor  # (n, H, D) fp32 chains[:, k] of those rows
+    steps: list[int]  # distinct steps, in the order their rows are concatenated
+    rows: list[Tensor]  # per step, (n_i,) positions in the bucket
+    fill: object  # fill(step): the bucket's chains[:, step] and [:, step+1] for that step's rows
+    x: Tensor  # (n, H, D) fp32 chains[:, k] of every row (rows of steps[0] first, then steps[1], ...)
     x_next: Tensor  # (n, H, D) fp32 chains[:, k+1]
-    cache: PrefixCache | None  # the rows' prefix K/V for the backward (None: no gradient needed)
+    cache: PrefixCache | None  # the same rows' prefix K/V for the backward (None: no gradient needed)
     weight_names: tuple[str, ...] = ()
 
     def forward(self) -> Tensor:
         """(n, H, D) log-probs through the fast path's kernels (a CUDA graph per bucket and step)."""
-        k = self.step
-        self.sampler.run_stage(self.bucket, f"recompute/{k}", functools.partial(stage_recompute, self.sampler, k))
-        return self.bucket.tensors["step_logprobs"][self.rows, k].clone()
+        out = []
+        for k, rows in zip(self.steps, self.rows, strict=True):
+            self.fill(k)
+            self.sampler.run_stage(self.bucket, f"recompute/{k}", functools.partial(stage_recompute, self.sampler, k))
+            out.append(self.bucket.tensors["step_logprobs"][rows, k].clone())
+        return torch.cat(out)
+
+    def row_steps(self) -> list[int]:
+        return [k for k, rows in zip(self.steps, self.rows, strict=True) for _ in range(len(rows))]
 
     def reference(self, table: Tensor, weights: list[Tensor]) -> Tensor:
         """(n, H, D) the same log-probs by the plain model in fp32, differentiable."""
-        k, sampler = self.step, self.sampler
+        sampler, dev = self.sampler, self.x.device
+        per_row = self.row_steps()
         params = {f"model.{name}": w.float() for name, w in zip(self.weight_names, weights)}
-        modulation = table[k: k + 1].float()
+        modulation = table.float()[torch.tensor(per_row, device=dev)]
         cache = PrefixCache([key.float() for key in self.cache.keys], [value.float() for value in self.cache.values],
                             self.cache.pad_mask, self.cache.offsets)
         v = functional_call(_VelocityCall(sampler.model), params, (cache, self.x, modulation))
-        t, delta, sigma, _ = (torch.tensor(c, dtype=torch.float32, device=v.device) for c in sampler.step_constants[k])
+        constants = torch.tensor([sampler.step_constants[k][:3] for k in per_row], dtype=torch.float32, device=dev)
+        t, delta, sigma = (constants[:, i, None, None] for i in range(3))
         mean, std = flow.sde_step_mean_std(self.x, v, t, delta, sigma)
         return flow.gaussian_log_prob(self.x_next, mean, std)
 
@@ -103,9 +115,9 @@ def stage_recompute(sampler, k: int, bucket) -> None:
     flow_logprob(t["chains"], v, t["stochastic"], t["step_logprobs"], k, grid_t, delta, sigma, sampler._pdl_for(bucket))
 
 
-class ConsistentStep(torch.autograd.Function):
+class ConsistentChunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: StepRun, table: Tensor, *weights: Tensor) -> Tensor:
+    def forward(ctx, run: ChunkRun, table: Tensor, *weights: Tensor) -> Tensor:
         ctx.run = run
         ctx.save_for_backward(table, *weights)
         return run.forward()

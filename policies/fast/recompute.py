@@ -22,8 +22,8 @@ How, per micro-batch:
    grpo.prefix_cache), those slots copied back into the bucket: the same bits without vision or prefix.
 3. Each needed step k: the rollout's expert velocity at x_k = chains[:, k] and a twin of its
    flow_step kernel scoring the stored chains[:, k+1] (flow_logprob.py), one CUDA graph per
-   bucket and step; wrapped in autograd.ConsistentStep, whose backward is the plain model's fp32
-   math at the same inputs.
+   bucket and step; a chunk's steps wrapped in one autograd.ConsistentChunk, whose backward is the plain
+   model's fp32 math at the same inputs, one call over all the chunk's rows.
 4. The AdaRMS modulation table is recomputed with autograd for the whole time grid (the shapes
    of FastWeights' buffer, hence its bits) and copied into that buffer before the kernels run;
    its gradient reaches the time MLP and the AdaRMS dense layers.
@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from policies import sampling
-from policies.fast.autograd import ConsistentStep, StepRun, velocity_parameters
+from policies.fast.autograd import ChunkRun, ConsistentChunk, velocity_parameters
 from policies.models.pi05 import PrefixCache
 from policies.sampling import LogProbOutput
 
@@ -75,9 +75,9 @@ def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mo
         pieces, index = [], []
         for key, rows in _groups(keys):
             for part in rows.split(key[0]):
-                for logp, flat in chunk.run(key, part):
-                    pieces.append(logp)
-                    index.append(flat)
+                logp, flat = chunk.run(key, part)
+                pieces.append(logp)
+                index.append(flat)
         step_lp = chains.new_zeros(b * len(columns), *chains.shape[2:])
         if pieces:
             step_lp = step_lp.index_copy(0, torch.cat(index), torch.cat(pieces))
@@ -137,8 +137,8 @@ class _ChunkRunner:
         self.prefix = prefix  # the call's rows' prefix K/V, given (restored into each bucket)
         self.kept: list[tuple[Tensor, PrefixCache]] | None = [] if keep_prefix else None  # (rows, their K/V)
 
-    def run(self, key: tuple[int, ...], part: Tensor):
-        """Yields (log-probs (n, H, D), flat row*columns+column index) per distinct step of the rows."""
+    def run(self, key: tuple[int, ...], part: Tensor) -> tuple[Tensor, Tensor]:
+        """(log-probs (n, H, D), flat row*columns+column index) of the chunk's needed (row, step) pairs."""
         sampler, dev = self.sampler, self.sampler.device
         if self.prefix is None:
             bucket = self._prepare(key, part, ("vision", "prefix"))  # the K/V caches filled
@@ -154,19 +154,26 @@ class _ChunkRunner:
             cache = None
         chains = self.chains[part.to(self.chains.device)]
         steps = self.steps[part]
-        for step in sorted(set(steps.flatten().tolist())):
-            rows, cols = (steps == step).nonzero(as_tuple=True)
+        distinct = sorted(set(steps.flatten().tolist()))
+        picked = [(steps == step).nonzero(as_tuple=True) for step in distinct]  # per step: (rows, columns)
+        rows_dev = [rows.to(dev) for rows, _ in picked]
+        order = torch.cat(rows_dev)  # the chunk's rows, those of the first step first
+
+        def fill(step: int) -> None:
             with torch.no_grad():
                 _fill_chains(bucket, chains, step)
-            rows_dev = rows.to(dev)
-            run = StepRun(sampler, bucket, step, rows_dev, chains[rows_dev, step], chains[rows_dev, step + 1],
-                          None if cache is None else cache.index_select(rows_dev), self.names)
-            if self.needs_grad:
-                logp = ConsistentStep.apply(run, self.table, *self.weights)
-            else:
-                with torch.no_grad():
-                    logp = run.forward()
-            yield logp, (part[rows] * self.num_columns + cols).to(dev)
+
+        x = torch.cat([chains[rows, step] for rows, step in zip(rows_dev, distinct, strict=True)])
+        x_next = torch.cat([chains[rows, step + 1] for rows, step in zip(rows_dev, distinct, strict=True)])
+        run = ChunkRun(sampler, bucket, distinct, rows_dev, fill, x, x_next,
+                       None if cache is None else cache.index_select(order), self.names)
+        if self.needs_grad:
+            logp = ConsistentChunk.apply(run, self.table, *self.weights)
+        else:
+            with torch.no_grad():
+                logp = run.forward()
+        flat = torch.cat([part[rows] * self.num_columns + cols for rows, cols in picked])
+        return logp, flat.to(dev)
 
     def rows_prefix(self, batch: int) -> PrefixCache | None:
         """The kept chunks' prefix K/V as one cache in the call's row order (every row ran in one chunk)."""

@@ -102,9 +102,15 @@ def test_sde_all_equals_rollout_bitwise():
     assert torch.equal(got, rows[3][order])
 
 
-def test_gradients_match_plain_recompute_fp32():
+# two buckets with one step each; one bucket whose chunks mix rows of steps 1 and 2 (7 rows of bucket (4, 16): chunks
+# of 3 + 1 and 3 rows), scored by one backward call per chunk with each row's own modulation and step constants
+@pytest.mark.parametrize(("calls", "buckets_used"), [([CALLS[0], CALLS[3]], [[2, 8], [4, 16]]),
+                                                     ([(3, 13, 1), (4, 14, 2)], [[4, 16]])],
+                         ids=["one_step_a_chunk", "mixed_steps_a_chunk"])
+def test_gradients_match_plain_recompute_fp32(calls, buckets_used):
     policy = fast_policy()
-    inputs, chains, inds, _, _, buckets = rollout(policy, [CALLS[0], CALLS[3]], seed=4)
+    inputs, chains, inds, _, _, buckets = rollout(policy, calls, seed=4)
+    assert buckets[:, :2].unique(dim=0).tolist() == buckets_used
     weights = torch.randn(len(chains), generator=torch.Generator().manual_seed(0))
     grads = []
     for consistent in (False, True):
