@@ -20,6 +20,7 @@ weights. `weights` are the parameters the expert velocity reads (`velocity_param
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ class ChunkRun:
     bucket: object  # runner.Bucket
     steps: list[int]  # distinct steps, in the order their rows are concatenated
     rows: list[Tensor]  # per step, (n_i,) positions in the bucket
-    fill: object  # fill(step): the bucket's chains[:, step] and [:, step+1] for that step's rows
+    fill: Callable[[int], None]  # fill(step): the bucket's chains[:, step] and [:, step+1] for that step's rows
     x: Tensor  # (n, H, D) fp32 chains[:, k] of every row (rows of steps[0] first, then steps[1], ...)
     x_next: Tensor  # (n, H, D) fp32 chains[:, k+1]
     cache: PrefixCache | None  # the same rows' prefix K/V for the backward (None: no gradient needed)
@@ -86,6 +87,7 @@ class ChunkRun:
         return torch.cat(out)
 
     def row_steps(self) -> list[int]:
+        """Each row's step, in the rows' order."""
         return [k for k, rows in zip(self.steps, self.rows, strict=True) for _ in range(len(rows))]
 
     def reference(self, table: Tensor, weights: list[Tensor]) -> Tensor:
