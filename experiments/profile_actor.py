@@ -45,7 +45,7 @@ from grpo.samples import Samples
 from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
 from policies.fast import recompute
-from policies.fast.autograd import ChunkRun
+from policies.fast.autograd import CallRun, ChunkRun
 from policies.fast.runner import FastSampler
 from policies.models.pi05 import PI05Model
 from policies.policy import Policy
@@ -64,7 +64,7 @@ STAGES: list[tuple[type, str, str]] = [
     (FastSampler, "run_stage", "stage/fast_graph_stage"),
     (recompute, "_restore", "stage/consistent_prefix_restore"),
     (ChunkRun, "forward", "stage/consistent_chunk_forward"),
-    (ChunkRun, "reference", "stage/consistent_chunk_backward_reference"),
+    (CallRun, "reference", "stage/consistent_backward_reference"),
 ]
 
 

@@ -1,7 +1,8 @@
-"""Autograd for the recomputed denoise steps of one chunk: the fast path's kernels forward, the reference math backward.
+"""Autograd for the recomputed denoise steps of one log_prob call: the fast path's kernels forward, the reference
+math backward.
 
-`ConsistentChunk.apply(run, table, *weights)` returns the element-wise log-density of the stored
-transitions chains[:, k] -> chains[:, k+1] of the chunk's rows, each row at its own step k:
+`ConsistentCall.apply(run, table, *weights)` returns the element-wise log-density of the stored
+transitions chains[:, k] -> chains[:, k+1] of the call's rows, each row at its own step k:
 - forward: `run.forward()`, the fast path's own expert velocity (`FastSampler._velocity`: the
   same kernels on the same weights: skinny GEMMs or F.linear, the norm, RoPE and action_io
   kernels, the bucket's attention backend) and flow_logprob.py's twin of the rollout's flow_step, at the
@@ -61,48 +62,82 @@ class _VelocityCall(nn.Module):
 
 @dataclass
 class ChunkRun:
-    """The needed steps of one chunk of a prepared bucket (vision + prefix already run): step `steps[i]` scores
-    bucket rows `rows[i]`. Forward: one fast-path graph per step. Backward: one reference call over all the
-    chunk's rows at once, each row at its own step (its modulation row and step constants gathered per row, as
-    policies.sampling.recompute_step_logprobs does), so the plain model's kernels launch once per chunk, not once
-    per step: the backward's Python launches, not its kernels, bound it on the GPU (round 49's profile)."""
+    """The needed steps of one chunk of rows (at most one bucket): `prepare()` lays the rows into their bucket
+    (vision and prefix run, or a kept prefix restored) and returns the bucket and, when a gradient is needed, the
+    rows' prefix K/V; then step `steps[i]` scores bucket rows `rows[i]`, one fast-path graph per step. Chunks of
+    one bucket share its buffers, so each chunk's forward prepares it again: they run one after another."""
 
     sampler: object  # FastSampler
-    bucket: object  # runner.Bucket
+    prepare: Callable[[], tuple[object, PrefixCache | None]]
     steps: list[int]  # distinct steps, in the order their rows are concatenated
     rows: list[Tensor]  # per step, (n_i,) positions in the bucket
-    fill: Callable[[int], None]  # fill(step): the bucket's chains[:, step] and [:, step+1] for that step's rows
+    fill: Callable[[object, int], None]  # fill(bucket, step): its chains[:, step] and [:, step+1] for those rows
     x: Tensor  # (n, H, D) fp32 chains[:, k] of every row (rows of steps[0] first, then steps[1], ...)
     x_next: Tensor  # (n, H, D) fp32 chains[:, k+1]
-    cache: PrefixCache | None  # the same rows' prefix K/V for the backward (None: no gradient needed)
-    weight_names: tuple[str, ...] = ()
+    cache: PrefixCache | None = None  # set by forward: the same rows' prefix K/V, for the backward
 
     def forward(self) -> Tensor:
         """(n, H, D) log-probs through the fast path's kernels (a CUDA graph per bucket and step)."""
+        bucket, cache = self.prepare()
+        self.cache = None if cache is None else cache.index_select(torch.cat(self.rows))
         out = []
         for k, rows in zip(self.steps, self.rows, strict=True):
-            self.fill(k)
-            self.sampler.run_stage(self.bucket, f"recompute/{k}", functools.partial(stage_recompute, self.sampler, k))
-            out.append(self.bucket.tensors["step_logprobs"][rows, k].clone())
+            self.fill(bucket, k)
+            self.sampler.run_stage(bucket, f"recompute/{k}", functools.partial(stage_recompute, self.sampler, k))
+            out.append(bucket.tensors["step_logprobs"][rows, k].clone())
         return torch.cat(out)
 
     def row_steps(self) -> list[int]:
         """Each row's step, in the rows' order."""
         return [k for k, rows in zip(self.steps, self.rows, strict=True) for _ in range(len(rows))]
 
+
+@dataclass
+class CallRun:
+    """The chunks of one log_prob call. Forward: each chunk's graphs in turn. Backward: one reference call over all
+    the rows of the chunks that share a prefix length (all of them where one prompt bucket is pinned, as GRPO's
+    consistent training does), each row at its own step (its modulation row and step constants gathered per row,
+    as policies.sampling.recompute_step_logprobs does). So the plain model's kernels launch once per micro-batch,
+    not once per chunk and step: that backward's Python launches, not its kernels, bounded it on the GPU (round 49's
+    profile: 55 ms of host time a call against 7 ms of kernels)."""
+
+    sampler: object  # FastSampler
+    chunks: list[ChunkRun]
+    weight_names: tuple[str, ...] = ()
+
+    def forward(self) -> Tensor:
+        """(n, H, D) the chunks' log-probs, concatenated in chunk order."""
+        return torch.cat([chunk.forward() for chunk in self.chunks])
+
     def reference(self, table: Tensor, weights: list[Tensor]) -> Tensor:
-        """(n, H, D) the same log-probs by the plain model in fp32, differentiable."""
-        sampler, dev = self.sampler, self.x.device
-        per_row = self.row_steps()
+        """(n, H, D) the same log-probs by the plain model in fp32, differentiable, in the same order."""
         params = {f"model.{name}": w.float() for name, w in zip(self.weight_names, weights)}
-        modulation = table.float()[torch.tensor(per_row, device=dev)]
-        cache = PrefixCache([key.float() for key in self.cache.keys], [value.float() for value in self.cache.values],
-                            self.cache.pad_mask, self.cache.offsets)
-        v = functional_call(_VelocityCall(sampler.model), params, (cache, self.x, modulation))
-        constants = torch.tensor([sampler.step_constants[k][:3] for k in per_row], dtype=torch.float32, device=dev)
+        by_length: dict[int, list[int]] = {}
+        for i, chunk in enumerate(self.chunks):
+            by_length.setdefault(chunk.cache.pad_mask.shape[1], []).append(i)
+        parts: list[Tensor | None] = [None] * len(self.chunks)
+        for members in by_length.values():
+            group = [self.chunks[i] for i in members]
+            logp = self._group_reference(group, table, params)
+            for i, piece in zip(members, logp.split([len(chunk.x) for chunk in group]), strict=True):
+                parts[i] = piece
+        return torch.cat(parts)
+
+    def _group_reference(self, chunks: list[ChunkRun], table: Tensor, params: dict[str, Tensor]) -> Tensor:
+        sampler = self.sampler
+        x, x_next = torch.cat([c.x for c in chunks]), torch.cat([c.x_next for c in chunks])
+        per_row = [k for c in chunks for k in c.row_steps()]
+        modulation = table.float()[torch.tensor(per_row, device=x.device)]
+        caches = [c.cache for c in chunks]
+        cache = PrefixCache([torch.cat(layer).float() for layer in zip(*[c.keys for c in caches], strict=True)],
+                            [torch.cat(layer).float() for layer in zip(*[c.values for c in caches], strict=True)],
+                            torch.cat([c.pad_mask for c in caches]), torch.cat([c.offsets for c in caches]))
+        v = functional_call(_VelocityCall(sampler.model), params, (cache, x, modulation))
+        constants = torch.tensor([sampler.step_constants[k][:3] for k in per_row], dtype=torch.float32,
+                                 device=x.device)
         t, delta, sigma = (constants[:, i, None, None] for i in range(3))
-        mean, std = flow.sde_step_mean_std(self.x, v, t, delta, sigma)
-        return flow.gaussian_log_prob(self.x_next, mean, std)
+        mean, std = flow.sde_step_mean_std(x, v, t, delta, sigma)
+        return flow.gaussian_log_prob(x_next, mean, std)
 
 
 def stage_recompute(sampler, k: int, bucket) -> None:
@@ -117,9 +152,9 @@ def stage_recompute(sampler, k: int, bucket) -> None:
     flow_logprob(t["chains"], v, t["stochastic"], t["step_logprobs"], k, grid_t, delta, sigma, sampler._pdl_for(bucket))
 
 
-class ConsistentChunk(torch.autograd.Function):
+class ConsistentCall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: ChunkRun, table: Tensor, *weights: Tensor) -> Tensor:
+    def forward(ctx, run: CallRun, table: Tensor, *weights: Tensor) -> Tensor:
         ctx.run = run
         ctx.save_for_backward(table, *weights)
         return run.forward()

@@ -22,8 +22,8 @@ How, per micro-batch:
    grpo.prefix_cache), those slots copied back into the bucket: the same bits without vision or prefix.
 3. Each needed step k: the rollout's expert velocity at x_k = chains[:, k] and a twin of its
    flow_step kernel scoring the stored chains[:, k+1] (flow_logprob.py), one CUDA graph per
-   bucket and step; a chunk's steps wrapped in one autograd.ConsistentChunk, whose backward is the plain
-   model's fp32 math at the same inputs, one call over all the chunk's rows.
+   bucket and step; the call's chunks wrapped in one autograd.ConsistentCall, whose backward is the plain
+   model's fp32 math at the same inputs, one reference call over all the rows that share a prefix length.
 4. The AdaRMS modulation table is recomputed with autograd for the whole time grid (the shapes
    of FastWeights' buffer, hence its bits) and copied into that buffer before the kernels run;
    its gradient reaches the time MLP and the AdaRMS dense layers.
@@ -36,11 +36,13 @@ and Triton versions and matmul settings (TF32 flags). Autocast is switched off i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from policies import sampling
-from policies.fast.autograd import ChunkRun, ConsistentChunk, velocity_parameters
+from policies.fast.autograd import CallRun, ChunkRun, ConsistentCall, velocity_parameters
 from policies.models.pi05 import PrefixCache
 from policies.sampling import LogProbOutput
 
@@ -70,24 +72,29 @@ def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mo
         named = velocity_parameters(policy.model)
         weights = [p for _, p in named]
         needs_grad = torch.is_grad_enabled() and (table.requires_grad or any(w.requires_grad for w in weights))
-        chunk = _ChunkRunner(sampler, inputs, chains, steps, len(columns), table, named, needs_grad, prefix,
-                             return_prefix)
-        pieces, index = [], []
+        planner = _ChunkPlanner(sampler, inputs, chains, steps, len(columns), needs_grad, prefix, return_prefix)
+        chunks, index = [], []
         for key, rows in _groups(keys):
             for part in rows.split(key[0]):
-                logp, flat = chunk.run(key, part)
-                pieces.append(logp)
+                chunk, flat = planner.plan(key, part)
+                chunks.append(chunk)
                 index.append(flat)
         step_lp = chains.new_zeros(b * len(columns), *chains.shape[2:])
-        if pieces:
-            step_lp = step_lp.index_copy(0, torch.cat(index), torch.cat(pieces))
+        if chunks:
+            run = CallRun(sampler, chunks, tuple(name for name, _ in named))
+            if needs_grad:
+                logp = ConsistentCall.apply(run, table, *weights)
+            else:
+                with torch.no_grad():
+                    logp = run.forward()
+            step_lp = step_lp.index_copy(0, torch.cat(index), logp)
         step_lp = step_lp.view(b, len(columns), *chains.shape[2:])
     if mode == "sde":
         logprobs = step_lp[:, 0, : cfg.logprob_chunk, : cfg.action_dim]
     else:
         logprobs = sampling.reduce_logprobs(mode, step_lp, chains, denoise_inds, cfg.logprob_chunk, cfg.action_dim)
     return LogProbOutput(logprobs, logprobs.flatten(1).sum(dim=1), step_lp,
-                         chunk.rows_prefix(b) if return_prefix else None)
+                         planner.rows_prefix(b) if return_prefix else None)
 
 
 def row_buckets(fast, batch: int, fast_buckets: Tensor | None) -> Tensor:
@@ -125,21 +132,39 @@ def _groups(keys: Tensor):
         yield tuple(key), (keys == torch.tensor(key)).all(dim=1).nonzero().flatten()
 
 
-class _ChunkRunner:
-    """Runs chunks of rows (at most one bucket each) through vision, prefix and the needed steps."""
+class _ChunkPlanner:
+    """Plans chunks of rows (at most one bucket each): what each chunk's forward runs (vision and prefix, or the
+    kept prefix restored, then its steps) and where its log-probs go."""
 
-    def __init__(self, sampler, inputs, chains, steps, num_columns, table, named, needs_grad,
-                 prefix: PrefixCache | None = None, keep_prefix: bool = False):
+    def __init__(self, sampler, inputs, chains, steps, num_columns, needs_grad, prefix: PrefixCache | None = None,
+                 keep_prefix: bool = False):
         self.sampler, self.inputs, self.chains, self.steps = sampler, inputs, chains, steps
-        self.num_columns, self.table, self.needs_grad = num_columns, table, needs_grad
-        self.names = tuple(name for name, _ in named)
-        self.weights = [p for _, p in named]
+        self.num_columns, self.needs_grad = num_columns, needs_grad
         self.prefix = prefix  # the call's rows' prefix K/V, given (restored into each bucket)
         self.kept: list[tuple[Tensor, PrefixCache]] | None = [] if keep_prefix else None  # (rows, their K/V)
 
-    def run(self, key: tuple[int, ...], part: Tensor) -> tuple[Tensor, Tensor]:
-        """(log-probs (n, H, D), flat row*columns+column index) of the chunk's needed (row, step) pairs."""
-        sampler, dev = self.sampler, self.sampler.device
+    def plan(self, key: tuple[int, ...], part: Tensor) -> tuple[ChunkRun, Tensor]:
+        """The chunk's run and the flat row*columns+column index of its (row, step) pairs, in the run's order."""
+        dev = self.sampler.device
+        chains = self.chains[part.to(self.chains.device)]
+        steps = self.steps[part]
+        distinct = sorted(set(steps.flatten().tolist()))
+        picked = [(steps == step).nonzero(as_tuple=True) for step in distinct]  # per step: (rows, columns)
+        rows_dev = [rows.to(dev) for rows, _ in picked]
+        x = torch.cat([chains[rows, step] for rows, step in zip(rows_dev, distinct, strict=True)])
+        x_next = torch.cat([chains[rows, step + 1] for rows, step in zip(rows_dev, distinct, strict=True)])
+
+        def fill(bucket, step: int) -> None:
+            with torch.no_grad():
+                _fill_chains(bucket, chains, step)
+
+        run = ChunkRun(self.sampler, functools.partial(self._lay_out, key, part), distinct, rows_dev, fill, x, x_next)
+        flat = torch.cat([part[rows] * self.num_columns + cols for rows, cols in picked])
+        return run, flat.to(dev)
+
+    def _lay_out(self, key: tuple[int, ...], part: Tensor):
+        """The chunk's rows in their bucket with their prefix K/V (computed, or restored from the given ones) ->
+        (bucket, the rows' K/V where the backward needs them, else None); kept for `rows_prefix` if asked."""
         if self.prefix is None:
             bucket = self._prepare(key, part, ("vision", "prefix"))  # the K/V caches filled
             keep = self.needs_grad or self.kept is not None
@@ -150,30 +175,7 @@ class _ChunkRunner:
             _restore(bucket, cache)
         if self.kept is not None:
             self.kept.append((part, cache))
-        if not self.needs_grad:
-            cache = None
-        chains = self.chains[part.to(self.chains.device)]
-        steps = self.steps[part]
-        distinct = sorted(set(steps.flatten().tolist()))
-        picked = [(steps == step).nonzero(as_tuple=True) for step in distinct]  # per step: (rows, columns)
-        rows_dev = [rows.to(dev) for rows, _ in picked]
-        order = torch.cat(rows_dev)  # the chunk's rows, those of the first step first
-
-        def fill(step: int) -> None:
-            with torch.no_grad():
-                _fill_chains(bucket, chains, step)
-
-        x = torch.cat([chains[rows, step] for rows, step in zip(rows_dev, distinct, strict=True)])
-        x_next = torch.cat([chains[rows, step + 1] for rows, step in zip(rows_dev, distinct, strict=True)])
-        run = ChunkRun(sampler, bucket, distinct, rows_dev, fill, x, x_next,
-                       None if cache is None else cache.index_select(order), self.names)
-        if self.needs_grad:
-            logp = ConsistentChunk.apply(run, self.table, *self.weights)
-        else:
-            with torch.no_grad():
-                logp = run.forward()
-        flat = torch.cat([part[rows] * self.num_columns + cols for rows, cols in picked])
-        return logp, flat.to(dev)
+        return bucket, cache if self.needs_grad else None
 
     def rows_prefix(self, batch: int) -> PrefixCache | None:
         """The kept chunks' prefix K/V as one cache in the call's row order (every row ran in one chunk)."""

@@ -50,7 +50,7 @@ def test_the_consistent_recompute_with_its_kept_prefix_is_timed_and_labelled(mon
     assert record["timed"]["device"]["prefix_cache_rows"] == 8
     stages = record["profile"]["stages"]
     for label in ("stage/fast_graph_stage", "stage/consistent_prefix_restore", "stage/consistent_chunk_forward",
-                  "stage/consistent_chunk_backward_reference"):
+                  "stage/consistent_backward_reference"):
         assert stages[label]["calls"] > 0, label
 
 

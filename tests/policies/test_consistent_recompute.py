@@ -102,8 +102,9 @@ def test_sde_all_equals_rollout_bitwise():
     assert torch.equal(got, rows[3][order])
 
 
-# two buckets with one step each; one bucket whose chunks mix rows of steps 1 and 2 (7 rows of bucket (4, 16): chunks
-# of 3 + 1 and 3 rows), scored by one backward call per chunk with each row's own modulation and step constants
+# two buckets (two prefix lengths: two reference calls in the backward, their rows put back in order) with one step
+# each; one bucket whose chunks mix rows of steps 1 and 2 (7 rows of bucket (4, 16): chunks of 3 + 1 and 3 rows),
+# scored by one reference call over both chunks with each row's own modulation and step constants
 @pytest.mark.parametrize(("calls", "buckets_used"), [([CALLS[0], CALLS[3]], [[2, 8], [4, 16]]),
                                                      ([(3, 13, 1), (4, 14, 2)], [[4, 16]])],
                          ids=["one_step_a_chunk", "mixed_steps_a_chunk"])
