@@ -92,14 +92,20 @@ class ChunkRun:
         return [k for k, rows in zip(self.steps, self.rows, strict=True) for _ in range(len(rows))]
 
 
+# The most fp32 prefix K/V one reference call of the backward upcasts (its autograd keeps about three times as
+# much until that call's gradients are taken): larger calls are split by chunks, their gradients summed. 4 GiB
+# holds one 128-row micro-batch of LIBERO's pi0.5 (23.6 MB a row) in one call, as measured in round 49.
+REFERENCE_BYTES = 4 << 30
+
+
 @dataclass
 class CallRun:
     """The chunks of one log_prob call. Forward: each chunk's graphs in turn. Backward: one reference call over all
     the rows of the chunks that share a prefix length (all of them where one prompt bucket is pinned, as GRPO's
-    consistent training does), each row at its own step (its modulation row and step constants gathered per row,
-    as policies.sampling.recompute_step_logprobs does). So the plain model's kernels launch once per micro-batch,
-    not once per chunk and step: that backward's Python launches, not its kernels, bounded it on the GPU (round 49's
-    profile: 55 ms of host time a call against 7 ms of kernels)."""
+    consistent training does; split where they upcast more than REFERENCE_BYTES), each row at its own step (its
+    modulation row and step constants gathered per row, as policies.sampling.recompute_step_logprobs does). So the
+    plain model's kernels launch once per micro-batch, not once per chunk and step: that backward's Python launches,
+    not its kernels, bounded it on the GPU (round 49's profile: 55 ms of host time a call against 7 ms of kernels)."""
 
     sampler: object  # FastSampler
     chunks: list[ChunkRun]
@@ -109,22 +115,34 @@ class CallRun:
         """(n, H, D) the chunks' log-probs, concatenated in chunk order."""
         return torch.cat([chunk.forward() for chunk in self.chunks])
 
-    def reference(self, table: Tensor, weights: list[Tensor]) -> Tensor:
-        """(n, H, D) the same log-probs by the plain model in fp32, differentiable, in the same order."""
-        params = {f"model.{name}": w.float() for name, w in zip(self.weight_names, weights)}
-        by_length: dict[int, list[int]] = {}
-        for i, chunk in enumerate(self.chunks):
-            by_length.setdefault(chunk.cache.pad_mask.shape[1], []).append(i)
-        parts: list[Tensor | None] = [None] * len(self.chunks)
-        for members in by_length.values():
-            group = [self.chunks[i] for i in members]
-            logp = self._group_reference(group, table, params)
-            for i, piece in zip(members, logp.split([len(chunk.x) for chunk in group]), strict=True):
-                parts[i] = piece
-        return torch.cat(parts)
+    def row_slices(self) -> list[slice]:
+        """Each chunk's rows in the forward's output."""
+        ends = torch.tensor([len(chunk.x) for chunk in self.chunks]).cumsum(0).tolist()
+        return [slice(end - len(chunk.x), end) for chunk, end in zip(self.chunks, ends, strict=True)]
 
-    def _group_reference(self, chunks: list[ChunkRun], table: Tensor, params: dict[str, Tensor]) -> Tensor:
-        sampler = self.sampler
+    def pieces(self, budget: int | None = None) -> list[list[int]]:
+        """The backward's reference calls: chunk indices of one prefix length each, at most `budget` bytes of fp32
+        prefix K/V per call (default REFERENCE_BYTES; a chunk alone may exceed it)."""
+        budget = REFERENCE_BYTES if budget is None else budget
+        calls: dict[int, list[list[int]]] = {}
+        sizes: dict[int, int] = {}
+        for i, chunk in enumerate(self.chunks):
+            cache = chunk.cache
+            length = cache.pad_mask.shape[1]
+            size = 4 * sum(t.numel() for t in [*cache.keys, *cache.values])
+            open_calls = calls.setdefault(length, [])
+            if not open_calls or sizes[length] + size > budget:
+                open_calls.append([])
+                sizes[length] = 0
+            open_calls[-1].append(i)
+            sizes[length] += size
+        return [members for per_length in calls.values() for members in per_length]
+
+    def reference(self, table: Tensor, weights: list[Tensor], members: list[int]) -> Tensor:
+        """(n, H, D) the log-probs of chunks `members` (one prefix length) by the plain model in fp32,
+        differentiable, in their order."""
+        sampler, chunks = self.sampler, [self.chunks[i] for i in members]
+        params = {f"model.{name}": w.float() for name, w in zip(self.weight_names, weights)}
         x, x_next = torch.cat([c.x for c in chunks]), torch.cat([c.x_next for c in chunks])
         per_row = [k for c in chunks for k in c.row_steps()]
         modulation = table.float()[torch.tensor(per_row, device=x.device)]
@@ -163,9 +181,22 @@ class ConsistentCall(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         table, *weights = ctx.saved_tensors
         needs = ctx.needs_input_grad[1:]
+        run: CallRun = ctx.run
+        rows = run.row_slices()
+        total: list[Tensor | None] | None = None
         with torch.enable_grad(), torch.autocast(grad.device.type, enabled=False):
             leaves = [w.detach().requires_grad_(need) for w, need in zip([table, *weights], needs)]
-            logp = ctx.run.reference(leaves[0], leaves[1:])
             wanted = [leaf for leaf in leaves if leaf.requires_grad]
-            grads = iter(torch.autograd.grad(logp, wanted, grad, allow_unused=True))
-        return (None, *[next(grads) if need else None for need in needs])
+            for members in run.pieces():
+                logp = run.reference(leaves[0], leaves[1:], members)
+                piece_grad = torch.cat([grad[rows[i]] for i in members])
+                grads = torch.autograd.grad(logp, wanted, piece_grad, allow_unused=True)
+                total = list(grads) if total is None else [_add(a, b) for a, b in zip(total, grads, strict=True)]
+        found = iter(total)
+        return (None, *[next(found) if need else None for need in needs])
+
+
+def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    if a is None:
+        return b
+    return a if b is None else a + b

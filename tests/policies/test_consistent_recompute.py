@@ -298,3 +298,28 @@ def test_autograd_wrapper_with_triton_flow_kernels(monkeypatch):
     assert torch.equal(got.detach(), rows[3][order])
     got.sum().backward()
     assert policy.model.time_mlp_in.weight.grad.abs().max() > 0
+
+
+def test_a_backward_split_by_its_byte_budget_sums_to_the_same_gradients(monkeypatch):
+    """REFERENCE_BYTES so small that each chunk gets its own reference call (2 chunks here): the gradients summed
+    over the calls equal one call's, to fp32 rounding."""
+    from policies.fast import autograd
+
+    policy = fast_policy()
+    inputs, chains, inds, _, _, buckets = rollout(policy, [(3, 13, 1), (4, 14, 2)], seed=4)
+    weights = torch.randn(len(chains), generator=torch.Generator().manual_seed(0))
+    calls = []
+    reference = autograd.CallRun.reference
+    monkeypatch.setattr(autograd.CallRun, "reference", lambda self, *a: calls.append(a[-1]) or reference(self, *a))
+    grads = []
+    for budget in (autograd.REFERENCE_BYTES, 1):
+        monkeypatch.setattr(autograd, "REFERENCE_BYTES", budget)
+        policy.model.zero_grad(set_to_none=True)
+        out = policy.log_prob(inputs, chains, inds, consistent=True, fast_buckets=buckets)
+        (out.chunk_logprob * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None})
+    assert calls == [[0, 1], [0], [1]]
+    assert set(grads[0]) == set(grads[1]) and len(grads[0]) > 0
+    for name, want in grads[0].items():
+        err = float((grads[1][name] - want).norm() / want.norm().clamp_min(1e-12))
+        assert err < 1e-5, (name, err)
