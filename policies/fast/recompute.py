@@ -256,8 +256,9 @@ def _restore(bucket, cache: PrefixCache) -> None:
     of other rows or from the plain path is refused), before any expert step."""
     n = cache.offsets.shape[0]
     p, offsets, pad_mask = _layout(bucket, n)
-    if cache.pad_mask.shape[1] != p or not torch.equal(cache.offsets.to(offsets.device), offsets) or not torch.equal(
-            cache.pad_mask.to(offsets.device), pad_mask):
+    # one host sync for both checks (the actor is host-bound: each sync lets the GPU run dry)
+    if cache.pad_mask.shape[1] != p or not bool((cache.offsets.to(offsets.device) == offsets).all()
+                                                & (cache.pad_mask.to(offsets.device) == pad_mask).all()):
         raise ValueError(f"consistent log_prob: the given prefix cache ({cache.pad_mask.shape[1]} slots) is not these "
                          f"rows' in their bucket's layout ({p} slots, valid tokens first); pass the `prefix` of a "
                          "consistent log_prob call on the same rows")

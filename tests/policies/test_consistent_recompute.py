@@ -230,6 +230,11 @@ def test_a_kept_prefix_is_refused_where_it_cannot_be_the_rows():
         plain = policy.log_prob(inputs, chains, inds, consistent=False, return_prefix=True).prefix
         with pytest.raises(ValueError, match="not these rows' in their bucket's layout"):
             policy.log_prob(inputs, chains, inds, consistent=True, fast_buckets=buckets, prefix=plain)
+        kept = policy.log_prob(inputs, chains, inds, consistent=True, fast_buckets=buckets, return_prefix=True).prefix
+        others = kept.index_select(torch.arange(len(chains)).flip(0))  # the right layout's length, other rows' counts
+        assert not torch.equal(others.offsets, kept.offsets)
+        with pytest.raises(ValueError, match="not these rows' in their bucket's layout"):
+            policy.log_prob(inputs, chains, inds, consistent=True, fast_buckets=buckets, prefix=others)
         mixed = rollout(policy, CALLS[:2], seed=7)  # prompt buckets 16 and 8: K/V of two lengths
         with pytest.raises(ValueError, match=r"several prefix lengths .*one-entry policy.fast.prompt_buckets"):
             policy.log_prob(mixed[0], mixed[1], mixed[2], consistent=True, fast_buckets=mixed[5], return_prefix=True)
@@ -323,3 +328,21 @@ def test_a_backward_split_by_its_byte_budget_sums_to_the_same_gradients(monkeypa
     for name, want in grads[0].items():
         err = float((grads[1][name] - want).norm() / want.norm().clamp_min(1e-12))
         assert err < 1e-5, (name, err)
+
+
+def test_sde_all_gradients_match_plain_recompute_fp32():
+    """Every step of every row scored ("sde_all"): a row's K steps are K rows of the backward's reference call."""
+    policy = fast_policy()
+    inputs, chains, inds, _, _, buckets = rollout(policy, [(3, 13, 0), (4, 14, 0)], mode="sde_all", seed=5)
+    weights = torch.randn(len(chains), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for consistent in (False, True):
+        policy.model.zero_grad(set_to_none=True)
+        out = policy.log_prob(inputs, chains, inds, mode="sde_all", consistent=consistent, fast_buckets=buckets)
+        (out.chunk_logprob * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None})
+    plain, consistent = grads
+    assert set(plain) == set(consistent) and plain["expert.layers.1.qkv.weight"].abs().max() > 0
+    for name, want in plain.items():
+        err = float((consistent[name] - want).norm() / want.norm().clamp_min(1e-12))
+        assert err < 1e-4, (name, err)
