@@ -3,7 +3,8 @@
 # e.g. (after `source scripts/device_prelude.sh` on the GPU machine)
 #   bash scripts/grpo_settings.sh $OUT 540 bf16="policy.frozen_dtype=bfloat16" base=""
 # Every run is the README's libero10_pi05 command cut to 2 steps of 1 rollout epoch (tasks 2 and 8,
-# 160 env steps; grpo.micro_batch=32, which fits an 80 GB H100) plus the setting's overrides. Each
+# 160 env steps; grpo.micro_batch=$GRPO_MICRO_BATCH, default 32, which fits an 80 GB H100 in every mode)
+# plus the setting's overrides. Each
 # keeps OUT_DIR/grpo_NAME_report.json (the profiler's step report) and its log and metrics in
 # OUT_DIR/grpo_NAME.tgz, so few files come back from the machine. Runs share BUDGET_S seconds: each
 # is stopped (timeout) at the budget's end, later settings are then skipped (named in the output).
@@ -11,7 +12,7 @@ set -u
 out=$1; budget=$2; shift 2
 deadline=$(( $(date +%s) + budget ))
 base="+experiment=libero10_pi05 env.task_ids=[2,8,2,8,2,8,2,8] env.max_episode_steps=160 grpo.steps=2"
-base="$base grpo.rollout_epochs=1 grpo.filter_groups=false grpo.micro_batch=32 logger=none"
+base="$base grpo.rollout_epochs=1 grpo.filter_groups=false grpo.micro_batch=${GRPO_MICRO_BATCH:-32} logger=none"
 base="$base profiler.exports=[json] run.checkpoint_every=0 eval.every=0"
 for setting in "$@"; do
     name=${setting%%=*}; overrides=${setting#*=}
