@@ -35,7 +35,7 @@ from grpo import losses
 from grpo.config import GRPOConfig
 from grpo.distributed import full_parameters
 from grpo.observations import observation_from_rows
-from grpo.prefix_store import RowPrefixes
+from grpo.prefix_store import RowPrefixes, StoreView
 from grpo.samples import Samples
 from policies import flow
 from policies.models.pi05 import PrefixCache
@@ -95,6 +95,9 @@ class Actor:
         self.reference = self._reference_policy() if cfg.kl_coef > 0 else None
         self.show_progress = show_progress
         self.updates = 0  # optimiser steps taken so far (checkpointed)
+        # grpo.prefix_cache=engine: the store the rollout engine filled (the trainer attaches it; Samples.prefix_row
+        # names each row's place there)
+        self.engine_prefixes: RowPrefixes | None = None
 
     def _reference_policy(self):
         ref = copy.deepcopy(self.policy)
@@ -137,12 +140,19 @@ class Actor:
         return policy.log_prob(obs, chains, denoise_inds, prefix=prefix).chunk_logprob
 
     @torch.no_grad()
-    def recompute(self, samples: Samples, policy=None, keep: RowPrefixes | None = None) -> Tensor:
+    def recompute(self, samples: Samples, policy=None, keep: RowPrefixes | StoreView | None = None) -> Tensor:
         """Chunk log-probs of every row without gradients, micro-batched (CPU tensor); with `keep`, every
-        row's prefix K/V is kept there (by row index) for the update epochs."""
+        row's prefix K/V is kept there (by row index) for the update epochs, or, where `keep` is a view of a store
+        the rollout engine filled, read from it for the rows it holds."""
         policy = policy or self.policy
         samples = samples.without_prompt_padding()
         index = torch.arange(len(samples))
+        if isinstance(keep, StoreView):
+            out = torch.empty(len(samples))
+            for idx in self._micro_batches(index, keep)[1]:  # the kept rows' micro-batches first
+                prefix = keep.gather(idx, self.device) if bool(keep.kept(idx).all()) else None
+                out[idx] = self.chunk_logprob(policy, samples.select(idx), prefix).cpu()
+            return out
         parts = [self.chunk_logprob(policy, samples.select(idx), keep=None if keep is None else (keep, idx)).cpu()
                  for idx in self._micro(index)]
         return torch.cat(parts) if parts else torch.zeros(0)
@@ -161,7 +171,7 @@ class Actor:
     def _micro(self, index: Tensor) -> list[Tensor]:
         return list(torch.split(index, self.cfg.micro_batch))
 
-    def _micro_batches(self, index: Tensor, prefixes: RowPrefixes | None) -> tuple[Tensor, list[Tensor]]:
+    def _micro_batches(self, index: Tensor, prefixes: RowPrefixes | StoreView | None) -> tuple[Tensor, list[Tensor]]:
         """A global batch's rows (reordered) and its micro-batches. With a store that kept only some rows (its
         budget), the kept rows come first and no micro-batch mixes kept and recomputed rows: one optimiser step
         sums the same gradients in another order."""
@@ -180,7 +190,12 @@ class Actor:
         samples = samples.without_prompt_padding()  # one width for the old-log-prob pass and every epoch
         # vision and prefix are frozen: with grpo.prefix_cache their K/V come from this pass in every epoch
         prefixes = None
-        if cfg.prefix_cache != "off":
+        if cfg.prefix_cache == "engine":
+            if self.engine_prefixes is None:
+                raise ValueError("grpo.prefix_cache=engine: no store of the rollout engine is attached to the actor "
+                                 "(the Trainer attaches it: Actor.engine_prefixes)")
+            prefixes = self.engine_prefixes.view(samples.prefix_row)
+        elif cfg.prefix_cache != "off":
             budget = None if cfg.prefix_cache_gib is None else int(cfg.prefix_cache_gib * 2**30)
             # under autocast the plain expert's attention reads the keys in bf16: kept so (RoPE left them fp32),
             # exact; the consistent recompute's (log_prob's default where the config sets it) come from the fast

@@ -30,7 +30,7 @@ from grpo.distributed import ActorParallelConfig
 LOSS_AGGREGATIONS = ("token_mean", "trajectory_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AUTOCAST_MODES = ("auto", "bf16", "none")
-PREFIX_CACHES = ("off", "device", "host")
+PREFIX_CACHES = ("off", "device", "host", "engine")
 
 
 @dataclass
@@ -73,7 +73,8 @@ class GRPOConfig:
     # The frozen prefix's K/V of every row, computed once per actor update (the old-log-prob pass) and reused by
     # every update epoch instead of re-running vision and prefix: "device" keeps it on the actor's device,
     # "host" in CPU memory (~11 MiB a row for the full pi0.5 at LIBERO's shapes, keys in bf16 under autocast);
-    # needs policy.train_expert_only
+    # needs policy.train_expert_only. "engine": the rollout engine keeps them as it predicts (on its device; the
+    # in-process engine with one rank, policy.fast.consistent_recompute), so the old-log-prob pass skips them too
     prefix_cache: str = "off"
     # The most memory (GiB) the kept caches of one update take; the rows past it recompute their prefix in every
     # epoch (null: every row is kept)

@@ -52,6 +52,7 @@ class RowPrefixes:
         self._slot = torch.full((rows,), -1, dtype=torch.long)  # row -> its slot, -1: not kept
         self._seen = torch.zeros(rows, dtype=torch.bool)  # rows added (kept or not)
         self._slots: PrefixCache | None = None  # one buffer per tensor, (capacity, ...) each
+        self._next = 0  # the id `append` gives its next row
 
     def __len__(self) -> int:
         return int((self._slot >= 0).sum())
@@ -102,6 +103,30 @@ class RowPrefixes:
             slot[taken:taken + fits].copy_(part[:fits])
         self._slot[rows[:fits]] = torch.arange(taken, taken + fits)
 
+    def append(self, cache: PrefixCache) -> Tensor:
+        """Keep `cache` as the next rows (in order after every row appended since the last `reset`): the rollout
+        engine's sink (grpo.prefix_cache=engine). Returns (n,) int64 each row's id here, -1 where it was not kept
+        (past the budget, or past the `rows` this store was made for)."""
+        n = cache.offsets.shape[0]
+        start = self._next
+        self._next += n
+        ids = torch.arange(start, start + n)
+        inside = ids < self.rows
+        self.add(ids[inside], _rows_of(cache, int(inside.sum())))
+        out = torch.full((n,), -1, dtype=torch.long)
+        out[inside] = torch.where(self.kept(ids[inside]), ids[inside], -1)
+        return out
+
+    def reset(self) -> None:
+        """Forget every row (the next RL step's rollout appends anew); the buffers stay allocated."""
+        self._slot.fill_(-1)
+        self._seen.zero_()
+        self._next = 0
+
+    def view(self, ids: Tensor) -> StoreView:
+        """An update's rows 0..len(ids)-1 read from this store: row r is this store's row ids[r] (-1: none)."""
+        return StoreView(self, ids)
+
     def gather(self, rows: Tensor, device: torch.device) -> PrefixCache:
         """The kept caches of `rows`, in that order, on `device`."""
         rows = torch.as_tensor(rows, dtype=torch.long).cpu()
@@ -130,6 +155,39 @@ class RowPrefixes:
                 f"grpo.prefix_cache_gib to what fits (the other rows recompute their prefix) or "
                 f"grpo.prefix_cache=off") from error
         self._slots = PrefixCache(*_regroup(like, buffers))
+
+
+class StoreView:
+    """The rows of one update (0..R-1) in a store that someone else filled, read only: the rollout engine's store
+    under grpo.prefix_cache=engine, where row r of the update is the store's row ids[r] (-1: not kept there).
+    Answers what the actor asks of a RowPrefixes (`rows`, `kept`, `gather`, its length and bytes)."""
+
+    def __init__(self, store: RowPrefixes, ids: Tensor):
+        self.store = store
+        self.ids = torch.as_tensor(ids, dtype=torch.long).cpu()
+        self.rows = len(self.ids)
+
+    def __len__(self) -> int:
+        return int(self.kept(torch.arange(self.rows)).sum())
+
+    @property
+    def kept_bytes(self) -> int:
+        return len(self) * self.store.row_bytes
+
+    def kept(self, rows: Tensor) -> Tensor:
+        ids = self.ids[torch.as_tensor(rows, dtype=torch.long).cpu()]
+        return (ids >= 0) & self.store.kept(ids)
+
+    def gather(self, rows: Tensor, device: torch.device) -> PrefixCache:
+        return self.store.gather(self.ids[torch.as_tensor(rows, dtype=torch.long).cpu()], device)
+
+
+def _rows_of(cache: PrefixCache, n: int) -> PrefixCache:
+    """The first n rows of `cache` (views)."""
+    if n == cache.offsets.shape[0]:
+        return cache
+    return PrefixCache([k[:n] for k in cache.keys], [v[:n] for v in cache.values], cache.pad_mask[:n],
+                       cache.offsets[:n])
 
 
 def stored_dtypes(cache: PrefixCache, key_dtype: torch.dtype | None = None) -> list[torch.dtype]:

@@ -191,6 +191,20 @@ class ExperimentConfig:
         if self.grpo.actor_parallel.mode != "none":
             raise ValueError(f"grpo.prefix_cache={where} is built for the one-process actor only, got "
                              f"grpo.actor_parallel.mode={self.grpo.actor_parallel.mode}")
+        if where != "engine":
+            return
+        # the rollout's K/V stand in for the trainer's: the same bits only through the consistent recompute, and
+        # only an in-process engine's tensors can be read here (the trainer checks the devices match)
+        if not (self.policy.fast.enabled and self.policy.fast.consistent_recompute):
+            raise ValueError("grpo.prefix_cache=engine needs policy.fast.enabled=true and "
+                             "policy.fast.consistent_recompute=true (the trainer restores the rollout's K/V into the "
+                             f"fast path's buckets), got policy.fast.enabled={self.policy.fast.enabled}, "
+                             f"policy.fast.consistent_recompute={self.policy.fast.consistent_recompute}")
+        engine = self.rollout.engine
+        if engine.backend != "inproc" or engine.num_ranks != 1:
+            raise ValueError(f"grpo.prefix_cache=engine needs the in-process engine with one rank "
+                             f"(rollout.engine.backend=inproc, num_ranks=1), got backend={engine.backend!r} with "
+                             f"{engine.num_ranks} ranks")
 
     def check_cross_group(self) -> None:
         env, pol, col = self.env, self.policy, self.collector

@@ -37,6 +37,12 @@ class Samples:
     chunk: Tensor  # (R,) int64: chunk index within the trajectory
     advantages: Tensor  # (R,) float32 (zeros until `assemble` sets them)
     trajectory_length: Tensor  # (R,) int64: trainable chunks of the row's trajectory
+    # (R,) int64: the row's id in the engine's prefix store (grpo.prefix_cache=engine), -1: not kept there
+    prefix_row: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefix_row is None:
+            self.prefix_row = torch.full((len(self),), -1, dtype=torch.long)
 
     def __len__(self) -> int:
         return int(self.states.shape[0])
@@ -104,6 +110,7 @@ class EpochRows:
             denoise_inds=take(batch.denoise_inds).long(),
             rollout_logprob=take(batch.chunk_logprob).float(),
             versions=take(batch.versions).long(),
+            prefix_row=take(batch.prefix_rows).long(),
             trajectory=torch.from_numpy(env.astype(np.int64)),
             chunk=torch.from_numpy(chunk.astype(np.int64)),
             advantages=torch.zeros(n_rows),

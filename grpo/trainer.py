@@ -40,6 +40,7 @@ from grpo import checkpoint
 from grpo.actor_group import build_actor, plan_actor_for_run
 from grpo.artifacts import write_profile
 from grpo.evaluate import Evaluator
+from grpo.prefix_store import RowPrefixes
 from grpo.reporting import MetricsLog, WandbRun, console_line, phase_metrics, plot_success_curve
 from grpo.run_config import ExperimentConfig
 from grpo.samples import EpochRows, assemble, rollout_metrics
@@ -125,7 +126,7 @@ class Trainer:
         self._previous_timeline = set_timeline(self.timeline)
         self.lanes = [make_timeline(self.prof, rank=0, worker=f"env_stage{s}", run_dir=self.run_dir)
                       for s in range(cfg.collector.stages)]
-        self.engine = self.collector = self.evaluator = self.pusher = self.actor = None
+        self.engine = self.collector = self.evaluator = self.pusher = self.actor = self.prefix_store = None
         try:
             self.policy = build_policy(trainer_policy_config(cfg.policy), self.device)
             with profiler_env(self.prof, self.run_dir):
@@ -136,6 +137,7 @@ class Trainer:
             # the collector's group size: rollout.collector.group_size may override env.group_size
             self.actor = build_actor(self.policy, cfg.grpo, self.actor_plan, self.collector.group_size,
                                      show_progress=cfg.run.show_progress)
+            self.prefix_store = self._engine_prefixes()
             self.state = checkpoint.TrainState(step=1)
             if resume_from is not None:
                 self.resume(resume_from)
@@ -149,6 +151,20 @@ class Trainer:
         except BaseException:
             self.close()
             raise
+
+    def _engine_prefixes(self) -> RowPrefixes | None:
+        """grpo.prefix_cache=engine: one store for every row a step's rollout can predict, which the engine fills as
+        it predicts (train mode) and the actor reads (grpo/prefix_store.py); emptied before each step's rollout."""
+        g = self.cfg.grpo
+        if g.prefix_cache != "engine":
+            return None
+        rows = self.collector.num_envs * self.collector.max_chunks * g.rollout_epochs
+        budget = None if g.prefix_cache_gib is None else int(g.prefix_cache_gib * 2**30)
+        store = RowPrefixes("device", rows=rows, budget_bytes=budget)
+        self.engine.keep_prefixes(store)
+        self.collector.keep_prefixes = True
+        self.actor.engine_prefixes = store
+        return store
 
     def describe(self) -> str:
         c = self.cfg
@@ -191,6 +207,8 @@ class Trainer:
             with phase(tl, "weight_sync", step, times):
                 push = self.sync_weights(step)  # None: the evaluation after step - 1 pushed them already
             with phase(tl, "rollout", step, times):
+                if self.prefix_store is not None:
+                    self.prefix_store.reset()  # the last step's rows (the buffers stay)
                 epochs, predict_s = [], 0.0
                 for _ in tqdm(range(cfg.grpo.rollout_epochs), desc=f"rollout (step {step})", leave=False,
                               disable=not cfg.run.show_progress or cfg.grpo.rollout_epochs == 1):

@@ -92,6 +92,9 @@ class RolloutCollector:
             raise ValueError("RolloutCollector needs the policy config (policy_cfg=, or engine.policy_config) to "
                              "size its buffers")
         self.shapes = BatchShapes.from_configs(env_cfg, policy_cfg)
+        # train-mode predicts leave their prefix K/V in the engine's store (PolicyEngine.keep_prefixes; the trainer
+        # sets this under grpo.prefix_cache=engine); each row's id there lands in RolloutBatch.prefix_rows
+        self.keep_prefixes = False
         self.slots = env_slots(env_cfg)
         self.group_size = self.cfg.effective_group_size(env_cfg)
         self.max_chunks = self.cfg.effective_max_chunks(env_cfg)
@@ -233,7 +236,8 @@ class RolloutCollector:
             record_observation(batch, stage.start + rows, t, inputs)
         start = time.perf_counter()
         with self.timeline.span("rollout/predict", batch=len(rows), **attrs):
-            out = self.engine.predict(inputs, mode=mode, group_size=self.group_size if all_rows else None)
+            keep = {"keep_prefix": True} if self.keep_prefixes and mode == "train" else {}
+            out = self.engine.predict(inputs, mode=mode, group_size=self.group_size if all_rows else None, **keep)
         stats.add_predict(stage.index, t, len(rows), time.perf_counter() - start)
         where = f"stage {stage.index} chunk {t} ({len(rows)} rows)"
         self.shapes.check_output(out, len(rows), where)

@@ -152,6 +152,7 @@ def record_prediction(batch: RolloutBatch, rows: np.ndarray, t: int, out: Policy
     batch.logprobs[rows, t] = out.logprobs.numpy()
     batch.chunk_logprob[rows, t] = out.chunk_logprob.numpy()
     batch.versions[rows, t] = out.version
+    batch.prefix_rows[rows, t] = -1 if out.prefix_rows is None else out.prefix_rows.numpy()
     batch.actions[rows, t] = actions
 
 

@@ -130,6 +130,7 @@ class PolicyEngine:
         self._meta_model = None
         self._plans: dict[tuple, Any] = {}  # validated plans by (names, shapes, dtypes | IPC uid, partial)
         self._client: EngineClient | None = None
+        self._prefix_store = None  # keep_prefixes
         self._client = self._start()
 
     # ------------------------------------------------------------------ properties
@@ -158,8 +159,29 @@ class PolicyEngine:
         return self._client
 
     # ------------------------------------------------------------------ predict
-    def predict(self, obs: Mapping[str, Any], mode: str = "train", group_size: int | None = None) -> PolicyOutput:
+    def keep_prefixes(self, store) -> None:
+        """Predict calls with keep_prefix=True leave each row's prefix K/V (the fast path's, as its buckets hold
+        them) in `store`, whose append(PrefixCache) returns each row's id there (-1: not kept); the output's
+        prefix_rows says where each row went. For the trainer's consistent recompute in the same process
+        (grpo.prefix_cache=engine): the in-process backend with one rank only, whose tensors that process can read."""
+        if self.cfg.backend != "inproc" or self.num_ranks != 1:
+            raise ValueError(f"keeping the rollout's prefix K/V needs the in-process engine with one rank "
+                             f"(rollout.engine.backend=inproc, num_ranks=1), got backend={self.cfg.backend!r} with "
+                             f"{self.num_ranks} ranks")
+        with self._lock:
+            self._prefix_store = store
+            self.client.cores[0].prefix_store = store
+
+    @property
+    def prefix_store(self):
+        """The store keep_prefixes attached (None: none)."""
+        return self._prefix_store
+
+    def predict(self, obs: Mapping[str, Any], mode: str = "train", group_size: int | None = None,
+                keep_prefix: bool = False) -> PolicyOutput:
         n = check_raw(obs, self._policy_cfg)
+        if keep_prefix and self._prefix_store is None:
+            raise ValueError("predict(keep_prefix=True) needs a store: call keep_prefixes(store) first")
         if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
                                        or group_size < 1):
             raise ValueError(f"group_size must be a positive integer or None, got {group_size!r}")
@@ -172,7 +194,7 @@ class PolicyEngine:
             requests = [
                 None if start == stop else PredictRequest(
                     _rows(obs, start, stop, n), mode, noise[start:stop],
-                    None if step_noise is None else step_noise[start:stop], inds[start:stop])
+                    None if step_noise is None else step_noise[start:stop], inds[start:stop], keep_prefix)
                 for start, stop in bounds
             ]
             replies = self._guard(lambda: self.client.predict(requests))
@@ -185,6 +207,8 @@ class PolicyEngine:
     def _gather(self, n: int, bounds, replies, mode: str) -> PolicyOutput:
         shapes = output_shapes(self._policy_cfg)
         out = {name: torch.empty((n, *shape), dtype=dtype) for name, (shape, dtype) in shapes.items()}
+        if any("prefix_rows" in reply.tensors for reply in replies):  # keep_prefix (one in-process rank)
+            out["prefix_rows"] = torch.full((n,), -1, dtype=torch.long)
         starts = {rank: start for rank, (start, stop) in enumerate(bounds) if stop > start}
         for reply in replies:
             start = starts[reply.rank]
@@ -359,7 +383,9 @@ class PolicyEngine:
         profiler_env = {k: os.environ[k] for k in (ENV_RUN_DIR, ENV_GPU_TIMING) if k in os.environ}
         backend = self.cfg.backend
         if backend == "inproc":
-            return InprocClient(self._policy_cfg, self.devices, profiler_env)
+            client = InprocClient(self._policy_cfg, self.devices, profiler_env)
+            client.cores[0].prefix_store = self._prefix_store  # a restart keeps the attached store
+            return client
         if backend == "local":
             from rollout.engine_local import LocalClient
 

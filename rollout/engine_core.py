@@ -11,6 +11,7 @@ same thing. Ranks record the span "rollout/predict" (rank=r) for the profiler's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,7 @@ class PredictRequest:
     noise: Tensor  # (b, H, D) float32
     step_noise: Tensor | None  # (b, K, H, D) float32 for stochastic modes
     denoise_inds: Tensor  # (b, K) int64
+    keep_prefix: bool = False  # leave the rows' prefix K/V in the core's prefix_store (reply field "prefix_rows")
 
     @property
     def rows(self) -> int:
@@ -77,6 +79,9 @@ class EngineCore:
         self.policy.eval()
         self._params = dict(self.policy.model.named_parameters())
         self._programs: dict[Any, CopyProgram] = {}
+        # Where requests with keep_prefix leave their rows' prefix K/V: any object whose append(PrefixCache) returns
+        # each row's id there (-1: not kept), e.g. grpo.prefix_store.RowPrefixes (PolicyEngine.keep_prefixes)
+        self.prefix_store = None
 
     # ------------------------------------------------------------------ predict
     @torch.no_grad()
@@ -86,13 +91,14 @@ class EngineCore:
             inputs = self.policy.inputs(self.policy.make_batch(dict(request.obs)))
             self._sync()
             prepared = time.perf_counter()
-            out = self.policy.sample(
-                inputs,
-                mode=request.mode,
-                noise=request.noise,
-                step_noise=request.step_noise,
-                denoise_inds=request.denoise_inds.to(self.device),
-            )
+            with self._keeping_prefix(request.keep_prefix) as kept_ids:
+                out = self.policy.sample(
+                    inputs,
+                    mode=request.mode,
+                    noise=request.noise,
+                    step_noise=request.step_noise,
+                    denoise_inds=request.denoise_inds.to(self.device),
+                )
             self._sync()
             sampled = time.perf_counter()
             tensors = {
@@ -105,10 +111,33 @@ class EngineCore:
                 "tokens": inputs.tokens,
                 "token_mask": inputs.token_mask,
             }
+            if request.keep_prefix:
+                tensors["prefix_rows"] = torch.cat(kept_ids)
             tensors = {k: v.detach().to("cpu") for k, v in tensors.items()}
             timing = RankTiming(self.rank, request.rows, prepared - start, sampled - prepared,
                                 time.perf_counter() - start)
         return RankReply(self.rank, tensors, timing)
+
+    @contextlib.contextmanager
+    def _keeping_prefix(self, keep: bool):
+        """While sampling: each bucket's prefix K/V into prefix_store (the fast path's sink); yields the list the
+        rows' ids there are appended to, in row order."""
+        ids: list[Tensor] = []
+        if not keep:
+            yield ids
+            return
+        if self.prefix_store is None:
+            raise ValueError(f"rank {self.rank}: a predict request with keep_prefix, but no prefix store is attached "
+                             "(PolicyEngine.keep_prefixes)")
+        if not self.cfg.fast.enabled:
+            raise ValueError(f"rank {self.rank}: keep_prefix needs policy.fast.enabled=true (the fast path's buckets "
+                             "hold the K/V it keeps)")
+        sampler = self.policy.fast_sampler()
+        sampler.prefix_sink = lambda cache: ids.append(self.prefix_store.append(cache))
+        try:
+            yield ids
+        finally:
+            sampler.prefix_sink = None
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()

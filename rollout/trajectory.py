@@ -16,6 +16,8 @@ collector requires the log-prob chunk Hc == Ha, so the ratio covers exactly what
   logprobs       (N, T, Hc, action_dim) float32  rollout (behaviour) log-probs, per element
   chunk_logprob  (N, T) float32
   versions       (N, T) int64    weight version of the prediction
+  prefix_rows    (N, T) int64    the row's id in the engine's prefix store (-1: not kept there;
+                                  PolicyEngine.keep_prefixes, grpo.prefix_cache=engine)
   rewards        (N, T, Ha) float32  per sub-step (0 on invalid sub-steps)
   substep_valid  (N, T, Ha) bool     sub-steps really executed
   dones          (N, T, Ha) bool     the sub-step ended the episode (success or truncation)
@@ -67,6 +69,7 @@ class RolloutBatch:
     # Added with the collector; defaults keep direct construction by older code working.
     dones: np.ndarray = field(default_factory=lambda: _empty(bool))
     done: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    prefix_rows: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
 
     @property
     def num_envs(self) -> int:
@@ -123,6 +126,7 @@ class RolloutBatch:
             "logprobs": ((n, t, logprob_chunk, action_dim), np.float32),
             "chunk_logprob": ((n, t), np.float32),
             "versions": ((n, t), np.int64),
+            "prefix_rows": ((n, t), np.int64),
             "rewards": ((n, t, ha), np.float32),
             "substep_valid": ((n, t, ha), bool),
             "chunk_valid": ((n, t), bool),
@@ -154,12 +158,14 @@ class RolloutBatch:
         """Zeroed buffers (`array_specs`); `cameras` maps observation key -> (S, S, 3)."""
         specs = cls.array_specs(num_envs, max_chunks, state_dim, token_len, num_steps, chunk, max_action_dim,
                                 action_dim, logprob_chunk, action_chunk)
-        return cls(
+        batch = cls(
             images={key: np.zeros((num_envs, max_chunks, *shape), np.uint8) for key, shape in cameras.items()},
             group_ids=np.arange(num_envs, dtype=np.int64) // group_size,
             prompts=[""] * num_envs,
             **{name: np.zeros(shape, dtype) for name, (shape, dtype) in specs.items()},
         )
+        batch.prefix_rows.fill(-1)
+        return batch
 
     def clear(self) -> None:
         """Zero every per-step array in place (keeps the allocation)."""
@@ -168,6 +174,7 @@ class RolloutBatch:
                 value.fill(0)
         for value in self.images.values():
             value.fill(0)
+        self.prefix_rows.fill(-1)  # 0 would name a store row
         self.prompts = [""] * self.num_envs
 
     def summary(self) -> dict[str, float | int]:

@@ -14,6 +14,8 @@ in the caller's order, every tensor on the CPU:
   version        int  the weight version every row was computed with (all ranks agree)
   mode           "ode" | "sde" | "sde_all"
   timings        one `RankTiming` per rank that got rows
+  prefix_rows    (B,) int64 or None  with predict(keep_prefix=True): each row's id in the engine's prefix
+                 store (-1: not kept; PolicyEngine.keep_prefixes)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class PolicyOutput:
     version: int
     mode: str
     timings: list[RankTiming] = field(default_factory=list)
+    prefix_rows: Tensor | None = None
 
     TENSOR_FIELDS = (
         "actions",
@@ -83,4 +86,8 @@ class PolicyOutput:
             for name in PolicyOutput.TENSOR_FIELDS
         }
         timings = [t for p in parts for t in p.timings]
-        return PolicyOutput(**tensors, version=parts[0].version, mode=parts[0].mode, timings=timings)
+        kept = [p.prefix_rows for p in parts]
+        prefix_rows = None if all(k is None for k in kept) else torch.cat(
+            [torch.full((p.batch_size,), -1, dtype=torch.long) if k is None else k for p, k in zip(parts, kept)])
+        return PolicyOutput(**tensors, version=parts[0].version, mode=parts[0].mode, timings=timings,
+                            prefix_rows=prefix_rows)

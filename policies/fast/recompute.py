@@ -266,10 +266,17 @@ def _restore(bucket, cache: PrefixCache) -> None:
         dst[:n, :p].copy_(src.transpose(1, 2))
 
 
-def _snapshot(bucket, n: int) -> PrefixCache:
-    """The first n rows' prefix K/V as the plain model's PrefixCache (for the backward), taken
-    before any expert step overwrites the suffix slots (`_layout`)."""
+def prefix_views(bucket, n: int) -> PrefixCache:
+    """The first n rows' prefix K/V as the plain model's PrefixCache, views into the bucket's caches (valid until
+    its next call; `_layout`)."""
     p, offsets, pad_mask = _layout(bucket, n)
-    keys = [cache[:n, :p].transpose(1, 2).clone() for cache in bucket.k_cache]
-    values = [cache[:n, :p].transpose(1, 2).clone() for cache in bucket.v_cache]
-    return PrefixCache(keys, values, pad_mask, offsets.clone())
+    keys = [cache[:n, :p].transpose(1, 2) for cache in bucket.k_cache]
+    values = [cache[:n, :p].transpose(1, 2) for cache in bucket.v_cache]
+    return PrefixCache(keys, values, pad_mask, offsets)
+
+
+def _snapshot(bucket, n: int) -> PrefixCache:
+    """`prefix_views` copied (for the backward), taken before any expert step overwrites the suffix slots."""
+    views = prefix_views(bucket, n)
+    return PrefixCache([k.clone() for k in views.keys], [v.clone() for v in views.values], views.pad_mask,
+                       views.offsets.clone())

@@ -32,6 +32,7 @@ from policies.fast import layer_ops as ops
 from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig, triton_cache_dir, triton_interpreting
 from policies.fast.precompile import Precompiler, resolve_workers, shared
+from policies.fast.recompute import prefix_views
 from policies.fast.weights import FastWeights
 from policies.models.gemma import rope_cos_sin
 from policies.observation import check_nonempty
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 STAGES = ("vision", "prefix", "denoise")
 OVERLAPPED_STAGES = ("vision", "prefix_denoise")  # a call's graphs with policy.fast.overlap (overlap.py)
+PREFIX_STAGES = ("prefix", "prefix_denoise")  # the stages that write the prefix K/V (prefix_sink)
 
 
 @dataclass
@@ -101,6 +103,10 @@ class FastSampler:
         # (batch bucket, prompt bucket) each row of the last sample_chains call ran in: a row's
         # numerics depend on its bucket's shapes, so a consistent recompute (recompute.py) needs it.
         self.last_buckets = torch.zeros(0, 2, dtype=torch.long)
+        # Called with each bucket's rows' prefix K/V (recompute.prefix_views: views into the bucket, valid until its
+        # next call) once the stage that writes them ran: the rollout engine keeps them for the trainer's
+        # consistent recompute (grpo.prefix_cache=engine). None: nothing kept.
+        self.prefix_sink = None
         self._versions = self._weight_versions()
 
     # ------------------------------------------------------------------ public
@@ -181,6 +187,10 @@ class FastSampler:
         for stage in self.call_stages(bucket)[1:]:  # after vision
             self.run_stage(bucket, stage)
             mark(stage)
+            if self.prefix_sink is not None and stage in PREFIX_STAGES:
+                # after an overlapped prefix_denoise the suffix K/V of the last step sit in the pad slots of the
+                # rows with short prompts: masked keys, which a restored bucket's own step overwrites again
+                self.prefix_sink(prefix_views(bucket, part.batch_size))
         return bucket, part, masks
 
     def _record_first_call(self, bucket: Bucket, started: float) -> None:

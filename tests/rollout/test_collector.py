@@ -243,11 +243,11 @@ def test_buffers_are_reused_and_their_size_is_reported():
         stale = first_valid & ~second.chunk_valid  # written by the first epoch only
         assert stale.any() and not second.chains[stale].any() and not second.states[stale].any()
         # per (env, chunk): images 2 x 8x8x3 + state 8 x 4 + tokens 128 x (4 + 1) + chains 5x4x16 x 4
-        # + denoise_inds 4 x 8 + actions and log-probs 2 x 4x7 x 4 + chunk_logprob 4 + version 8
-        # + rewards 4 x 4 + substep_valid, dones 2 x 4 + chunk_valid 1 = 2629 bytes;
+        # + denoise_inds 4 x 8 + actions and log-probs 2 x 4x7 x 4 + chunk_logprob 4 + version 8 + prefix row 8
+        # + rewards 4 x 4 + substep_valid, dones 2 x 4 + chunk_valid 1 = 2637 bytes;
         # per env: num_chunks, init/task/group ids 4 x 8 + success, lost, done 3 x 1 = 35 bytes
-        assert 384 + 32 + 640 + 1280 + 32 + 224 + 4 + 8 + 16 + 8 + 1 == 2629
-        assert first.nbytes == 8 * 3 * 2629 + 8 * 35
+        assert 384 + 32 + 640 + 1280 + 32 + 224 + 4 + 8 + 8 + 16 + 8 + 1 == 2637
+        assert first.nbytes == 8 * 3 * 2637 + 8 * 35
         assert c.last_stats.nbytes == first.nbytes
         own = c.allocate_batch()
         assert c.collect(GROUP_INIT_STATES, seed=3, out=own) is own

@@ -1,0 +1,187 @@
+"""grpo.prefix_cache=engine: the rollout engine keeps each row's prefix K/V as it predicts, the actor restores them
+(old-log-prob pass and update epochs) instead of running vision and the prefix: the same update bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.actor import Actor
+from grpo.config import GRPOConfig
+from grpo.prefix_store import RowPrefixes
+from policies.models.pi05 import PrefixCache
+from rollout.config import EngineConfig
+from rollout.engine import PolicyEngine
+from tests.grpo.helpers import raw_obs, sampled_rows, tiny_policy
+from tests.grpo.test_review_fixes import PINNED
+from tests.grpo.test_trainer import countdown_config, run
+
+FAST = {"enabled": True, "consistent_recompute": True, "attention": "sdpa", "batch_buckets": [4],
+        "prompt_buckets": [128]}
+
+
+def cache_of(rows: int, fill: float = 0.0, length: int = 6) -> PrefixCache:
+    """A fake two-layer cache whose row i holds fill + i everywhere."""
+    value = fill + torch.arange(rows, dtype=torch.float32)[:, None, None, None].expand(rows, 1, length, 4)
+    return PrefixCache([value.clone(), value.clone()], [value.clone(), value.clone()],
+                       torch.ones(rows, length, dtype=torch.bool), torch.full((rows,), length))
+
+
+def test_append_numbers_rows_in_order_and_reset_starts_again():
+    store = RowPrefixes("device", rows=5)
+    assert store.append(cache_of(2)).tolist() == [0, 1]
+    assert store.append(cache_of(2, fill=10)).tolist() == [2, 3]
+    assert store.append(cache_of(2, fill=20)).tolist() == [4, -1]  # past the rows it was made for: not kept
+    assert torch.equal(store.gather(torch.tensor([3, 0]), torch.device("cpu")).keys[1][:, 0, 0, 0],
+                       torch.tensor([11.0, 0.0]))
+    store.reset()
+    assert len(store) == 0
+    assert store.append(cache_of(3, fill=30)).tolist() == [0, 1, 2]
+    assert torch.equal(store.gather(torch.tensor([2]), torch.device("cpu")).values[0][:, 0, 0, 0],
+                       torch.tensor([32.0]))
+
+
+def test_a_budget_keeps_the_first_rows_and_views_read_through_ids():
+    one_row = cache_of(1).keys[0][0].numel() * 4 * 4 + 6 + 8  # 2 layers x K and V (fp32), the mask, the offset
+    store = RowPrefixes("device", rows=8, budget_bytes=3 * one_row)
+    assert store.append(cache_of(2)).tolist() == [0, 1]
+    assert store.append(cache_of(2, fill=10)).tolist() == [2, -1]
+    view = store.view(torch.tensor([2, -1, 0, 3]))  # update rows 0..3: store rows 2, none, 0 and 3 (not kept)
+    assert view.rows == 4 and len(view) == 2
+    assert view.kept(torch.tensor([0, 1, 2, 3])).tolist() == [True, False, True, False]
+    assert torch.equal(view.gather(torch.tensor([2, 0]), torch.device("cpu")).keys[0][:, 0, 0, 0],
+                       torch.tensor([0.0, 10.0]))
+    assert view.kept_bytes == 2 * store.row_bytes
+    with pytest.raises(KeyError, match="no kept prefix cache for rows"):
+        view.gather(torch.tensor([1]), torch.device("cpu"))
+
+
+def test_an_in_process_engine_keeps_the_prefix_its_fast_path_computed():
+    """Six rows over buckets of 4 (two parts): the engine's store holds, for each row, the K/V a consistent
+    log_prob computes for it (valid slots; pad slots are masked keys), in the ids the output names."""
+    policy_cfg = tiny_policy(fast=FAST).cfg
+    with PolicyEngine(EngineConfig(backend="inproc", devices="cpu", seed=0), policy_cfg) as engine:
+        store = RowPrefixes("device", rows=16)
+        engine.keep_prefixes(store)
+        obs = raw_obs(6, seed=3)
+        plain = engine.predict(obs, mode="train")
+        assert plain.prefix_rows is None and len(store) == 0
+        out = engine.predict(obs, mode="train", keep_prefix=True)
+        assert out.prefix_rows.tolist() == [0, 1, 2, 3, 4, 5]
+        policy = engine.client.cores[0].policy
+        batch = policy.make_batch(obs)
+        computed = policy.log_prob(batch, out.chains, out.denoise_inds, consistent=True, return_prefix=True).prefix
+        kept = store.gather(out.prefix_rows, torch.device("cpu"))
+        assert torch.equal(kept.offsets, computed.offsets) and torch.equal(kept.pad_mask, computed.pad_mask)
+        valid = computed.pad_mask[:, None, :, None]
+        for a, b in zip([*kept.keys, *kept.values], [*computed.keys, *computed.values], strict=True):
+            assert torch.equal(a * valid, b * valid)
+
+
+def test_keep_prefix_without_a_store_is_refused():
+    with PolicyEngine(EngineConfig(backend="inproc", devices="cpu", seed=0), tiny_policy(fast=FAST).cfg) as engine:
+        with pytest.raises(ValueError, match=r"keep_prefix=True\) needs a store"):
+            engine.predict(raw_obs(2), mode="train", keep_prefix=True)
+
+
+def engine_kept_rows(policy, n: int):
+    """n rows sampled in train mode with the fast path's prefix sink on (what the engine core does), and the store."""
+    store = RowPrefixes("device", rows=n)
+    sampler, ids = policy.fast_sampler(), []
+    sampler.prefix_sink = lambda cache: ids.append(store.append(cache))
+    try:
+        rows = sampled_rows(policy, n, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * (n // 4)))
+    finally:
+        sampler.prefix_sink = None
+    rows.prefix_row = torch.cat(ids)
+    return rows, store
+
+
+def test_the_update_with_the_engines_prefixes_equals_the_recomputing_one():
+    """Three epochs of shuffled micro-batches: the same parameters bit for bit as recomputing every prefix, the
+    rollout re-scored exactly (gap 0), and no stage of vision or the prefix runs in the actor."""
+    results = {}
+    for name in ("off", "engine"):
+        policy = tiny_policy(fast=FAST)
+        rows, store = engine_kept_rows(policy, 8)
+        sampler, runs = policy.fast_sampler(), []
+        original = sampler.run_stage
+        sampler.run_stage = lambda bucket, stage, fn=None, _runs=runs, _original=original: (
+            _runs.append(stage), _original(bucket, stage, fn))[1]
+        actor = Actor(policy, GRPOConfig(micro_batch=3, lr=1e-2, update_epochs=3, global_batch=6, prefix_cache=name),
+                      show_progress=False)
+        actor.engine_prefixes = store
+        metrics = actor.train(rows)
+        assert metrics["rollout/logprob_gap"] == 0.0
+        results[name] = [p.detach().clone() for p in policy.trainable_parameters()]
+        if name == "engine":
+            assert runs.count("prefix") == 0 and runs.count("vision") == 0
+            assert metrics["train/prefix_cache_rows"] == 8
+        else:
+            assert runs.count("prefix") == 3 + 3 * 3  # 3 micro-batches in the pass and in each epoch
+    for a, b in zip(results["off"], results["engine"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_rows_the_engine_did_not_keep_recompute_their_prefix():
+    """Rows past the store's budget (id -1) run vision and the prefix in the pass and every epoch; the update still
+    equals the recomputing one (kept rows go first, so other micro-batches: to rounding)."""
+    results = {}
+    for name in ("off", "engine"):
+        policy = tiny_policy(fast=FAST)
+        rows, store = engine_kept_rows(policy, 8)
+        if name == "engine":
+            rows.prefix_row[5:] = -1
+        sampler, runs = policy.fast_sampler(), []
+        original = sampler.run_stage
+        sampler.run_stage = lambda bucket, stage, fn=None, _runs=runs, _original=original: (
+            _runs.append(stage), _original(bucket, stage, fn))[1]
+        actor = Actor(policy, GRPOConfig(micro_batch=3, lr=1e-2, update_epochs=2, prefix_cache=name),
+                      show_progress=False)
+        actor.engine_prefixes = store
+        metrics = actor.train(rows)
+        assert metrics["rollout/logprob_gap"] == 0.0
+        results[name] = [p.detach().clone() for p in policy.trainable_parameters()]
+        if name == "engine":  # kept rows 0-4 in micro-batches of 3 and 2, the other 3 rows in one of their own
+            assert runs.count("prefix") == 1 + 2 and metrics["train/prefix_cache_rows"] == 5
+    for a, b in zip(results["off"], results["engine"], strict=True):  # other micro-batches: fp32 rounding
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_an_actor_without_the_engines_store_says_so():
+    policy = tiny_policy(fast=FAST)
+    rows = sampled_rows(policy, 4)
+    actor = Actor(policy, GRPOConfig(micro_batch=4, prefix_cache="engine"), show_progress=False)
+    with pytest.raises(ValueError, match="no store of the rollout engine is attached"):
+        actor.train(rows)
+
+
+def test_the_training_loop_with_the_engines_prefixes_equals_the_recomputing_one(tmp_path):
+    """Two RL steps on the countdown env (the in-process engine's rollout, the trainer's fp32 masters): the same
+    metrics and weights as grpo.prefix_cache=off, with every row kept by the engine."""
+    histories, weights = {}, {}
+    for name in ("off", "engine"):
+        run_dir = tmp_path / name
+        cfg = countdown_config(run_dir, steps=2, policy={"fast": PINNED}, grpo={"prefix_cache": name},
+                               run={"checkpoint_every": 2})
+        histories[name] = run(cfg, run_dir)
+        weights[name] = torch.load(run_dir / "checkpoints" / "step_000002.pt", weights_only=False)["model"]
+    for off, engine in zip(histories["off"], histories["engine"], strict=True):
+        assert engine["train/prefix_cache_rows"] == engine["train/rows"] > 0
+        assert engine["rollout/logprob_gap"] == 0.0
+        same = {k: v for k, v in off.items() if not k.startswith(("step_time/", "train/prefix_cache"))}
+        assert same == {k: engine[k] for k in same}
+    for key, tensor in weights["off"].items():
+        assert torch.equal(tensor, weights["engine"][key]), key
+
+
+@pytest.mark.parametrize("sections,match", [
+    ({"policy": {"fast": {**PINNED, "consistent_recompute": False}}},
+     r"grpo.prefix_cache=engine needs policy.fast.enabled=true and policy.fast.consistent_recompute=true"),
+    ({"policy": {"fast": PINNED}, "rollout": {"engine": {"backend": "inproc", "devices": "cpu", "num_ranks": 2}}},
+     r"in-process engine with one rank .*got backend='inproc' with 2 ranks"),
+])
+def test_settings_that_cannot_keep_the_engines_prefixes_are_refused_with_the_config(tmp_path, sections, match):
+    sections["grpo"] = {"prefix_cache": "engine"}
+    with pytest.raises(ValueError, match=match):
+        countdown_config(tmp_path, **sections)

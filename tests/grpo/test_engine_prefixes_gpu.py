@@ -1,0 +1,64 @@
+"""grpo.prefix_cache=engine on CUDA: the in-process engine's fast path (CUDA graphs, bf16) keeps each row's prefix
+K/V as it predicts; the trainer (fp32 masters, its own fast path) restores them and re-scores the rollout bit for
+bit (gap 0) without running vision or the prefix, and its update equals the recomputing one (CPU twin:
+tests/grpo/test_engine_prefixes.py). Widths with head_dim 256, as every fast-path GPU test (test_prefix_cache_gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.actor import Actor
+from grpo.config import GRPOConfig
+from grpo.prefix_store import RowPrefixes
+from grpo.samples import Samples
+from grpo.trainer import trainer_policy_config
+from policies import PolicyConfig, build_policy
+from rollout.config import EngineConfig
+from rollout.engine import PolicyEngine
+from tests.grpo.helpers import raw_obs
+from tests.grpo.test_prefix_cache_gpu import CONSISTENT, WIDE
+
+pytestmark = pytest.mark.gpu
+
+
+def engine_rows(engine: PolicyEngine, n: int) -> Samples:
+    """n rows predicted in train mode with keep_prefix, stored as the collector stores them."""
+    obs = raw_obs(n, seed=1)
+    out = engine.predict(obs, mode="train", keep_prefix=True)
+    return Samples(
+        images={k: torch.from_numpy(obs[k]) for k in ("agentview_image", "wrist_image")},
+        states=torch.from_numpy(obs["state"]), tokens=out.tokens.long(), token_mask=out.token_mask.bool(),
+        chains=out.chains.float(), denoise_inds=out.denoise_inds.long(), rollout_logprob=out.chunk_logprob.float(),
+        versions=torch.ones(n, dtype=torch.int64), trajectory=torch.arange(n) // 2, chunk=torch.arange(n) % 2,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * (n // 4)), trajectory_length=torch.full((n,), 2),
+        prefix_row=out.prefix_rows)
+
+
+def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one():
+    cfg = PolicyConfig.preset("tiny", seed=0, **WIDE, fast=CONSISTENT)
+    policy = build_policy(trainer_policy_config(cfg), device="cuda")
+    initial = {k: v.clone() for k, v in policy.state_dict().items()}
+    with PolicyEngine(EngineConfig(backend="inproc", devices="cuda:0", seed=0), cfg) as engine:
+        engine.update_weights({n: p.detach() for n, p in policy.model.named_parameters()}, version=1)
+        store = RowPrefixes("device", rows=16)
+        engine.keep_prefixes(store)
+        rows = engine_rows(engine, 8)
+        assert rows.prefix_row.tolist() == list(range(8))
+        sampler, runs = policy.fast_sampler(), []
+        original = sampler.run_stage
+        sampler.run_stage = lambda bucket, stage, fn=None: (runs.append(stage), original(bucket, stage, fn))[1]
+        weights = {}
+        for name in ("off", "engine"):
+            policy.load_state_dict(initial)
+            runs.clear()
+            actor = Actor(policy, GRPOConfig(micro_batch=4, lr=1e-2, update_epochs=3, prefix_cache=name),
+                          show_progress=False)
+            actor.engine_prefixes = store
+            metrics = actor.train(rows)
+            assert metrics["rollout/logprob_gap"] == 0.0, name  # the engine's rollout re-scored exactly
+            if name == "engine":
+                assert runs.count("prefix") == 0 and metrics["train/prefix_cache_rows"] == 8
+            weights[name] = [p.detach().clone() for p in policy.trainable_parameters()]
+    for a, b in zip(weights["off"], weights["engine"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
