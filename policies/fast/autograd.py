@@ -92,8 +92,9 @@ class ChunkRun:
         return [k for k, rows in zip(self.steps, self.rows, strict=True) for _ in range(len(rows))]
 
 
-# The most fp32 prefix K/V one reference call of the backward upcasts (its autograd keeps about three times as
-# much until that call's gradients are taken): larger calls are split by chunks, their gradients summed. 4 GiB
+# The most prefix K/V, counted in fp32, one reference call of the backward takes (its autograd keeps each layer's
+# fp32 concatenation with the suffix until that call's gradients are taken): larger calls are split by chunks, their
+# gradients summed. 4 GiB
 # holds one 128-row micro-batch of LIBERO's pi0.5 in one call (23.6 MB a row: 18 layers x K and V x 640 slots x
 # 256 x 4 bytes), the setting round 49 measured.
 REFERENCE_BYTES = 4 << 30
@@ -148,9 +149,11 @@ class CallRun:
         per_row = [k for c in chunks for k in c.row_steps()]
         modulation = table.float()[torch.tensor(per_row, device=x.device)]
         caches = [c.cache for c in chunks]
-        cache = PrefixCache([torch.cat(layer).float() for layer in zip(*[c.keys for c in caches], strict=True)],
-                            [torch.cat(layer).float() for layer in zip(*[c.values for c in caches], strict=True)],
-                            torch.cat([c.pad_mask for c in caches]), torch.cat([c.offsets for c in caches]))
+        # the K/V stay in the fast path's dtype: the plain model's torch.cat with the suffix's fp32 keys promotes
+        # them exactly, per layer, so no fp32 copy of the whole prefix is held beside the one autograd saves
+        cache = PrefixCache([_joined(layer) for layer in zip(*[c.keys for c in caches], strict=True)],
+                            [_joined(layer) for layer in zip(*[c.values for c in caches], strict=True)],
+                            _joined([c.pad_mask for c in caches]), _joined([c.offsets for c in caches]))
         v = functional_call(_VelocityCall(sampler.model), params, (cache, x, modulation))
         constants = torch.tensor([sampler.step_constants[k][:3] for k in per_row], dtype=torch.float32,
                                  device=x.device)
@@ -195,6 +198,11 @@ class ConsistentCall(torch.autograd.Function):
                 total = list(grads) if total is None else [_add(a, b) for a, b in zip(total, grads, strict=True)]
         found = iter(total)
         return (None, *[next(found) if need else None for need in needs])
+
+
+def _joined(parts: list[Tensor] | tuple[Tensor, ...]) -> Tensor:
+    """The parts concatenated along rows (one part: itself, no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:

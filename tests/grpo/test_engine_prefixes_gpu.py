@@ -61,4 +61,4 @@ def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one():
                 assert runs.count("prefix") == 0 and metrics["train/prefix_cache_rows"] == 8
             weights[name] = [p.detach().clone() for p in policy.trainable_parameters()]
     for a, b in zip(weights["off"], weights["engine"], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # the backward's CUDA atomics
