@@ -15,7 +15,8 @@ Per step:
 Only `policy.trainable_parameters()` are optimised (the expert with policy.train_expert_only);
 on CUDA the forward runs under bf16 autocast (grpo.autocast). With grpo.prefix_cache the frozen prefix's
 K/V of every row come from the old-log-prob pass (1.) in every update epoch (grpo/prefix_store.py); with
-policy.fast.consistent_recompute they are the fast path's, restored into its buckets (the same bits).
+policy.fast.consistent_recompute they are the fast path's, restored into its buckets (the same bits); with
+grpo.prefix_cache=engine they come from the engine's rollout (`engine_prefixes`), so the pass skips them too.
 Data-parallel over several GPUs (grpo.actor_parallel): grpo/actor_group.py, same interface.
 train/entropy reports the Gaussian entropy of the rows' stochastic SDE steps; it is not in the
 loss (the std is not learned: see GRPOConfig.entropy_coef).

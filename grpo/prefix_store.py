@@ -24,6 +24,12 @@ memory (a LIBERO row of the full pi0.5 measured 16.2 MiB before) and the same lo
 The caches of one update share their prefix length (the rows' prompts are stored at one width, and
 `observation_from_rows` masks a camera slot in every row or in none, so every micro-batch keeps the same slots);
 a cache of another shape is refused.
+
+`grpo.prefix_cache=engine` (with policy.fast.consistent_recompute): the trainer makes one store for every row a
+step's rollout can predict and hands it to the in-process engine (PolicyEngine.keep_prefixes), whose fast path
+`append`s each bucket's rows as its prefix stage leaves them (the same bits the recompute's prefix stage writes);
+`reset` empties it before each rollout. The rows' ids ride the rollout (Samples.prefix_row) and the actor reads
+them through `view(ids)` (a StoreView), so neither the old-log-prob pass nor an epoch runs vision or the prefix.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from policies.models.pi05 import PrefixCache
 
 class RowPrefixes:
     def __init__(self, where: str, rows: int, budget_bytes: int | None = None,
-                 key_dtype: torch.dtype | None = None):
+                 key_dtype: torch.dtype | None = None, setting: str | None = None):
         if where not in ("device", "host"):
             raise ValueError(f"grpo.prefix_cache must be 'device' or 'host' to keep caches, got {where!r}")
         if rows < 1:
@@ -44,6 +50,7 @@ class RowPrefixes:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"a prefix store's budget must be at least 0 bytes, got {budget_bytes}")
         self.where = where
+        self.setting = setting or where  # the grpo.prefix_cache value errors name (the engine's store: "engine")
         self.rows = rows
         self.budget_bytes = budget_bytes
         self.key_dtype = key_dtype  # the keys kept in this dtype (None: as computed)
@@ -150,7 +157,7 @@ class RowPrefixes:
         except torch.OutOfMemoryError as error:  # the update's caches do not fit: say which key caps them
             need = self.capacity * self.row_bytes / 2**30
             raise torch.OutOfMemoryError(
-                f"grpo.prefix_cache={self.where}: the kept prefix caches of {self.capacity} rows need {need:.2f} GiB "
+                f"grpo.prefix_cache={self.setting}: the kept prefix caches of {self.capacity} rows need {need:.2f} GiB "
                 f"({self.row_bytes / 2**20:.2f} MiB a row) and {device} has no room for them; set "
                 f"grpo.prefix_cache_gib to what fits (the other rows recompute their prefix) or "
                 f"grpo.prefix_cache=off") from error

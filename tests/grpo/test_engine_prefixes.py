@@ -56,6 +56,18 @@ def test_a_budget_keeps_the_first_rows_and_views_read_through_ids():
         view.gather(torch.tensor([1]), torch.device("cpu"))
 
 
+def test_an_engine_store_that_does_not_fit_names_its_setting_and_the_cap(monkeypatch):
+    store = RowPrefixes("device", rows=8192, setting="engine")
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 90.00 GiB")
+
+    monkeypatch.setattr(torch, "empty", no_room)
+    with pytest.raises(torch.OutOfMemoryError, match=r"grpo.prefix_cache=engine: the kept prefix caches of 8192 rows "
+                                                     r"need .* set grpo.prefix_cache_gib"):
+        store.append(cache_of(2))
+
+
 def test_an_in_process_engine_keeps_the_prefix_its_fast_path_computed():
     """Six rows over buckets of 4 (two parts): the engine's store holds, for each row, the K/V a consistent
     log_prob computes for it (valid slots; pad slots are masked keys), in the ids the output names."""
