@@ -74,18 +74,21 @@ def raw_observations(cfg: PolicyConfig, n: int, seed: int) -> dict:
     }
 
 
-def rollout_rows(engine: PolicyEngine, cfg: PolicyConfig, batch: int, calls: int, seed: int) -> Samples:
+def rollout_rows(engine: PolicyEngine, cfg: PolicyConfig, batch: int, calls: int, seed: int,
+                 keep_prefix: bool = False) -> Samples:
+    """`calls` train-mode predicts of `batch` random rows as the collector stores them; with `keep_prefix`, each
+    row's prefix K/V stays in the engine's store (PolicyEngine.keep_prefixes), its id in Samples.prefix_row."""
     parts = []
     for call in range(calls):
         raw = raw_observations(cfg, batch, seed + call)
-        out = engine.predict(raw, mode="train")
+        out = engine.predict(raw, mode="train", keep_prefix=keep_prefix)
         parts.append(Samples(
             images={k: torch.from_numpy(raw[k]) for k in ("agentview_image", "wrist_image")},
             states=torch.from_numpy(raw["state"]), tokens=out.tokens.long(), token_mask=out.token_mask.bool(),
             chains=out.chains, denoise_inds=out.denoise_inds, rollout_logprob=out.chunk_logprob.float(),
             versions=torch.full((batch,), out.version), trajectory=torch.arange(batch) + call * batch,
             chunk=torch.zeros(batch, dtype=torch.int64), advantages=torch.zeros(batch),
-            trajectory_length=torch.ones(batch, dtype=torch.int64),
+            trajectory_length=torch.ones(batch, dtype=torch.int64), prefix_row=out.prefix_rows,
         ))
     return Samples.concat(parts)
 

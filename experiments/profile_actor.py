@@ -113,16 +113,19 @@ def weights_restored(policy) -> Iterator[None]:
                 param.copy_(value)
 
 
-def make_actor(policy, args: argparse.Namespace, prefix_cache: str, epochs: int) -> Actor:
+def make_actor(policy, args: argparse.Namespace, prefix_cache: str, epochs: int,
+               engine_store: RowPrefixes | None = None) -> Actor:
     cfg = GRPOConfig(micro_batch=args.micro_batch, update_epochs=epochs, prefix_cache=prefix_cache,
                      prefix_cache_gib=None if prefix_cache == "off" else args.prefix_cache_gib,
                      filter_groups=False, seed=args.seed)
-    return Actor(policy, cfg, show_progress=False)
+    actor = Actor(policy, cfg, show_progress=False)
+    actor.engine_prefixes = engine_store  # read under prefix_cache "engine" only
+    return actor
 
 
 def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: str,
-                 device: torch.device) -> dict:
-    actor = make_actor(policy, args, prefix_cache, args.epochs)
+                 device: torch.device, engine_store: RowPrefixes | None = None) -> dict:
+    actor = make_actor(policy, args, prefix_cache, args.epochs, engine_store)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -174,8 +177,9 @@ def stage_times(events) -> dict[str, dict]:
     return stages
 
 
-def profile_update(policy, rows: Samples, args: argparse.Namespace, device: torch.device) -> dict:
-    actor = make_actor(policy, args, args.profile_prefix_cache, 1)
+def profile_update(policy, rows: Samples, args: argparse.Namespace, device: torch.device,
+                   engine_store: RowPrefixes | None = None) -> dict:
+    actor = make_actor(policy, args, args.profile_prefix_cache, 1, engine_store)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -211,9 +215,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="rows per engine predict call")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=2, help="update epochs of the timed updates")
-    parser.add_argument("--prefix-cache", nargs="+", default=["off", "host"], choices=["off", "host", "device"],
+    caches = ["off", "host", "device", "engine"]  # engine: the engine keeps the rows' prefix (needs --consistent)
+    parser.add_argument("--prefix-cache", nargs="+", default=["off", "host"], choices=caches,
                         help="grpo.prefix_cache settings to time, in order")
-    parser.add_argument("--profile-prefix-cache", default="off", choices=["off", "host", "device"])
+    parser.add_argument("--profile-prefix-cache", default="off", choices=caches)
     parser.add_argument("--prefix-cache-gib", type=float, default=None,
                         help="grpo.prefix_cache_gib of the kept settings (default: every row kept)")
     parser.add_argument("--frozen-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -234,6 +239,9 @@ def main() -> None:
         parser.error(f"--rows {args.rows} must be a multiple of --batch {args.batch}")
     if len(set(args.prefix_cache)) != len(args.prefix_cache):
         parser.error(f"--prefix-cache names a setting twice: {args.prefix_cache}")
+    keep_engine = "engine" in (*args.prefix_cache, args.profile_prefix_cache)
+    if keep_engine and not args.consistent:
+        parser.error("--prefix-cache engine needs --consistent (the trainer restores the engine's fast-path K/V)")
 
     device = auto_device(args.device)
     cuda = device.type == "cuda"
@@ -249,9 +257,13 @@ def main() -> None:
         overrides["frozen_dtype"] = args.frozen_dtype
     policy = build_policy(trainer_policy_config(cfg.replace(**overrides)), device)
     engine = PolicyEngine(EngineConfig(devices=str(device), seed=args.seed), cfg)
+    # "engine": the engine keeps the rows' prefix K/V as it predicts them (its store outlives it)
+    store = RowPrefixes("device", rows=args.rows, setting="engine") if keep_engine else None
     try:
         engine.update_weights(full_parameters(policy.model, full=True), version=1)
-        rows = rollout_rows(engine, cfg, args.batch, args.rows // args.batch, args.seed)
+        if store is not None:
+            engine.keep_prefixes(store)
+        rows = rollout_rows(engine, cfg, args.batch, args.rows // args.batch, args.seed, keep_prefix=store is not None)
     finally:
         engine.close()
     rows.advantages = torch.randn(len(rows), generator=torch.Generator().manual_seed(args.seed))
@@ -260,8 +272,8 @@ def main() -> None:
     # 1.06 s for the next setting's (round 47)
     with weights_restored(policy):
         make_actor(policy, args, "off", 1).train(rows)
-    timed = {setting: time_setting(policy, rows, args, setting, device) for setting in args.prefix_cache}
-    profile = profile_update(policy, rows, args, device)
+    timed = {setting: time_setting(policy, rows, args, setting, device, store) for setting in args.prefix_cache}
+    profile = profile_update(policy, rows, args, device, store)
     summary = {"policy": args.policy, "frozen_dtype": getattr(policy.cfg, "frozen_dtype", None), "rows": len(rows),
                "micro_batch": args.micro_batch, "epochs": args.epochs, "consistent": args.consistent,
                **{f"{k}_train_s": v.get("train_s") for k, v in timed.items()},

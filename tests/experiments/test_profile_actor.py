@@ -54,8 +54,20 @@ def test_the_consistent_recompute_with_its_kept_prefix_is_timed_and_labelled(mon
         assert stages[label]["calls"] > 0, label
 
 
+def test_the_engines_kept_prefix_is_timed_without_a_prefix_stage(monkeypatch, tmp_path):
+    run(monkeypatch, "--consistent", "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1",
+        "--prefix-cache", "engine", "--profile-prefix-cache", "engine", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("profile_actor_*.json")
+    record = json.loads(path.read_text())
+    assert record["timed"]["engine"]["rollout/logprob_gap"] == 0.0
+    assert record["timed"]["engine"]["prefix_cache_rows"] == 8
+    # the profiled update (1 epoch of 2 micro-batches) restores the kept prefix in its old-log-prob pass too (the
+    # "device" setting computes it there): 2 + 2
+    assert record["profile"]["stages"]["stage/consistent_prefix_restore"]["calls"] == 4
+
+
 @pytest.mark.parametrize("argv", [["--epochs", "0"], ["--rows", "6", "--batch", "4"],
-                                  ["--prefix-cache", "off", "off"]])
+                                  ["--prefix-cache", "off", "off"], ["--prefix-cache", "engine"]])
 def test_bad_sizes_and_repeats_are_refused(monkeypatch, argv):
     with pytest.raises(SystemExit):
         run(monkeypatch, *argv)
