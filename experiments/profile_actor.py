@@ -132,7 +132,9 @@ def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: 
     try:
         with weights_restored(policy):
             old = []
-            recompute_s = synchronised_seconds(device, lambda: old.append(actor.recompute(rows)))
+            # "engine": the pass reads the engine's kept prefix, as the update's own pass does
+            keep = engine_store.view(rows.prefix_row) if prefix_cache == "engine" else None
+            recompute_s = synchronised_seconds(device, lambda: old.append(actor.recompute(rows, keep=keep)))
             metrics = {}
             train_s = synchronised_seconds(device, lambda: metrics.update(actor.train(rows)))
     except torch.OutOfMemoryError as error:
