@@ -15,6 +15,15 @@ def tiny_policy(seed: int = 0, **overrides):
     return build_policy(PolicyConfig.preset("tiny", seed=seed, **overrides))
 
 
+def record_stages(policy) -> list[str]:
+    """The list every stage `policy`'s fast path runs from now on is appended to (its name: "vision", "prefix",
+    "recompute/k", ...): which forwards ran vision or the prefix."""
+    sampler, runs = policy.fast_sampler(), []
+    original = sampler.run_stage
+    sampler.run_stage = lambda bucket, stage, fn=None: (runs.append(stage), original(bucket, stage, fn))[1]
+    return runs
+
+
 def raw_obs(n: int, image_size: int = 64, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     return {

@@ -12,7 +12,7 @@ from grpo.prefix_store import RowPrefixes
 from policies.models.pi05 import PrefixCache
 from rollout.config import EngineConfig
 from rollout.engine import PolicyEngine
-from tests.grpo.helpers import raw_obs, sampled_rows, tiny_policy
+from tests.grpo.helpers import raw_obs, record_stages, sampled_rows, tiny_policy
 from tests.grpo.test_review_fixes import PINNED
 from tests.grpo.test_trainer import countdown_config, run
 
@@ -116,10 +116,7 @@ def test_the_update_with_the_engines_prefixes_equals_the_recomputing_one():
     for name in ("off", "engine"):
         policy = tiny_policy(fast=FAST)
         rows, store = engine_kept_rows(policy, 8)
-        sampler, runs = policy.fast_sampler(), []
-        original = sampler.run_stage
-        sampler.run_stage = lambda bucket, stage, fn=None, _runs=runs, _original=original: (
-            _runs.append(stage), _original(bucket, stage, fn))[1]
+        runs = record_stages(policy)
         actor = Actor(policy, GRPOConfig(micro_batch=3, lr=1e-2, update_epochs=3, global_batch=6, prefix_cache=name),
                       show_progress=False)
         actor.engine_prefixes = store
@@ -144,10 +141,7 @@ def test_rows_the_engine_did_not_keep_recompute_their_prefix():
         rows, store = engine_kept_rows(policy, 8)
         if name == "engine":
             rows.prefix_row[5:] = -1
-        sampler, runs = policy.fast_sampler(), []
-        original = sampler.run_stage
-        sampler.run_stage = lambda bucket, stage, fn=None, _runs=runs, _original=original: (
-            _runs.append(stage), _original(bucket, stage, fn))[1]
+        runs = record_stages(policy)
         actor = Actor(policy, GRPOConfig(micro_batch=3, lr=1e-2, update_epochs=2, prefix_cache=name),
                       show_progress=False)
         actor.engine_prefixes = store

@@ -16,7 +16,7 @@ from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
 from rollout.config import EngineConfig
 from rollout.engine import PolicyEngine
-from tests.grpo.helpers import raw_obs
+from tests.grpo.helpers import raw_obs, record_stages
 from tests.grpo.test_prefix_cache_gpu import CONSISTENT, WIDE
 
 pytestmark = pytest.mark.gpu
@@ -45,9 +45,7 @@ def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one():
         engine.keep_prefixes(store)
         rows = engine_rows(engine, 8)
         assert rows.prefix_row.tolist() == list(range(8))
-        sampler, runs = policy.fast_sampler(), []
-        original = sampler.run_stage
-        sampler.run_stage = lambda bucket, stage, fn=None: (runs.append(stage), original(bucket, stage, fn))[1]
+        runs = record_stages(policy)
         weights = {}
         for name in ("off", "engine"):
             policy.load_state_dict(initial)

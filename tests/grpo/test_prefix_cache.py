@@ -11,7 +11,7 @@ from grpo.config import GRPOConfig
 from grpo.observations import observation_from_rows
 from grpo.prefix_store import RowPrefixes, row_bytes
 from policies.models.pi05 import PrefixCache
-from tests.grpo.helpers import sampled_rows, tiny_policy
+from tests.grpo.helpers import record_stages, sampled_rows, tiny_policy
 
 
 def rows_inputs(policy, rows):
@@ -223,10 +223,7 @@ def test_the_consistent_update_with_kept_prefixes_equals_the_recomputing_one(whe
     for name in ("off", where):
         policy = tiny_policy(fast=fast)
         rows = sampled_rows(policy, 8, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5] * 2))
-        sampler, runs = policy.fast_sampler(), []
-        original = sampler.run_stage
-        sampler.run_stage = lambda bucket, stage, fn=None, _runs=runs, _original=original: (
-            _runs.append(stage), _original(bucket, stage, fn))[1]
+        runs = record_stages(policy)
         actor = Actor(policy, GRPOConfig(micro_batch=3, lr=1e-2, update_epochs=3, global_batch=6, prefix_cache=name),
                       show_progress=False)
         metrics = actor.train(rows)
