@@ -119,7 +119,7 @@ class RowPrefixes:
         self._next += n
         ids = torch.arange(start, start + n)
         inside = ids < self.rows
-        self.add(ids[inside], _rows_of(cache, int(inside.sum())))
+        self.add(ids[inside], _first_rows(cache, int(inside.sum())))
         out = torch.full((n,), -1, dtype=torch.long)
         out[inside] = torch.where(self.kept(ids[inside]), ids[inside], -1)
         return out
@@ -189,7 +189,7 @@ class StoreView:
         return self.store.gather(self.ids[torch.as_tensor(rows, dtype=torch.long).cpu()], device)
 
 
-def _rows_of(cache: PrefixCache, n: int) -> PrefixCache:
+def _first_rows(cache: PrefixCache, n: int) -> PrefixCache:
     """The first n rows of `cache` (views)."""
     if n == cache.offsets.shape[0]:
         return cache

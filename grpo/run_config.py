@@ -194,7 +194,7 @@ class ExperimentConfig:
         if where != "engine":
             return
         # the rollout's K/V stand in for the trainer's: the same bits only through the consistent recompute, and
-        # only an in-process engine's tensors can be read here (the trainer checks the devices match)
+        # only an in-process engine's tensors can be read here (the actor copies kept rows to its device)
         if not (self.policy.fast.enabled and self.policy.fast.consistent_recompute):
             raise ValueError("grpo.prefix_cache=engine needs policy.fast.enabled=true and "
                              "policy.fast.consistent_recompute=true (the trainer restores the rollout's K/V into the "

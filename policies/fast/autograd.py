@@ -94,9 +94,8 @@ class ChunkRun:
 
 # The most prefix K/V, counted in fp32, one reference call of the backward takes (its autograd keeps each layer's
 # fp32 concatenation with the suffix until that call's gradients are taken): larger calls are split by chunks, their
-# gradients summed. 4 GiB
-# holds one 128-row micro-batch of LIBERO's pi0.5 in one call (23.6 MB a row: 18 layers x K and V x 640 slots x
-# 256 x 4 bytes), the setting round 49 measured.
+# gradients summed. 4 GiB holds one 128-row micro-batch of LIBERO's pi0.5 in one call (23.6 MB a row: 18 layers x
+# K and V x 640 slots x 256 x 4 bytes), the setting round 49 measured.
 REFERENCE_BYTES = 4 << 30
 
 
