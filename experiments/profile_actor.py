@@ -20,7 +20,9 @@ time (a low share means the update waits on the host, not on the GPU).
 `--consistent`: the trainer re-scores through the fast path (policy.fast.consistent_recompute, pinned to --batch
 rows and --prompt-bucket tokens, sdpa attention; also on the CPU, through the kernels' PyTorch twins), labelled by
 its own stages (the fast path's vision/prefix graphs, the kept prefix restored into a bucket, the expert step's
-graphed forward and the plain fp32 reference its backward re-runs).
+graphed forward and the plain fp32 reference its backward re-runs). `--prefix-cache engine` (with `--consistent`):
+the engine keeps each row's prefix K/V as it predicts them (PolicyEngine.keep_prefixes, grpo.prefix_cache=engine),
+and both the timed pass and the update read them.
 JSON `profile_actor_*` via experiments.results.
 """
 

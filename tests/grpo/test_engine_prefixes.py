@@ -191,3 +191,16 @@ def test_settings_that_cannot_keep_the_engines_prefixes_are_refused_with_the_con
     sections["grpo"] = {"prefix_cache": "engine"}
     with pytest.raises(ValueError, match=match):
         countdown_config(tmp_path, **sections)
+
+
+def test_concatenated_outputs_keep_each_parts_prefix_rows():
+    """PolicyOutput.concat (one part per rank): the kept rows' ids in order, -1 for a part that kept none."""
+    from rollout.types import PolicyOutput
+
+    def part(rows: int, kept: torch.Tensor | None) -> PolicyOutput:
+        tensors = {name: torch.zeros(rows, 1) for name in PolicyOutput.TENSOR_FIELDS}
+        return PolicyOutput(**tensors, version=1, mode="sde", prefix_rows=kept)
+
+    assert PolicyOutput.concat([part(2, None), part(1, None)]).prefix_rows is None
+    joined = PolicyOutput.concat([part(2, torch.tensor([4, 5])), part(1, None), part(1, torch.tensor([-1]))])
+    assert joined.prefix_rows.tolist() == [4, 5, -1, -1]
