@@ -59,7 +59,8 @@ class RowPrefixes:
         self._slot = torch.full((rows,), -1, dtype=torch.long)  # row -> its slot, -1: not kept
         self._seen = torch.zeros(rows, dtype=torch.bool)  # rows added (kept or not)
         self._slots: PrefixCache | None = None  # one buffer per tensor, (capacity, ...) each
-        self._next = 0  # the id `append` gives its next row
+        self._next = 0  # the row `append` fills next
+        self.generation = 0  # resets so far: `append`'s ids name it, so ids of an earlier rollout are refused
 
     def __len__(self) -> int:
         return int((self._slot >= 0).sum())
@@ -112,16 +113,17 @@ class RowPrefixes:
 
     def append(self, cache: PrefixCache) -> Tensor:
         """Keep `cache` as the next rows (in order after every row appended since the last `reset`): the rollout
-        engine's sink (grpo.prefix_cache=engine). Returns (n,) int64 each row's id here, -1 where it was not kept
-        (past the budget, or past the `rows` this store was made for)."""
+        engine's sink (grpo.prefix_cache=engine). Returns (n,) int64 each row's id, -1 where it was not kept
+        (past the budget, or past the `rows` this store was made for): generation * rows + its row here, so a
+        `view` of ids from before a `reset` (whose rows hold other K/V now) is refused instead of read."""
         n = cache.offsets.shape[0]
         start = self._next
         self._next += n
-        ids = torch.arange(start, start + n)
-        inside = ids < self.rows
-        self.add(ids[inside], _first_rows(cache, int(inside.sum())))
+        rows = torch.arange(start, start + n)
+        inside = rows < self.rows
+        self.add(rows[inside], _first_rows(cache, int(inside.sum())))
         out = torch.full((n,), -1, dtype=torch.long)
-        out[inside] = torch.where(self.kept(ids[inside]), ids[inside], -1)
+        out[inside] = torch.where(self.kept(rows[inside]), rows[inside] + self.generation * self.rows, -1)
         return out
 
     def reset(self) -> None:
@@ -129,9 +131,10 @@ class RowPrefixes:
         self._slot.fill_(-1)
         self._seen.zero_()
         self._next = 0
+        self.generation += 1
 
     def view(self, ids: Tensor) -> StoreView:
-        """An update's rows 0..len(ids)-1 read from this store: row r is this store's row ids[r] (-1: none)."""
+        """An update's rows 0..len(ids)-1 read from this store: row r is `append`'s id ids[r] (-1: none)."""
         return StoreView(self, ids)
 
     def gather(self, rows: Tensor, device: torch.device) -> PrefixCache:
@@ -171,7 +174,13 @@ class StoreView:
 
     def __init__(self, store: RowPrefixes, ids: Tensor):
         self.store = store
-        self.ids = torch.as_tensor(ids, dtype=torch.long).cpu()
+        ids = torch.as_tensor(ids, dtype=torch.long).cpu()
+        named = ids >= 0
+        stale = ids[named & (ids // store.rows != store.generation)]
+        if len(stale):
+            raise ValueError(f"prefix rows {stale[:8].tolist()} were kept by an earlier rollout (store generation "
+                             f"{int(stale[0]) // store.rows}, now {store.generation}): their K/V were replaced since")
+        self.ids = torch.where(named, ids - store.generation * store.rows, -1)  # rows of the store
         self.rows = len(self.ids)
 
     def __len__(self) -> int:

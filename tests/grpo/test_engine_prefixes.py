@@ -36,7 +36,7 @@ def test_append_numbers_rows_in_order_and_reset_starts_again():
                        torch.tensor([11.0, 0.0]))
     store.reset()
     assert len(store) == 0
-    assert store.append(cache_of(3, fill=30)).tolist() == [0, 1, 2]
+    assert store.append(cache_of(3, fill=30)).tolist() == [5, 6, 7]  # rows 0-2 again, of generation 1
     assert torch.equal(store.gather(torch.tensor([2]), torch.device("cpu")).values[0][:, 0, 0, 0],
                        torch.tensor([32.0]))
 
@@ -204,3 +204,17 @@ def test_concatenated_outputs_keep_each_parts_prefix_rows():
     assert PolicyOutput.concat([part(2, None), part(1, None)]).prefix_rows is None
     joined = PolicyOutput.concat([part(2, torch.tensor([4, 5])), part(1, None), part(1, torch.tensor([-1]))])
     assert joined.prefix_rows.tolist() == [4, 5, -1, -1]
+
+
+def test_ids_of_an_earlier_rollout_are_refused_after_a_reset():
+    """A reset store's rows hold the next rollout's K/V: rows that still name the old ones must not read them."""
+    store = RowPrefixes("device", rows=4)
+    old = store.append(cache_of(2))
+    store.reset()
+    new = store.append(cache_of(2, fill=10))
+    assert new.tolist() == [4, 5]  # generation 1
+    with pytest.raises(ValueError, match=r"kept by an earlier rollout \(store generation 0, now 1\)"):
+        store.view(old)
+    view = store.view(torch.tensor([5, -1, 4]))
+    assert torch.equal(view.gather(torch.tensor([0, 2]), torch.device("cpu")).keys[0][:, 0, 0, 0],
+                       torch.tensor([11.0, 10.0]))
