@@ -90,6 +90,15 @@ def test_an_in_process_engine_keeps_the_prefix_its_fast_path_computed():
             assert torch.equal(a * valid, b * valid)
 
 
+def test_a_restarted_engine_keeps_its_store():
+    with PolicyEngine(EngineConfig(backend="inproc", devices="cpu", seed=0), tiny_policy(fast=FAST).cfg) as engine:
+        store = RowPrefixes("device", rows=8)
+        engine.keep_prefixes(store)
+        assert engine.predict(raw_obs(2), mode="train", keep_prefix=True).prefix_rows.tolist() == [0, 1]
+        engine.restart()  # new cores: the store is attached to them too
+        assert engine.predict(raw_obs(3), mode="train", keep_prefix=True).prefix_rows.tolist() == [2, 3, 4]
+
+
 def test_keep_prefix_without_a_store_is_refused():
     with PolicyEngine(EngineConfig(backend="inproc", devices="cpu", seed=0), tiny_policy(fast=FAST).cfg) as engine:
         with pytest.raises(ValueError, match=r"keep_prefix=True\) needs a store"):
