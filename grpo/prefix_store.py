@@ -191,8 +191,7 @@ class StoreView:
         return len(self) * self.store.row_bytes
 
     def kept(self, rows: Tensor) -> Tensor:
-        ids = self.ids[torch.as_tensor(rows, dtype=torch.long).cpu()]
-        return (ids >= 0) & self.store.kept(ids)
+        return self.store.kept(self.ids[torch.as_tensor(rows, dtype=torch.long).cpu()])  # -1: never kept
 
     def gather(self, rows: Tensor, device: torch.device) -> PrefixCache:
         return self.store.gather(self.ids[torch.as_tensor(rows, dtype=torch.long).cpu()], device)

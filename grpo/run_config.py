@@ -200,11 +200,7 @@ class ExperimentConfig:
                              "policy.fast.consistent_recompute=true (the trainer restores the rollout's K/V into the "
                              f"fast path's buckets), got policy.fast.enabled={self.policy.fast.enabled}, "
                              f"policy.fast.consistent_recompute={self.policy.fast.consistent_recompute}")
-        engine = self.rollout.engine
-        if engine.backend != "inproc" or engine.num_ranks != 1:
-            raise ValueError(f"grpo.prefix_cache=engine needs the in-process engine with one rank "
-                             f"(rollout.engine.backend=inproc, num_ranks=1), got backend={engine.backend!r} with "
-                             f"{engine.num_ranks} ranks")
+        self.rollout.engine.check_keeps_prefixes("grpo.prefix_cache=engine")
 
     def check_cross_group(self) -> None:
         env, pol, col = self.env, self.policy, self.collector

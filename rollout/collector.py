@@ -71,7 +71,8 @@ class PredictEngine(Protocol):
 
     version: int
 
-    def predict(self, obs: dict[str, Any], mode: str = "train", group_size: int | None = None) -> PolicyOutput: ...
+    def predict(self, obs: dict[str, Any], mode: str = "train", group_size: int | None = None,
+                keep_prefix: bool = False) -> PolicyOutput: ...
 
 
 class RolloutCollector:
@@ -236,8 +237,8 @@ class RolloutCollector:
             record_observation(batch, stage.start + rows, t, inputs)
         start = time.perf_counter()
         with self.timeline.span("rollout/predict", batch=len(rows), **attrs):
-            keep = {"keep_prefix": True} if self.keep_prefixes and mode == "train" else {}
-            out = self.engine.predict(inputs, mode=mode, group_size=self.group_size if all_rows else None, **keep)
+            out = self.engine.predict(inputs, mode=mode, group_size=self.group_size if all_rows else None,
+                                      keep_prefix=self.keep_prefixes and mode == "train")
         stats.add_predict(stage.index, t, len(rows), time.perf_counter() - start)
         where = f"stage {stage.index} chunk {t} ({len(rows)} rows)"
         self.shapes.check_output(out, len(rows), where)

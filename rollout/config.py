@@ -92,6 +92,13 @@ class EngineConfig:
             raise ValueError(f"{key}.ray_actor_cpus must be a number >= 0, got {self.ray_actor_cpus!r}")
         self.devices = _check_devices(f"{key}.devices", self.devices, self.num_ranks)
 
+    def check_keeps_prefixes(self, what: str) -> None:
+        """`what` (keeping the rollout's prefix K/V for the trainer) reads the rank's tensors in the caller's process:
+        only the in-process backend with one rank has them there."""
+        if self.backend != "inproc" or self.num_ranks != 1:
+            raise ValueError(f"{what} needs the in-process engine with one rank (rollout.engine.backend=inproc, "
+                             f"num_ranks=1), got backend={self.backend!r} with {self.num_ranks} ranks")
+
     def rank_devices(self, cuda_count: int | None = None) -> list[str]:
         """The device of every rank ("auto" resolved against the visible GPUs)."""
         if isinstance(self.devices, list):

@@ -164,10 +164,7 @@ class PolicyEngine:
         them) in `store`, whose append(PrefixCache) returns each row's id there (-1: not kept); the output's
         prefix_rows says where each row went. For the trainer's consistent recompute in the same process
         (grpo.prefix_cache=engine): the in-process backend with one rank only, whose tensors that process can read."""
-        if self.cfg.backend != "inproc" or self.num_ranks != 1:
-            raise ValueError(f"keeping the rollout's prefix K/V needs the in-process engine with one rank "
-                             f"(rollout.engine.backend=inproc, num_ranks=1), got backend={self.cfg.backend!r} with "
-                             f"{self.num_ranks} ranks")
+        self.cfg.check_keeps_prefixes("keeping the rollout's prefix K/V")
         with self._lock:
             self._prefix_store = store
             self.client.cores[0].prefix_store = store
