@@ -262,7 +262,9 @@ def main() -> None:
     policy = build_policy(trainer_policy_config(cfg.replace(**overrides)), device)
     engine = PolicyEngine(EngineConfig(devices=str(device), seed=args.seed), cfg)
     # "engine": the engine keeps the rows' prefix K/V as it predicts them (its store outlives it)
-    store = RowPrefixes("device", rows=args.rows, setting="engine") if keep_engine else None
+    # its cap, --prefix-cache-gib, is the engine's (the trainer's grpo.prefix_cache_gib under grpo.prefix_cache=engine)
+    cap = GRPOConfig(prefix_cache="engine", prefix_cache_gib=args.prefix_cache_gib).prefix_cache_bytes
+    store = RowPrefixes("device", rows=args.rows, budget_bytes=cap, setting="engine") if keep_engine else None
     try:
         engine.update_weights(full_parameters(policy.model, full=True), version=1)
         if store is not None:

@@ -197,12 +197,11 @@ class Actor:
                                  "(the Trainer attaches it: Actor.engine_prefixes)")
             prefixes = self.engine_prefixes.view(samples.prefix_row)
         elif cfg.prefix_cache != "off":
-            budget = None if cfg.prefix_cache_gib is None else int(cfg.prefix_cache_gib * 2**30)
             # under autocast the plain expert's attention reads the keys in bf16: kept so (RoPE left them fp32),
             # exact; the consistent recompute's (log_prob's default where the config sets it) come from the fast
             # path in its own dtype, kept as they are
             consistent = self.policy.cfg.fast.consistent_recompute  # the config refuses it without fast.enabled
-            prefixes = RowPrefixes(cfg.prefix_cache, rows=len(samples), budget_bytes=budget,
+            prefixes = RowPrefixes(cfg.prefix_cache, rows=len(samples), budget_bytes=cfg.prefix_cache_bytes,
                                    key_dtype=None if consistent else self.autocast_dtype())
         old = self.recompute(samples, keep=prefixes)
         metrics = gap_metrics(old, samples.rollout_logprob, cfg.clip_low, cfg.clip_high)

@@ -83,6 +83,11 @@ class GRPOConfig:
     # ----- data-parallel actor (grpo/distributed.py): mode none | ddp | fsdp2, world_size, devices -----
     actor_parallel: ActorParallelConfig = field(default_factory=ActorParallelConfig)
 
+    @property
+    def prefix_cache_bytes(self) -> int | None:
+        """grpo.prefix_cache_gib in bytes (None: no cap)."""
+        return None if self.prefix_cache_gib is None else int(self.prefix_cache_gib * 2**30)
+
     def __post_init__(self) -> None:
         for key in ("steps", "rollout_epochs", "update_epochs", "micro_batch"):
             check_positive_int(f"grpo.{key}", getattr(self, key))

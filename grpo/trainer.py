@@ -159,8 +159,7 @@ class Trainer:
         if g.prefix_cache != "engine":
             return None
         rows = self.collector.num_envs * self.collector.max_chunks * g.rollout_epochs
-        budget = None if g.prefix_cache_gib is None else int(g.prefix_cache_gib * 2**30)
-        store = RowPrefixes("device", rows=rows, budget_bytes=budget, setting="engine")
+        store = RowPrefixes("device", rows=rows, budget_bytes=g.prefix_cache_bytes, setting="engine")
         self.engine.keep_prefixes(store)
         self.collector.keep_prefixes = True
         self.actor.engine_prefixes = store

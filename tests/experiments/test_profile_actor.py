@@ -66,6 +66,14 @@ def test_the_engines_kept_prefix_is_timed_without_a_prefix_stage(monkeypatch, tm
     assert record["profile"]["stages"]["stage/consistent_prefix_restore"]["calls"] == 4
 
 
+def test_the_engines_store_takes_the_cap(monkeypatch, tmp_path):
+    run(monkeypatch, "--consistent", "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1",
+        "--prefix-cache", "engine", "--prefix-cache-gib", "0", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("profile_actor_*.json")
+    timed = json.loads(path.read_text())["timed"]["engine"]
+    assert timed["prefix_cache_rows"] == 0 and timed["rollout/logprob_gap"] == 0.0  # every row recomputed its prefix
+
+
 @pytest.mark.parametrize("argv", [["--epochs", "0"], ["--rows", "6", "--batch", "4"],
                                   ["--prefix-cache", "off", "off"], ["--prefix-cache", "engine"]])
 def test_bad_sizes_and_repeats_are_refused(monkeypatch, argv):
