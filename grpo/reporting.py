@@ -4,7 +4,8 @@ Metric names are namespaced: train/* (loss, clip_frac, approx_kl, grad_norm, ...
 (success_rate, logprob_gap, ...), advantages/*, eval/*, step_time/* (the driver's clocks, live),
 and from the profiler's trace when the run ends: time/* (RLinf's names, profiler.export_wandb:
 time/step, time/sync_weights, time/generate_rollouts, time/cal_adv_and_returns,
-time/actor_training, time/rollout/predict, ...) and profile/* (predict share, Amdahl projections).
+time/actor_training, time/rollout/predict, ...) and profile/* (predict share, Amdahl projections);
+memory/cuda<i>/* (GiB) on a GPU: each step's peaks in this process and the device's use by every process.
 wandb is imported only when the logger is not disabled (machines without wandb use logger=none).
 """
 
@@ -12,8 +13,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from profiler.config import WandbConfig
 
@@ -30,7 +34,16 @@ def console_line(step: int, steps: int, m: dict[str, Any]) -> str:
             f" | clip {f('train/clip_frac', '.3f')} | approx_kl {f('train/approx_kl', '.2e')}"
             f" | gap {f('rollout/logprob_gap', '.4f')} nats (max {f('rollout/logprob_gap_max', '.3f')})"
             f" | {f('step_time/step', '.1f')} s, predict {f('step_time/predict_share', '.0%')}"
-            f" | rows {m.get('train/rows', 0)}")
+            f" | rows {m.get('train/rows', 0)}{_memory_note(m)}")
+
+
+def _memory_note(m: dict[str, Any]) -> str:
+    """" | gpu 71.2/79.2 GiB" for the first CUDA device with memory/* metrics (the trainer's); "" on the CPU."""
+    used = next((k for k in m if k.startswith("memory/") and k.endswith("/device_used_gib")), None)
+    if used is None:
+        return ""
+    total = m.get(used.replace("/device_used_gib", "/device_total_gib"))
+    return f" | gpu {m[used]:.1f}/{total:.1f} GiB" if total is not None else ""
 
 
 def phase_metrics(phases: dict[str, float], predict_s: float) -> dict[str, float]:
@@ -40,6 +53,27 @@ def phase_metrics(phases: dict[str, float], predict_s: float) -> dict[str, float
     out["step_time/predict"] = predict_s
     if phases["step"] > 0:
         out["step_time/predict_share"] = predict_s / phases["step"]
+    return out
+
+
+def memory_metrics(devices: Iterable[torch.device | str]) -> dict[str, float]:
+    """GPU memory of one RL step, per CUDA device this process computes on (the trainer's, an in-process
+    engine's), in GiB: this process's peak allocated and reserved bytes since the last call (the peaks
+    restart here, so each step reports its own) and the device's use now by every process (the caching
+    allocator keeps what it reserved, so this is about the step's high-water mark plus the env workers'
+    EGL contexts and any other process). Named memory/cuda0/peak_allocated_gib etc.; {} without CUDA."""
+    out: dict[str, float] = {}
+    gib = float(2**30)
+    cuda = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
+    indices = [d.index if d.index is not None else torch.cuda.current_device() for d in cuda]
+    for index in dict.fromkeys(indices):  # ordered, unique ("cuda" and "cuda:0" are one device)
+        device, name = torch.device("cuda", index), f"memory/cuda{index}"
+        free, total = torch.cuda.mem_get_info(device)
+        out[f"{name}/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / gib
+        out[f"{name}/peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / gib
+        out[f"{name}/device_used_gib"] = (total - free) / gib
+        out[f"{name}/device_total_gib"] = total / gib
+        torch.cuda.reset_peak_memory_stats(device)
     return out
 
 

@@ -41,7 +41,7 @@ from grpo.actor_group import build_actor, plan_actor_for_run
 from grpo.artifacts import write_profile
 from grpo.evaluate import Evaluator
 from grpo.prefix_store import RowPrefixes
-from grpo.reporting import MetricsLog, WandbRun, console_line, phase_metrics, plot_success_curve
+from grpo.reporting import MetricsLog, WandbRun, console_line, memory_metrics, phase_metrics, plot_success_curve
 from grpo.run_config import ExperimentConfig
 from grpo.samples import EpochRows, assemble, rollout_metrics
 from policies import PolicyConfig, build_policy
@@ -114,6 +114,9 @@ class Trainer:
         self.placement = plan_placement(cfg.run.device, "run.device", cfg.rollout, cuda_count)  # before any process
         self.actor_plan, self.placement = plan_actor_for_run(cfg, self.placement, cuda_count)  # grpo.actor_parallel
         self.device = torch.device(self.placement.trainer_device)
+        # memory/* covers the devices this process computes on: an in-process engine's too
+        inproc = cfg.rollout.engine.backend == "inproc"
+        self.memory_devices = [self.device, *(self.placement.engine_devices if inproc else [])]
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
         seed_everything(cfg.run.seed)
@@ -219,7 +222,7 @@ class Trainer:
             with phase(tl, "actor_train", step, times):
                 train_metrics = self.actor.train(data.samples)
         metrics = {"kind": "train", "step": step, **rollout_metrics(data), **train_metrics,
-                   **phase_metrics(times, predict_s),
+                   **phase_metrics(times, predict_s), **memory_metrics(self.memory_devices),
                    "rollout/stale_rows": int((data.samples.versions != step).sum())}
         if push is not None and push.send_s is not None:  # broadcast: the trainer's send until every rank wrote
             metrics["step_time/weight_send"] = push.send_s

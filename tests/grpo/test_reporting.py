@@ -6,9 +6,10 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from grpo.reporting import MetricsLog, console_line, phase_metrics, plot_success_curve
+from grpo.reporting import MetricsLog, console_line, memory_metrics, phase_metrics, plot_success_curve
 from grpo.video import upright, write_video
 
 
@@ -22,6 +23,30 @@ def test_console_line_has_every_field():
                  "gap 0.0620", "10.0 s", "predict 20%"):
         assert text in line, text
     assert m["step_time/predict_share"] == pytest.approx(0.2)
+    assert "gpu" not in line  # no memory/* on the CPU
+    gpu = {"memory/cuda0/device_used_gib": 71.23, "memory/cuda0/device_total_gib": 79.18}
+    assert console_line(2, 10, {**m, **gpu}).endswith("| rows 12 | gpu 71.2/79.2 GiB")
+
+
+def test_memory_metrics_are_empty_on_the_cpu():
+    assert memory_metrics(["cpu", torch.device("cpu")]) == {}
+
+
+@pytest.mark.gpu
+def test_memory_metrics_report_each_steps_peak_and_the_devices_use():
+    device = torch.device("cuda", torch.cuda.current_device())
+    memory_metrics([device])  # restart the peaks
+    block = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)  # 0.25 GiB
+    first = memory_metrics([device, "cuda"])  # the same device twice: one set of keys
+    name = f"memory/cuda{device.index}"
+    assert sorted(first) == sorted(f"{name}/{k}" for k in ("peak_allocated_gib", "peak_reserved_gib",
+                                                             "device_used_gib", "device_total_gib"))
+    assert first[f"{name}/peak_allocated_gib"] >= 0.25
+    assert first[f"{name}/peak_reserved_gib"] >= first[f"{name}/peak_allocated_gib"]
+    assert first[f"{name}/device_total_gib"] >= first[f"{name}/device_used_gib"] >= first[f"{name}/peak_reserved_gib"]
+    del block
+    second = memory_metrics([device])  # a new step: its own peak, without the freed block
+    assert second[f"{name}/peak_allocated_gib"] <= first[f"{name}/peak_allocated_gib"] - 0.25 + 1e-6
 
 
 def test_metrics_log_and_curve(tmp_path):
