@@ -35,6 +35,7 @@ from torch import Tensor
 from grpo import losses
 from grpo.config import GRPOConfig
 from grpo.distributed import full_parameters
+from grpo.memory import actor_levers, micro_batch_oom
 from grpo.observations import observation_from_rows
 from grpo.prefix_store import RowPrefixes, StoreView
 from grpo.samples import Samples
@@ -227,8 +228,9 @@ class Actor:
                     prefix = None
                     if prefixes is not None and bool(prefixes.kept(micro).all()):
                         prefix = prefixes.gather(micro, self.device)
-                    terms = self._micro_step(samples.select(micro), old[micro], w, micro,
-                                             is_weight, ref, prefix)
+                    with self._out_of_memory_advice(len(micro)):
+                        terms = self._micro_step(samples.select(micro), old[micro], w, micro,
+                                                 is_weight, ref, prefix)
                     acc.add(terms, w)
                     if first:
                         metrics["train/clip_frac_first_mb"] = float(terms.ratio_outside.float().mean())
@@ -257,6 +259,18 @@ class Actor:
 
     def close(self) -> None:
         """Nothing to stop (the ActorGroup stops its worker ranks)."""
+
+    @contextlib.contextmanager
+    def _out_of_memory_advice(self, rows: int):
+        """An out-of-memory error in a micro-batch names the micro-batch, the card's use and the settings that make
+        room (grpo/memory.py); torch's own message stays in the chain."""
+        try:
+            yield
+        except torch.OutOfMemoryError as error:
+            pcfg = self.policy.cfg
+            levers = actor_levers(self.cfg.micro_batch, pcfg.train_expert_only, pcfg.frozen_dtype,
+                                  self.cfg.prefix_cache)
+            raise torch.OutOfMemoryError(micro_batch_oom(rows, self.cfg.micro_batch, self.device, levers)) from error
 
     def _micro_step(self, rows: Samples, old: Tensor, weights: Tensor, index: Tensor,
                     is_weight: Tensor | None, ref: Tensor | None,

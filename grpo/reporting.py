@@ -5,7 +5,8 @@ Metric names are namespaced: train/* (loss, clip_frac, approx_kl, grad_norm, ...
 and from the profiler's trace when the run ends: time/* (RLinf's names, profiler.export_wandb:
 time/step, time/sync_weights, time/generate_rollouts, time/cal_adv_and_returns,
 time/actor_training, time/rollout/predict, ...) and profile/* (predict share, Amdahl projections);
-memory/cuda<i>/* (GiB) on a GPU: each step's peaks in this process and the device's use by every process.
+memory/cuda<i>/* (GiB) on a GPU: each step's peaks in this process and the device's use by every process
+(grpo/memory.py).
 wandb is imported only when the logger is not disabled (machines without wandb use logger=none).
 """
 
@@ -13,11 +14,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from profiler.config import WandbConfig
 
@@ -53,27 +51,6 @@ def phase_metrics(phases: dict[str, float], predict_s: float) -> dict[str, float
     out["step_time/predict"] = predict_s
     if phases["step"] > 0:
         out["step_time/predict_share"] = predict_s / phases["step"]
-    return out
-
-
-def memory_metrics(devices: Iterable[torch.device | str]) -> dict[str, float]:
-    """GPU memory of one RL step, per CUDA device this process computes on (the trainer's, an in-process
-    engine's), in GiB: this process's peak allocated and reserved bytes since the last call (the peaks
-    restart here, so each step reports its own) and the device's use now by every process (the caching
-    allocator keeps what it reserved, so this is about the step's high-water mark plus the env workers'
-    EGL contexts and any other process). Named memory/cuda0/peak_allocated_gib etc.; {} without CUDA."""
-    out: dict[str, float] = {}
-    gib = float(2**30)
-    cuda = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
-    indices = [d.index if d.index is not None else torch.cuda.current_device() for d in cuda]
-    for index in dict.fromkeys(indices):  # ordered, unique ("cuda" and "cuda:0" are one device)
-        device, name = torch.device("cuda", index), f"memory/cuda{index}"
-        free, total = torch.cuda.mem_get_info(device)
-        out[f"{name}/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / gib
-        out[f"{name}/peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / gib
-        out[f"{name}/device_used_gib"] = (total - free) / gib
-        out[f"{name}/device_total_gib"] = total / gib
-        torch.cuda.reset_peak_memory_stats(device)
     return out
 
 

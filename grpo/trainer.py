@@ -40,8 +40,9 @@ from grpo import checkpoint
 from grpo.actor_group import build_actor, plan_actor_for_run
 from grpo.artifacts import write_profile
 from grpo.evaluate import Evaluator
+from grpo.memory import memory_metrics
 from grpo.prefix_store import RowPrefixes
-from grpo.reporting import MetricsLog, WandbRun, console_line, memory_metrics, phase_metrics, plot_success_curve
+from grpo.reporting import MetricsLog, WandbRun, console_line, phase_metrics, plot_success_curve
 from grpo.run_config import ExperimentConfig
 from grpo.samples import EpochRows, assemble, rollout_metrics
 from policies import PolicyConfig, build_policy

@@ -9,7 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from grpo.reporting import MetricsLog, console_line, memory_metrics, phase_metrics, plot_success_curve
+from grpo.memory import memory_metrics
+from grpo.reporting import MetricsLog, console_line, phase_metrics, plot_success_curve
 from grpo.video import upright, write_video
 
 
