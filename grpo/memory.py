@@ -1,8 +1,9 @@
 """GPU memory of an RL step: the per-step memory/* metrics, and what an actor's out-of-memory error says.
 
-An 80 GB H100 runs the libero10_pi05 recipe at micro-batch 128 with under 1 GiB to spare (README, "Round 51"): the
-env workers' EGL contexts hold ~18 GiB of the card beside the trainer and the engine, so users need to see how
-close a step came, and which setting to turn when it does not fit.
+An 80 GB H100 ran the libero10_pi05 recipe at micro-batch 128 (consistent recompute, the engine's kept prefix) with
+under 1 GiB to spare (README, "Round 51"): beside this process's 61 GiB at its peak, other processes (the env workers'
+EGL contexts) and CUDA contexts used ~18 GiB. So a run says how close each step came, and which setting to turn when
+one does not fit.
 """
 
 from __future__ import annotations
