@@ -22,7 +22,10 @@ rows and --prompt-bucket tokens, sdpa attention; also on the CPU, through the ke
 its own stages (the fast path's vision/prefix graphs, the kept prefix restored into a bucket, the expert step's
 graphed forward and the plain fp32 reference its backward re-runs). `--prefix-cache engine` (with `--consistent`):
 the engine keeps each row's prefix K/V as it predicts them (PolicyEngine.keep_prefixes, grpo.prefix_cache=engine),
-and both the timed pass and the update read them.
+and both the timed pass and the update read them. `--recompute-backward fp32 bf16 ...` (with `--consistent`): every
+`--prefix-cache` setting is timed under each policy.fast.recompute_backward (keys `SETTING/MODE`), and one
+micro-batch's gradients under each mode are compared with the fp32 backward's (`gradient_errors`: relative L2 per
+parameter, worst and median, and of all of them together).
 JSON `profile_actor_*` via experiments.results.
 """
 
@@ -181,6 +184,48 @@ def stage_times(events) -> dict[str, dict]:
     return stages
 
 
+@contextlib.contextmanager
+def recompute_backward(policy, mode: str) -> Iterator[None]:
+    """The policy's consistent recompute with its backward in `mode` (policy.fast.recompute_backward) meanwhile."""
+    before = policy.cfg
+    policy.cfg = before.replace(fast={"recompute_backward": mode})
+    try:
+        yield
+    finally:
+        policy.cfg = before
+
+
+def gradient_errors(policy, rows: Samples, args: argparse.Namespace, modes: list[str]) -> dict:
+    """One micro-batch's gradients (the surrogate's direction at ratio 1: advantage-weighted chunk log-probs) under each
+    backward mode against the fp32 backward's: relative L2 per trainable parameter (worst, median) and overall."""
+    actor = make_actor(policy, args, "off", 1)
+    micro = rows.select(torch.arange(min(args.micro_batch, len(rows))))
+    names = [n for n, p in policy.model.named_parameters() if p.requires_grad]
+    grads = {}
+    for mode in ["fp32", *[m for m in modes if m != "fp32"]]:
+        policy.model.zero_grad(set_to_none=True)
+        with recompute_backward(policy, mode):
+            logp = actor.chunk_logprob(policy, micro)
+            (logp * micro.advantages.to(logp.device)).sum().backward()
+        params = dict(policy.model.named_parameters())
+        grads[mode] = {n: params[n].grad.float().clone() for n in names if params[n].grad is not None}
+    policy.model.zero_grad(set_to_none=True)
+    out = {}
+    want = grads["fp32"]
+    for mode, got in grads.items():
+        if mode == "fp32":
+            continue
+        per = {n: float((got[n] - w).norm() / w.norm().clamp_min(1e-30)) for n, w in want.items()}
+        total = torch.cat([(got[n] - w).flatten() for n, w in want.items()]).norm()
+        reference = torch.cat([w.flatten() for w in want.values()]).norm()
+        worst = max(per, key=per.get)
+        out[mode] = {"rows": len(micro), "params": len(per), "worst_rel_l2": per[worst], "worst_param": worst,
+                     "median_rel_l2": sorted(per.values())[len(per) // 2], "all_rel_l2": float(total / reference)}
+        print(f"gradients, {mode} backward vs fp32 ({len(micro)} rows): all {out[mode]['all_rel_l2']:.2e}, "
+              f"worst {per[worst]:.2e} ({worst}), median {out[mode]['median_rel_l2']:.2e}")
+    return out
+
+
 def profile_update(policy, rows: Samples, args: argparse.Namespace, device: torch.device,
                    engine_store: RowPrefixes | None = None) -> dict:
     actor = make_actor(policy, args, args.profile_prefix_cache, 1, engine_store)
@@ -230,6 +275,10 @@ def main() -> None:
     parser.add_argument("--consistent", action="store_true",
                         help="the trainer's recompute through the fast path (policy.fast.consistent_recompute)")
     parser.add_argument("--prompt-bucket", type=int, default=128, help="with --consistent: the pinned prompt bucket")
+    backwards = ["fp32", "tf32", "bf16"]
+    parser.add_argument("--recompute-backward", nargs="+", default=["fp32"], choices=backwards,
+                        help="with --consistent: policy.fast.recompute_backward settings to time, in order")
+    parser.add_argument("--profile-recompute-backward", default="fp32", choices=backwards)
     parser.add_argument("--top", type=int, default=40, help="ops kept in the JSON, by device time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
@@ -243,6 +292,10 @@ def main() -> None:
         parser.error(f"--rows {args.rows} must be a multiple of --batch {args.batch}")
     if len(set(args.prefix_cache)) != len(args.prefix_cache):
         parser.error(f"--prefix-cache names a setting twice: {args.prefix_cache}")
+    if len(set(args.recompute_backward)) != len(args.recompute_backward):
+        parser.error(f"--recompute-backward names a setting twice: {args.recompute_backward}")
+    if {*args.recompute_backward, args.profile_recompute_backward} != {"fp32"} and not args.consistent:
+        parser.error("--recompute-backward other than fp32 needs --consistent (the consistent recompute's backward)")
     keep_engine = "engine" in (*args.prefix_cache, args.profile_prefix_cache)
     if keep_engine and not args.consistent:
         parser.error("--prefix-cache engine needs --consistent (the trainer restores the engine's fast-path K/V)")
@@ -278,14 +331,25 @@ def main() -> None:
     # 1.06 s for the next setting's (round 47)
     with weights_restored(policy):
         make_actor(policy, args, "off", 1).train(rows)
-    timed = {setting: time_setting(policy, rows, args, setting, device, store) for setting in args.prefix_cache}
-    profile = profile_update(policy, rows, args, device, store)
+    modes = args.recompute_backward
+    timed = {}
+    for mode in modes:
+        with recompute_backward(policy, mode):
+            for setting in args.prefix_cache:
+                print(f"recompute_backward={mode}:", end=" ")
+                timed[setting if len(modes) == 1 else f"{setting}/{mode}"] = time_setting(policy, rows, args, setting,
+                                                                                          device, store)
+    with recompute_backward(policy, args.profile_recompute_backward):
+        profile = profile_update(policy, rows, args, device, store)
+    errors = gradient_errors(policy, rows, args, modes) if len(set(modes) | {"fp32"}) > 1 else {}
     summary = {"policy": args.policy, "frozen_dtype": getattr(policy.cfg, "frozen_dtype", None), "rows": len(rows),
                "micro_batch": args.micro_batch, "epochs": args.epochs, "consistent": args.consistent,
                **{f"{k}_train_s": v.get("train_s") for k, v in timed.items()},
                **{f"{k}_recompute_s": v.get("recompute_s") for k, v in timed.items()},
-               "profiled_wall_s": profile["wall_s"], "profiled_device_busy_s": profile["device_busy_s"]}
-    payload = {"config": {**vars(args), "policy_cfg": cfg.to_dict()}, "timed": timed, "profile": profile}
+               "profiled_wall_s": profile["wall_s"], "profiled_device_busy_s": profile["device_busy_s"],
+               **{f"grad_{mode}_all_rel_l2": e["all_rel_l2"] for mode, e in errors.items()}}
+    payload = {"config": {**vars(args), "policy_cfg": cfg.to_dict()}, "timed": timed, "profile": profile,
+               "gradient_errors": errors}
     write_result("profile_actor", payload, summary, out_dir=args.out, commit=args.commit, device=device)
 
 

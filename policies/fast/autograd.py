@@ -11,7 +11,9 @@ transitions chains[:, k] -> chains[:, k+1] of the call's rows, each row at its o
   and policies.flow's log-density in fp32 under autograd at the same inputs (x_k, x_{k+1}, the
   prefix K/V the fast path computed, each row's modulation row, the weights upcast to fp32),
   differentiated by torch.autograd.grad. So the gradients are those of the reference math at the
-  rollout's point, whatever the forward's precision.
+  rollout's point, whatever the forward's precision. `CallRun.backward`
+  (policy.fast.recompute_backward) may run that velocity with TF32 matmuls or under bf16 autocast
+  (`reference_precision`): cheaper gradients with more rounding, the forward unchanged.
 `table` is the AdaRMS modulation table (K, 2L+1, 3W) computed with autograd from the time MLP and
 the AdaRMS dense weights; the forward's kernels read its values from FastWeights' buffer (copied
 there by recompute.py), the backward returns its gradient, which autograd carries on to those
@@ -20,8 +22,9 @@ weights. `weights` are the parameters the expert velocity reads (`velocity_param
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +32,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from policies import flow
+from policies.fast.config import RECOMPUTE_BACKWARDS
 from policies.fast.flow_logprob import flow_logprob
 from policies.models.gemma import rope_cos_sin
 from policies.models.pi05 import PrefixCache
@@ -111,6 +115,7 @@ class CallRun:
     sampler: object  # FastSampler
     chunks: list[ChunkRun]
     weight_names: tuple[str, ...] = ()
+    backward: str = "fp32"  # policy.fast.recompute_backward: the reference velocity's precision
 
     def forward(self) -> Tensor:
         """(n, H, D) the chunks' log-probs, concatenated in chunk order."""
@@ -153,12 +158,37 @@ class CallRun:
         cache = PrefixCache([_joined(layer) for layer in zip(*[c.keys for c in caches], strict=True)],
                             [_joined(layer) for layer in zip(*[c.values for c in caches], strict=True)],
                             _joined([c.pad_mask for c in caches]), _joined([c.offsets for c in caches]))
-        v = functional_call(_VelocityCall(sampler.model), params, (cache, x, modulation))
+        with reference_precision(self.backward, x.device.type):
+            v = functional_call(_VelocityCall(sampler.model), params, (cache, x, modulation))  # fp32 out
         constants = torch.tensor([sampler.step_constants[k][:3] for k in per_row], dtype=torch.float32,
                                  device=x.device)
         t, delta, sigma = (constants[:, i, None, None] for i in range(3))
         mean, std = flow.sde_step_mean_std(x, v, t, delta, sigma)
         return flow.gaussian_log_prob(x_next, mean, std)
+
+
+@contextlib.contextmanager
+def reference_precision(backward: str, device_type: str) -> Iterator[None]:
+    """The precision the backward's reference velocity runs in (policy.fast.recompute_backward): "fp32" as the
+    process has it set (torch's default: IEEE fp32 matmuls), "tf32" with TF32 matmuls (the process's setting put
+    back afterwards), "bf16" under bf16 autocast (its GEMMs and attention in bf16, the residual stream and the
+    weights' gradients fp32). In round 50's profiled update the fp32 reference's matmuls were the largest device
+    time (profile_actor_nvidia-h100-80gb-hbm3_20261206-102159.json: aten::mm 0.107 of 0.376 s busy)."""
+    if backward == "fp32":
+        yield
+    elif backward == "tf32":
+        matmul = torch.backends.cuda.matmul
+        before = matmul.fp32_precision
+        matmul.fp32_precision = "tf32"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = before
+    elif backward == "bf16":
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            yield
+    else:
+        raise ValueError(f"policy.fast.recompute_backward must be one of {RECOMPUTE_BACKWARDS}, got {backward!r}")
 
 
 def stage_recompute(sampler, k: int, bucket) -> None:

@@ -21,6 +21,8 @@ PDL_CHOICES = ("auto", "off", "on", "early")  # policies/fast/pdl.py
 MLP_CHOICES = ("auto", "split", "fused")  # policies/fast/fused_mlp.py
 OVERLAP_CHOICES = ("auto", "off", "on")  # policies/fast/overlap.py
 SEARCH_CHOICES = ("auto", "off")  # policies/fast/gemm_search.py
+# The math the consistent recompute's backward differentiates (policies/fast/autograd.py, reference_precision)
+RECOMPUTE_BACKWARDS = ("fp32", "tf32", "bf16")
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -59,6 +61,11 @@ class FastConfig:
     consistent_recompute: `Policy.log_prob` recomputes through the fast path's kernels at the
     rollout's bucket shapes (policies/fast/recompute.py), reproducing the rollout's log-probs bit
     for bit; needs `enabled` and a batch-invariant `attention` ("sdpa" or "triton").
+    recompute_backward: with consistent_recompute, the precision of the plain model's velocity that
+    its backward re-runs and differentiates (the log-probs, ratios and clipping are the forward's,
+    bit for bit, whichever is chosen; only the gradients' rounding changes): "fp32" (the reference
+    math in fp32, matmuls as the process sets them, torch's default IEEE), "tf32" (fp32 with TF32
+    matmuls), "bf16" (under bf16 autocast; the flow log-density on top in fp32).
     precision: "bf16" runs every GEMM in `dtype`; "fp8" runs the GEMMs of `fp8_gemms` in FP8 e4m3
     (per-channel weight and per-token activation scales, policies/fast/fp8.py), the expert always
     in `dtype`; needs dtype "bfloat16".
@@ -105,6 +112,7 @@ class FastConfig:
     prompt_buckets: list[int] = field(default_factory=lambda: [32, 48, 64, 128, 200])
     attention_profile_path: str | None = None
     consistent_recompute: bool = False
+    recompute_backward: str = "fp32"
     precision: str = "bf16"
     gemm: str = "auto"
     pdl: str = "auto"
@@ -166,6 +174,12 @@ class FastConfig:
             values = check_int_list(f"{key}.{name}", getattr(self, name), 1)
             if values != sorted(set(values)):
                 raise ValueError(f"{key}.{name} must be strictly increasing, got {values}")
+        if self.recompute_backward not in RECOMPUTE_BACKWARDS:
+            raise ValueError(f"{key}.recompute_backward must be one of {RECOMPUTE_BACKWARDS}, "
+                             f"got {self.recompute_backward!r}")
+        if self.recompute_backward != "fp32" and not self.consistent_recompute:
+            raise ValueError(f"{key}.recompute_backward={self.recompute_backward!r} changes the consistent recompute's "
+                             f"backward only: it needs {key}.consistent_recompute=true")
         if self.consistent_recompute:
             if not self.enabled:
                 raise ValueError(f"{key}.consistent_recompute needs {key}.enabled=true (it reproduces the fast-path "

@@ -74,8 +74,23 @@ def test_the_engines_store_takes_the_cap(monkeypatch, tmp_path):
     assert timed["prefix_cache_rows"] == 0 and timed["rollout/logprob_gap"] == 0.0  # every row recomputed its prefix
 
 
+def test_each_backward_mode_is_timed_and_its_gradients_compared(monkeypatch, tmp_path):
+    run(monkeypatch, "--consistent", "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1",
+        "--prefix-cache", "engine", "--recompute-backward", "fp32", "bf16", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("profile_actor_*.json")
+    record = json.loads(path.read_text())
+    assert set(record["timed"]) == {"engine/fp32", "engine/bf16"}
+    for timed in record["timed"].values():
+        assert timed["rollout/logprob_gap"] == 0.0  # the forward is the rollout's in either mode
+    errors = record["gradient_errors"]["bf16"]
+    assert errors["rows"] == 4 and 0.0 < errors["all_rel_l2"] < 5e-2
+    assert record["summary"]["grad_bf16_all_rel_l2"] == errors["all_rel_l2"]
+
+
 @pytest.mark.parametrize("argv", [["--epochs", "0"], ["--rows", "6", "--batch", "4"],
-                                  ["--prefix-cache", "off", "off"], ["--prefix-cache", "engine"]])
+                                  ["--prefix-cache", "off", "off"], ["--prefix-cache", "engine"],
+                                  ["--recompute-backward", "bf16"], ["--consistent", "--recompute-backward", "fp32",
+                                                                     "fp32"]])
 def test_bad_sizes_and_repeats_are_refused(monkeypatch, argv):
     with pytest.raises(SystemExit):
         run(monkeypatch, *argv)

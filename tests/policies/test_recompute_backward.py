@@ -1,0 +1,85 @@
+"""policy.fast.recompute_backward: the precision of the consistent recompute's backward (policies/fast/autograd.py).
+
+The forward (log-probs, so ratios and clipping) must stay the rollout's bit for bit in every mode; only the
+gradients' rounding may change: "bf16" close to the fp32 reference's and not equal to it (so it really ran in
+bf16), "tf32" with TF32 matmuls switched on for the reference alone (a CUDA setting: on the CPU the gradients stay
+the fp32 ones). The CUDA numbers: tests/policies/test_consistent_gpu.py.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+from policies.config import PolicyConfig
+from policies.fast import autograd
+from policies.fast.config import FastConfig
+from tests.policies.test_consistent_recompute import fast_policy, rollout
+
+
+def gradients(policy, rows, weights):
+    inputs, chains, inds, want, _, buckets = rows
+    policy.model.zero_grad(set_to_none=True)
+    out = policy.log_prob(inputs, chains, inds, consistent=True, fast_buckets=buckets)
+    assert torch.equal(out.logprobs.detach(), want), "the forward must stay the rollout's bits"
+    (out.chunk_logprob * weights).sum().backward()
+    return {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+
+
+def with_backward(policy, backward: str):
+    policy.cfg = policy.cfg.replace(fast={"recompute_backward": backward})
+    return policy
+
+
+@pytest.fixture(scope="module")
+def rows_and_policy():
+    policy = fast_policy(consistent_recompute=True, attention="sdpa")
+    rows = rollout(policy, [(3, 13, 1), (4, 14, 2)], seed=6)
+    weights = torch.randn(len(rows[1]), generator=torch.Generator().manual_seed(2))
+    return policy, rows, weights
+
+
+def relative_errors(got: dict, want: dict) -> dict[str, float]:
+    assert set(got) == set(want) and want
+    return {n: float((got[n] - w).norm() / w.norm().clamp_min(1e-12)) for n, w in want.items()}
+
+
+def test_bf16_backward_rounds_the_gradients_only(rows_and_policy):
+    policy, rows, weights = rows_and_policy
+    fp32 = gradients(with_backward(policy, "fp32"), rows, weights)
+    bf16 = gradients(with_backward(policy, "bf16"), rows, weights)
+    errors = relative_errors(bf16, fp32)
+    assert max(errors.values()) < 5e-2, max(errors.items(), key=lambda kv: kv[1])
+    assert max(errors.values()) > 1e-4, "the bf16 backward computed the fp32 gradients: autocast did not apply"
+
+
+def test_tf32_backward_switches_tf32_on_for_the_reference_only(rows_and_policy, monkeypatch):
+    policy, rows, weights = rows_and_policy
+    seen = []
+    velocity = autograd._VelocityCall.forward
+
+    def recording(self, *args):
+        seen.append(torch.backends.cuda.matmul.fp32_precision)
+        return velocity(self, *args)
+
+    monkeypatch.setattr(autograd._VelocityCall, "forward", recording)
+    before = torch.backends.cuda.matmul.fp32_precision
+    fp32 = gradients(with_backward(policy, "fp32"), rows, weights)
+    tf32 = gradients(with_backward(policy, "tf32"), rows, weights)
+    assert seen == [before, "tf32"]
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    for name, want in fp32.items():  # TF32 is a CUDA matmul mode: the CPU computes the fp32 gradients
+        assert torch.equal(tf32[name], want), name
+
+
+def test_recompute_backward_is_validated_by_name():
+    with pytest.raises(ValueError, match=r"policy.fast.recompute_backward must be one of .*'fp16'"):
+        FastConfig(recompute_backward="fp16")
+    with pytest.raises(ValueError, match=r"recompute_backward='bf16'.*needs policy.fast.consistent_recompute=true"):
+        PolicyConfig.preset("tiny", fast={"enabled": True, "recompute_backward": "bf16"})
+    cfg = PolicyConfig.preset("tiny", fast={"enabled": True, "consistent_recompute": True, "attention": "sdpa",
+                                            "recompute_backward": "tf32"})
+    assert cfg.fast.recompute_backward == "tf32"
