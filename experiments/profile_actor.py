@@ -335,6 +335,10 @@ def main() -> None:
     timed = {}
     for mode in modes:
         with recompute_backward(policy, mode):
+            if len(modes) > 1:  # each mode's first update pays for new kernels (its own warm-up: round 52's first
+                # run timed bf16 without one, 1.08 s against fp32's 0.89, where the GRPO step had it 27% faster)
+                with weights_restored(policy):
+                    make_actor(policy, args, args.prefix_cache[0], 1, store).train(rows)
             for setting in args.prefix_cache:
                 print(f"recompute_backward={mode}:", end=" ")
                 timed[setting if len(modes) == 1 else f"{setting}/{mode}"] = time_setting(policy, rows, args, setting,
