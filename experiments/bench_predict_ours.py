@@ -25,7 +25,7 @@ from policies import flops, sampling
 from policies.config import PolicyConfig
 from policies.fast import geglu_gemm, gemm_search
 from policies.fast.attention import AttentionSelector
-from policies.fast.config import FastConfig
+from policies.fast.config import FAST_OFF, FastConfig
 from policies.fast.runner import STAGES, FastSampler
 from policies.lerobot_bridge import load_lerobot_into_ours
 from policies.models.pi05 import PI05Model
@@ -64,7 +64,7 @@ def reference_cfg(cfg: PolicyConfig) -> PolicyConfig:
     parity reference) and `log_prob` (the gap's recompute) run the plain path even when the run sets
     policy.fast.enabled=true (else the parity was fast vs fast); policy.fast's other settings stay for
     `fast_config`."""
-    return cfg.replace(fast={"enabled": False, "consistent_recompute": False})
+    return cfg.replace(fast=FAST_OFF)
 
 
 def fast_config(base: FastConfig, precision: str, dtype: str, attention: str, batch: int) -> FastConfig:

@@ -36,6 +36,7 @@ from grpo.distributed import full_parameters
 from grpo.samples import Samples
 from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
+from policies.fast.config import FAST_OFF
 from rollout.config import EngineConfig
 from rollout.engine import PolicyEngine
 
@@ -127,7 +128,7 @@ def main() -> None:
     finally:
         engine.close()
     results, timings = {}, {}
-    plain_policy = build_policy(cfg.replace(dtype="float32", fast={"enabled": False, "consistent_recompute": False}),
+    plain_policy = build_policy(cfg.replace(dtype="float32", fast=FAST_OFF),
                                 device) if cfg.fast.consistent_recompute else trainer_policy
     plain_policy.model.load_state_dict(trainer_policy.model.state_dict())
     variants = [("bf16", "bf16", plain_policy), ("fp32", "none", plain_policy)]

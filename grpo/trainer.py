@@ -46,6 +46,7 @@ from grpo.reporting import MetricsLog, WandbRun, console_line, phase_metrics, pl
 from grpo.run_config import ExperimentConfig
 from grpo.samples import EpochRows, assemble, rollout_metrics
 from policies import PolicyConfig, build_policy
+from policies.fast.config import FAST_OFF
 from profiler import make_timeline, profiler_environ, set_timeline, write_meta
 from rollout.collector import RolloutCollector
 from rollout.engine import PolicyEngine
@@ -69,7 +70,7 @@ def trainer_policy_config(cfg: PolicyConfig) -> PolicyConfig:
     the fp32 masters equal the engine's cast weights), see policies/fast/recompute.py."""
     if cfg.fast.enabled and cfg.fast.consistent_recompute:
         return cfg.replace(dtype="float32")
-    return cfg.replace(dtype="float32", fast={"enabled": False, "consistent_recompute": False})
+    return cfg.replace(dtype="float32", fast=FAST_OFF)
 
 
 def data_position(collector) -> dict:

@@ -23,6 +23,9 @@ OVERLAP_CHOICES = ("auto", "off", "on")  # policies/fast/overlap.py
 SEARCH_CHOICES = ("auto", "off")  # policies/fast/gemm_search.py
 # The math the consistent recompute's backward differentiates (policies/fast/autograd.py, reference_precision)
 RECOMPUTE_BACKWARDS = ("fp32", "tf32", "bf16")
+# policy.fast overrides for a plain-path copy of a config (a trainer, a baseline): the keys that need the fast path
+# set back too, so that the copy validates whatever the original had
+FAST_OFF = {"enabled": False, "consistent_recompute": False, "recompute_backward": "fp32"}
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")

@@ -83,3 +83,16 @@ def test_recompute_backward_is_validated_by_name():
     cfg = PolicyConfig.preset("tiny", fast={"enabled": True, "consistent_recompute": True, "attention": "sdpa",
                                             "recompute_backward": "tf32"})
     assert cfg.fast.recompute_backward == "tf32"
+
+
+def test_a_plain_path_copy_of_a_bf16_backward_config_validates():
+    """Trainers and baselines turn the fast path off with FAST_OFF: the backward's mode goes back with it."""
+    from grpo.trainer import trainer_policy_config
+    from policies.fast.config import FAST_OFF
+
+    cfg = PolicyConfig.preset("tiny", fast={"enabled": True, "consistent_recompute": True, "attention": "sdpa",
+                                            "recompute_backward": "bf16"})
+    plain = cfg.replace(fast=FAST_OFF)
+    assert plain.fast.recompute_backward == "fp32" and not plain.fast.enabled
+    assert trainer_policy_config(cfg).fast.recompute_backward == "bf16"  # the consistent trainer keeps it
+    assert FAST_OFF == {"enabled": False, "consistent_recompute": False, "recompute_backward": "fp32"}
