@@ -52,6 +52,7 @@ from policies import PolicyConfig, build_policy
 from policies.fast import recompute
 from policies.fast.autograd import CallRun, ChunkRun
 from policies.fast.runner import FastSampler
+from policies.lerobot_bridge import relative_l2
 from policies.models.pi05 import PI05Model
 from policies.policy import Policy
 from rollout.config import EngineConfig
@@ -200,27 +201,26 @@ def gradient_errors(policy, rows: Samples, args: argparse.Namespace, modes: list
     backward mode against the fp32 backward's: relative L2 per trainable parameter (worst, median) and overall."""
     actor = make_actor(policy, args, "off", 1)
     micro = rows.select(torch.arange(min(args.micro_batch, len(rows))))
-    names = [n for n, p in policy.model.named_parameters() if p.requires_grad]
     grads = {}
     for mode in ["fp32", *[m for m in modes if m != "fp32"]]:
         policy.model.zero_grad(set_to_none=True)
         with recompute_backward(policy, mode):
             logp = actor.chunk_logprob(policy, micro)
             (logp * micro.advantages.to(logp.device)).sum().backward()
-        params = dict(policy.model.named_parameters())
-        grads[mode] = {n: params[n].grad.float().clone() for n in names if params[n].grad is not None}
+        grads[mode] = {n: p.grad.float().clone() for n, p in policy.model.named_parameters() if p.grad is not None}
     policy.model.zero_grad(set_to_none=True)
     out = {}
-    want = grads["fp32"]
+    want = grads.pop("fp32")
+
+    def flat(grad: dict) -> torch.Tensor:  # every parameter's gradient in one vector, in one order
+        return torch.cat([grad[n].flatten() for n in want])
+
     for mode, got in grads.items():
-        if mode == "fp32":
-            continue
-        per = {n: float((got[n] - w).norm() / w.norm().clamp_min(1e-30)) for n, w in want.items()}
-        total = torch.cat([(got[n] - w).flatten() for n, w in want.items()]).norm()
-        reference = torch.cat([w.flatten() for w in want.values()]).norm()
+        per = {n: relative_l2(got[n], w) for n, w in want.items()}
         worst = max(per, key=per.get)
+        every = relative_l2(flat(got), flat(want))
         out[mode] = {"rows": len(micro), "params": len(per), "worst_rel_l2": per[worst], "worst_param": worst,
-                     "median_rel_l2": sorted(per.values())[len(per) // 2], "all_rel_l2": float(total / reference)}
+                     "median_rel_l2": sorted(per.values())[len(per) // 2], "all_rel_l2": every}
         print(f"gradients, {mode} backward vs fp32 ({len(micro)} rows): all {out[mode]['all_rel_l2']:.2e}, "
               f"worst {per[worst]:.2e} ({worst}), median {out[mode]['median_rel_l2']:.2e}")
     return out
