@@ -25,7 +25,9 @@ the engine keeps each row's prefix K/V as it predicts them (PolicyEngine.keep_pr
 and both the timed pass and the update read them. `--recompute-backward fp32 bf16 ...` (with `--consistent`): every
 `--prefix-cache` setting is timed under each policy.fast.recompute_backward (keys `SETTING/MODE`), and one
 micro-batch's gradients under each mode are compared with the fp32 backward's (`gradient_errors`: relative L2 per
-parameter, worst and median, and of all of them together).
+parameter, worst and median, and of all of them together). `--host-profile`: one more update of one epoch under
+experiments.host_profile (this repository's Python functions by cProfile, and on CUDA every call site that waited
+for the GPU, counted), kept as `host_profile`.
 JSON `profile_actor_*` via experiments.results.
 """
 
@@ -40,6 +42,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from common.devices import auto_device
+from experiments.host_profile import host_profile
 from experiments.logprob_gap import policy_config, rollout_rows
 from experiments.results import write_result
 from grpo.actor import Actor, gap_metrics
@@ -257,6 +260,23 @@ def profile_update(policy, rows: Samples, args: argparse.Namespace, device: torc
             "prefix_cache": args.profile_prefix_cache}
 
 
+def host_profile_update(policy, rows: Samples, args: argparse.Namespace, device: torch.device,
+                        engine_store: RowPrefixes | None = None) -> dict:
+    """One more update like profile_update's, under experiments.host_profile: the Python functions' host time and
+    the call sites that waited for the GPU."""
+    actor = make_actor(policy, args, args.profile_prefix_cache, 1, engine_store)
+    with weights_restored(policy):
+        report = host_profile(lambda: actor.train(rows), device, args.top)
+    print(f"host profile (1 epoch, prefix_cache={args.profile_prefix_cache}): wall {report['wall_s']:.2f} s under "
+          f"cProfile, {report['sync_count']} waits for the GPU")
+    for row in report["functions"][:20]:
+        print(f"  {row['function'][:80]:80s} calls {row['calls']:6d}  own {row['own_s']:7.3f} s  "
+              f"cumulative {row['cumulative_s']:7.3f} s")
+    for row in report["syncs"][:15]:
+        print(f"  {row['count']:5d} x {row['site'][:150]}")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", default="tiny", choices=["tiny", "pi05_small", "pi05"])
@@ -280,6 +300,8 @@ def main() -> None:
                         help="with --consistent: policy.fast.recompute_backward settings to time, in order")
     parser.add_argument("--profile-recompute-backward", default="fp32", choices=backwards)
     parser.add_argument("--top", type=int, default=40, help="ops kept in the JSON, by device time")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="one more update under cProfile and CUDA's sync watch (experiments.host_profile)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--commit", action="store_true", help="write the JSON to benchmarks/results/")
@@ -345,6 +367,7 @@ def main() -> None:
                                                                                           device, store)
     with recompute_backward(policy, args.profile_recompute_backward):
         profile = profile_update(policy, rows, args, device, store)
+        host = host_profile_update(policy, rows, args, device, store) if args.host_profile else None
     errors = gradient_errors(policy, rows, args, modes) if len(set(modes) | {"fp32"}) > 1 else {}
     summary = {"policy": args.policy, "frozen_dtype": getattr(policy.cfg, "frozen_dtype", None), "rows": len(rows),
                "micro_batch": args.micro_batch, "epochs": args.epochs, "consistent": args.consistent,
@@ -352,8 +375,10 @@ def main() -> None:
                **{f"{k}_recompute_s": v.get("recompute_s") for k, v in timed.items()},
                "profiled_wall_s": profile["wall_s"], "profiled_device_busy_s": profile["device_busy_s"],
                **{f"grad_{mode}_all_rel_l2": e["all_rel_l2"] for mode, e in errors.items()}}
+    if host is not None:
+        summary["host_profiled_wall_s"], summary["host_sync_count"] = host["wall_s"], host["sync_count"]
     payload = {"config": {**vars(args), "policy_cfg": cfg.to_dict()}, "timed": timed, "profile": profile,
-               "gradient_errors": errors}
+               "gradient_errors": errors, "host_profile": host}
     write_result("profile_actor", payload, summary, out_dir=args.out, commit=args.commit, device=device)
 
 

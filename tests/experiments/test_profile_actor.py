@@ -32,6 +32,18 @@ def test_a_small_run_times_each_setting_and_labels_the_stages(monkeypatch, tmp_p
     assert record["timed"]["off"]["prefix_cache_rows"] is None and record["timed"]["host"]["prefix_cache_rows"] == 8
 
 
+def test_the_host_profile_names_the_actors_functions(monkeypatch, tmp_path):
+    run(monkeypatch, "--consistent", "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1",
+        "--prefix-cache", "engine", "--profile-prefix-cache", "engine", "--host-profile", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("profile_actor_*.json")
+    record = json.loads(path.read_text())
+    functions = {row["function"].split(":")[0] + " " + row["function"].split(" ")[1]: row
+                 for row in record["host_profile"]["functions"]}
+    assert functions["grpo/actor.py (train)"]["calls"] == 1
+    assert functions["policies/fast/autograd.py (forward)"]["calls"] > 0  # the consistent recompute's chunks
+    assert record["summary"]["host_sync_count"] == 0  # the CPU: nothing waits for a GPU
+
+
 def test_a_budget_keeps_only_the_rows_that_fit(monkeypatch, tmp_path):
     run(monkeypatch, "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1", "--prefix-cache",
         "device", "--prefix-cache-gib", "0", "--out", str(tmp_path))
