@@ -126,7 +126,9 @@ class Actor:
         """(R,) float32 chunk log-probs of the rows' stored transitions under `policy`. `prefix`: the rows'
         kept prefix K/V (grpo.prefix_cache); `keep` = (store, the rows' ids): compute it here and keep it."""
         obs = observation_from_rows(policy.cfg, rows.images, rows.states, rows.tokens, rows.token_mask, self.device)
-        chains, denoise_inds = rows.chains.to(self.device), rows.denoise_inds.to(self.device)
+        # the denoise indices stay in host memory: log_prob checks them, and the consistent recompute plans its
+        # chunks from them, without reading them back from the GPU
+        chains, denoise_inds = rows.chains.to(self.device), rows.denoise_inds
         with self.autocast():
             if keep is not None:  # the prefix as this forward computes it (the plain model's or the fast path's)
                 store, ids = keep
@@ -149,15 +151,16 @@ class Actor:
         policy = policy or self.policy
         samples = samples.without_prompt_padding()
         index = torch.arange(len(samples))
+        # gathered on the device and copied back once: a copy per micro-batch made the host wait for each
         if isinstance(keep, StoreView):
-            out = torch.empty(len(samples))
+            out = torch.empty(len(samples), device=self.device)
             for idx in self._micro_batches(index, keep)[1]:  # the kept rows' micro-batches first
                 prefix = keep.gather(idx, self.device) if bool(keep.kept(idx).all()) else None
-                out[idx] = self.chunk_logprob(policy, samples.select(idx), prefix).cpu()
-            return out
-        parts = [self.chunk_logprob(policy, samples.select(idx), keep=None if keep is None else (keep, idx)).cpu()
+                out[idx.to(self.device)] = self.chunk_logprob(policy, samples.select(idx), prefix)
+            return out.cpu()
+        parts = [self.chunk_logprob(policy, samples.select(idx), keep=None if keep is None else (keep, idx))
                  for idx in self._micro(index)]
-        return torch.cat(parts) if parts else torch.zeros(0)
+        return torch.cat(parts).cpu() if parts else torch.zeros(0)
 
     def step_entropy(self, rows: Samples) -> Tensor | None:
         """Entropy of each row's stochastic SDE step, a function of the step index and the config only
@@ -233,10 +236,10 @@ class Actor:
                                                  is_weight, ref, prefix)
                     acc.add(terms, w)
                     if first:
-                        metrics["train/clip_frac_first_mb"] = float(terms.ratio_outside.float().mean())
+                        acc.first_clip_frac = terms.ratio_outside.float().mean()
                         first = False
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
-                acc.grad_norms.append(float(grad_norm))
+                acc.grad_norms.append(grad_norm.detach())
                 self.optimizer.step()
                 self.updates += 1
         metrics.update(acc.metrics(cfg.update_epochs))
@@ -300,30 +303,52 @@ def gap_metrics(trainer_logprob: Tensor, rollout_logprob: Tensor, clip_low: floa
 
 
 class _Accumulator:
-    """Weighted sums of the loss terms over an RL step's micro-batches."""
+    """Weighted sums of the loss terms over an RL step's micro-batches, kept on the device until `host_sums` /
+    `metrics` read them all at once: a read per micro-batch made the host wait for its backward before it could
+    launch the next micro-batch (the consistent actor is host-bound)."""
 
     KEYS = ("train/loss", "train/policy_loss", "train/kl_ref", "train/entropy", "train/approx_kl",
             "train/clip_active_frac", "train/clip_frac")  # what `add` sums (the DP actor reduces these)
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, Tensor | float] = {}
         self.rows = 0
-        self.grad_norms: list[float] = []
+        self.grad_norms: list[Tensor | float] = []
+        self.first_clip_frac: Tensor | float | None = None  # the first micro-batch's ratios outside the clip band
 
     def add(self, terms: losses.LossTerms, weights: Tensor) -> None:
         w = weights.to(terms.clip_active.device)
         values = {
-            "train/loss": float(terms.loss.detach()), "train/policy_loss": float(terms.policy.detach()),
-            "train/kl_ref": float(terms.kl.detach()), "train/entropy": float(terms.entropy.detach()),
-            "train/approx_kl": float(terms.approx_kl), "train/clip_active_frac": float((w * terms.clip_active).sum()),
-            "train/clip_frac": float((w * terms.ratio_outside).sum()),
+            "train/loss": terms.loss, "train/policy_loss": terms.policy, "train/kl_ref": terms.kl,
+            "train/entropy": terms.entropy, "train/approx_kl": terms.approx_kl,
+            "train/clip_active_frac": (w * terms.clip_active).sum(), "train/clip_frac": (w * terms.ratio_outside).sum(),
         }
         for key, value in values.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value
+            value = torch.as_tensor(value).detach().double()  # fp64 as the Python floats summed before
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+    def host_sums(self) -> dict[str, float]:
+        """The sums as floats (one copy from the device for all of them)."""
+        keys = [k for k in self.KEYS if k in self.sums]
+        values = _floats([self.sums[k] for k in keys])
+        self.sums = dict(zip(keys, values, strict=True))
+        return self.sums
 
     def metrics(self, epochs: int) -> dict[str, float]:
-        steps = max(len(self.grad_norms), 1)
-        out = {k: v / steps for k, v in self.sums.items()}  # each global batch's weights sum to 1
-        out["train/grad_norm"] = sum(self.grad_norms) / steps
-        out["train/optimizer_steps"] = len(self.grad_norms)
+        sums, norms = self.host_sums(), _floats(self.grad_norms)
+        steps = max(len(norms), 1)
+        out = {k: v / steps for k, v in sums.items()}  # each global batch's weights sum to 1
+        out["train/grad_norm"] = sum(norms) / steps
+        out["train/optimizer_steps"] = len(norms)
+        if self.first_clip_frac is not None:
+            out["train/clip_frac_first_mb"] = _floats([self.first_clip_frac])[0]
         return out
+
+
+def _floats(values: list[Tensor | float]) -> list[float]:
+    """Scalars as floats; the tensors among them read back together (one wait for the device)."""
+    tensors = [v for v in values if isinstance(v, Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.reshape(()).to(tensors[0].device, torch.float64) for t in tensors]).tolist())
+    return [next(read) if isinstance(v, Tensor) else float(v) for v in values]

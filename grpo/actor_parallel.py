@@ -162,7 +162,8 @@ class DistributedActor(Actor):
 
     def _reduce_metrics(self, metrics: dict, acc: _Accumulator, first: list[float], total: int) -> dict[str, float]:
         keys = list(_Accumulator.KEYS)  # fixed: a rank without real rows has no sums of its own
-        summed = all_reduce_sum([acc.sums.get(k, 0.0) for k in keys] + first, self.spec)
+        sums = acc.host_sums()
+        summed = all_reduce_sum([sums.get(k, 0.0) for k in keys] + first, self.spec)
         acc.sums = dict(zip(keys, summed[: len(keys)]))
         outside, rows = summed[len(keys):]
         metrics["train/clip_frac_first_mb"] = outside / rows if rows else 0.0

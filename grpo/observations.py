@@ -31,7 +31,10 @@ def _image(raw: Tensor, size: int, resize: bool, key: str) -> Tensor:
 
 def observation_from_rows(cfg: PolicyConfig, images: dict[str, Tensor], states: Tensor, tokens: Tensor,
                           token_mask: Tensor, device: torch.device | str) -> Observation:
-    """images: env camera key -> (R, S, S, 3) uint8; states (R, state_dim); tokens/mask (R, L)."""
+    """images: env camera key -> (R, S, S, 3) uint8; states (R, state_dim); tokens/mask (R, L). The images go to
+    `device` (converted there); the state, the prompt and the masks stay where they are: the policy checks them
+    and moves them itself (`policies.observation.model_inputs`), and host copies of the masks let the fast path
+    lay out the tokens without reading them back from the GPU."""
     n = int(states.shape[0])
     size = cfg.vision.image_size
     slot_to_key = {slot: key for key, slot in cfg.inputs.camera_map.items()}
@@ -40,12 +43,12 @@ def observation_from_rows(cfg: PolicyConfig, images: dict[str, Tensor], states: 
         key = slot_to_key.get(slot)
         if key is None:
             obs_images[slot] = torch.full((n, size, size, 3), -1.0, device=device)
-            masks[slot] = torch.zeros(n, dtype=torch.bool, device=device)
+            masks[slot] = torch.zeros(n, dtype=torch.bool, device=token_mask.device)
             continue
         if key not in images:
             raise ValueError(f"stored rows have no camera {key!r} (policy.inputs.camera_map maps it to {slot!r}); "
                              f"stored: {sorted(images)}")
         obs_images[slot] = _image(images[key].to(device), size, cfg.inputs.resize_images, key)
-        masks[slot] = torch.ones(n, dtype=torch.bool, device=device)
-    return Observation(images=obs_images, image_masks=masks, state=states.to(device),
-                       tokenized_prompt=tokens.to(device).long(), tokenized_prompt_mask=token_mask.to(device).bool())
+        masks[slot] = torch.ones(n, dtype=torch.bool, device=token_mask.device)
+    return Observation(images=obs_images, image_masks=masks, state=states, tokenized_prompt=tokens.long(),
+                       tokenized_prompt_mask=token_mask.bool())

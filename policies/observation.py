@@ -74,10 +74,30 @@ class ModelInputs:
     image_masks: Tensor  # (B, C) bool
     tokens: Tensor  # (B, L) int64
     token_mask: Tensor  # (B, L) bool
+    # host copies of the masks where they were built there (model_inputs): the fast path lays the tokens out from
+    # host masks, and reading them back from the GPU waits for everything queued before. Read through
+    # `masks_on_host`, which ignores copies of other tensors (after dataclasses.replace or an assignment)
+    host_masks: HostMasks | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
         return int(self.tokens.shape[0])
+
+    def masks_on_host(self) -> tuple[Tensor, Tensor] | None:
+        """(token_mask, image_masks) in host memory, if `host_masks` holds copies of these very tensors."""
+        host = self.host_masks
+        if host is None or host.of[0] is not self.token_mask or host.of[1] is not self.image_masks:
+            return None
+        return host.token_mask, host.image_masks
+
+
+@dataclass(frozen=True)
+class HostMasks:
+    """Host copies of a ModelInputs' masks, and the tensors (`of`: token_mask, image_masks) they copy."""
+
+    token_mask: Tensor
+    image_masks: Tensor
+    of: tuple[Tensor, Tensor]
 
 
 def check_nonempty(batch_size: int, entry: str) -> None:
@@ -102,7 +122,7 @@ def model_inputs(
     b = tokens.shape[0]
     _check_state(obs.state, b, cfg)
     device = device if device is not None else tokens.device
-    images, masks = [], []
+    images, masks = [], []  # masks: each camera's (B,) bool, where the observation has it
     for cam in cfg.cameras:
         if cam not in obs.images:
             raise ValueError(
@@ -110,7 +130,7 @@ def model_inputs(
                 f"got {sorted(obs.images)}"
             )
         images.append(_image_to_model(obs.images[cam], cam, b, cfg.vision.image_size).to(device))
-        masks.append(_image_mask(obs.image_masks.get(cam), cam, b).to(device))
+        masks.append(_image_mask(obs.image_masks.get(cam), cam, b))
     for name, given in (("images", obs.images), ("image_masks", obs.image_masks)):
         # a mask under a misspelt slot would otherwise be dropped and its camera read as valid
         extra = sorted(set(given) - set(cfg.cameras))
@@ -118,12 +138,12 @@ def model_inputs(
             raise ValueError(
                 f"observation.{name} has unknown camera(s) {extra}; expected {cfg.cameras}"
             )
-    return ModelInputs(
-        torch.stack(images, dim=1),
-        torch.stack(masks, dim=1),
-        tokens.to(device),
-        token_mask.to(device),
-    )
+    on_host = all(m.device.type == "cpu" for m in (token_mask, *masks))
+    image_masks = torch.stack([m.to(token_mask.device if on_host else device) for m in masks], dim=1)
+    inputs = ModelInputs(torch.stack(images, dim=1), image_masks.to(device), tokens.to(device), token_mask.to(device))
+    if on_host:
+        inputs.host_masks = HostMasks(token_mask, image_masks, of=(inputs.token_mask, inputs.image_masks))
+    return inputs
 
 
 def _check_prompt(obs: Observation, cfg: PolicyConfig) -> tuple[Tensor, Tensor]:

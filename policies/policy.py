@@ -62,7 +62,9 @@ class Policy(nn.Module):
         """The prefix K/V of `inputs`, without the camera slots masked in every row (the fast path's rule,
         `drop_unused_cameras`): pi0.5 on LIBERO leaves one of three slots empty, and its SigLIP pass and 256
         pad keys change no output. The cache holds the kept slots' tokens only."""
-        inputs, _, _ = drop_unused_cameras(inputs, inputs.image_masks.cpu())
+        host = inputs.masks_on_host()
+        host = inputs.image_masks.cpu() if host is None else host[1]
+        inputs, _, _ = drop_unused_cameras(inputs, host)
         return self.model.prefix_cache(
             inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask
         )
@@ -251,20 +253,23 @@ class Policy(nn.Module):
             raise ValueError(
                 f"denoise_inds must be (B, K) = {(b, k)}, got {tuple(denoise_inds.shape)}"
             )
-        chains, denoise_inds = (
-            chains.to(self.device, torch.float32),
-            denoise_inds.to(self.device).long(),
-        )
+        # checked where the caller keeps them: indices given in host memory are read without waiting for the GPU
         if int(denoise_inds.min()) < 0 or int(denoise_inds.max()) >= k:
             raise ValueError(
                 f"denoise_inds must be in [0, {k}) for mode {mode!r}, got {denoise_inds.min()}..{denoise_inds.max()}"
             )
+        host_inds = denoise_inds.long() if denoise_inds.device.type == "cpu" else None
+        chains, denoise_inds = (
+            chains.to(self.device, torch.float32),
+            denoise_inds.to(self.device).long(),
+        )
         if prefix is not None:
             check_given_prefix(prefix, b, cfg.train_expert_only)
         if cfg.fast.consistent_recompute if consistent is None else consistent:
             from policies.fast.recompute import consistent_log_prob
 
-            return consistent_log_prob(self, inputs, chains, denoise_inds, mode, fast_buckets, prefix, return_prefix)
+            return consistent_log_prob(self, inputs, chains, denoise_inds, mode, fast_buckets, prefix, return_prefix,
+                                       host_denoise_inds=host_inds)
         if prefix is None:
             with torch.set_grad_enabled(torch.is_grad_enabled() and not cfg.train_expert_only):
                 cache = self.prefix_cache(inputs)

@@ -13,12 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from policies.observation import HostMasks
+
 
 def host_masks(inputs, staging: dict) -> tuple[Tensor, Tensor]:
     """(token mask, image masks) as host bools. From the GPU as asynchronous copies into pinned buffers
     (kept in `staging`, one pair per shape) and one wait: on the H200 box each blocking .cpu() took
     ~90 us, a cat of the two on the device ~120 (profile_overlap --host-profile). The buffers are
-    reused by the next call of the same shapes, after this call has used them."""
+    reused by the next call of the same shapes, after this call has used them. Inputs that carry their masks'
+    host copies (`ModelInputs.host_masks`, built from host tensors) are read without any copy or wait."""
+    host = inputs.masks_on_host() if hasattr(inputs, "masks_on_host") else None
+    if host is not None:
+        return host[0].bool(), host[1].bool()
     masks = (inputs.token_mask, inputs.image_masks)
     if all(m.device.type == "cpu" for m in masks):
         return masks[0].bool(), masks[1].bool()
@@ -103,5 +109,23 @@ def pad_rows(values: Tensor, rows: int) -> Tensor:
 
 def split_rows(inputs, start: int, stop: int):
     """Rows [start, stop) of a ModelInputs."""
-    return type(inputs)(inputs.images[start:stop], inputs.image_masks[start:stop], inputs.tokens[start:stop],
-                        inputs.token_mask[start:stop])
+    return take_rows(inputs, slice(start, stop))
+
+
+def take_rows(inputs, rows: slice | Tensor):
+    """Rows of a ModelInputs, a slice or a host index tensor, with the host copies of their masks where it has
+    them (`ModelInputs.host_masks`)."""
+    moved: dict[torch.device, Tensor] = {}
+
+    def pick(t: Tensor) -> Tensor:
+        if isinstance(rows, slice):
+            return t[rows]
+        if t.device not in moved:
+            moved[t.device] = rows.to(t.device)
+        return t[moved[t.device]]
+
+    out = type(inputs)(pick(inputs.images), pick(inputs.image_masks), pick(inputs.tokens), pick(inputs.token_mask))
+    host = inputs.masks_on_host() if hasattr(inputs, "masks_on_host") else None
+    if host is not None:
+        out.host_masks = HostMasks(pick(host[0]), pick(host[1]), of=(out.token_mask, out.image_masks))
+    return out

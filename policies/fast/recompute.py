@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from policies import sampling
+from policies.fast import call_inputs
 from policies.fast.autograd import CallRun, ChunkRun, ConsistentCall, velocity_parameters
 from policies.models.pi05 import PrefixCache
 from policies.sampling import LogProbOutput
@@ -49,10 +50,12 @@ from policies.sampling import LogProbOutput
 
 def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mode: str,
                         fast_buckets: Tensor | None = None, prefix: PrefixCache | None = None,
-                        return_prefix: bool = False) -> LogProbOutput:
+                        return_prefix: bool = False, host_denoise_inds: Tensor | None = None) -> LogProbOutput:
     """Policy.log_prob's consistent mode. inputs: ModelInputs on the policy's device; chains
-    (B, K+1, H, D) fp32 and denoise_inds (B, K) long, already validated by Policy.log_prob;
-    mode "sde" or "sde_all". `prefix`: the rows' prefix K/V from an earlier consistent call's output
+    (B, K+1, H, D) fp32 and denoise_inds (B, K) long, already validated by Policy.log_prob
+    (`host_denoise_inds`: the same in host memory, where the caller has them: the chunks are planned on the
+    host, and a copy back from the GPU waits for all the work queued before it); mode "sde" or "sde_all".
+    `prefix`: the rows' prefix K/V from an earlier consistent call's output
     (`return_prefix`), copied into each chunk's bucket instead of running vision and prefix (grpo.prefix_cache):
     the same bits as the stages would write, so the same log-probs and gradients."""
     cfg = policy.cfg
@@ -66,7 +69,7 @@ def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mo
     b = inputs.batch_size
     columns = [0] if mode == "sde" else list(range(cfg.sampling.num_steps))
     keys = row_buckets(sampler.fast, b, fast_buckets)
-    steps = denoise_inds[:, columns].cpu()
+    steps = (denoise_inds if host_denoise_inds is None else host_denoise_inds)[:, columns].cpu()
     with torch.autocast(policy.device.type, enabled=False):
         table = modulation_table(sampler)
         named = velocity_parameters(policy.model)
@@ -87,6 +90,7 @@ def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mo
             else:
                 with torch.no_grad():
                     logp = run.forward()
+            planner.check_restored()
             step_lp = step_lp.index_copy(0, torch.cat(index), logp)
         step_lp = step_lp.view(b, len(columns), *chains.shape[2:])
     if mode == "sde":
@@ -142,6 +146,12 @@ class _ChunkPlanner:
         self.num_columns, self.needs_grad = num_columns, needs_grad
         self.prefix = prefix  # the call's rows' prefix K/V, given (restored into each bucket)
         self.kept: list[tuple[Tensor, PrefixCache]] | None = [] if keep_prefix else None  # (rows, their K/V)
+        self.restored: list[Tensor] = []  # per chunk that restored the given prefix: its layout matched (device bool)
+
+    def check_restored(self) -> None:
+        """Refuse the call if a restored chunk's prefix was not its rows' (`_restore`): one read for all chunks."""
+        if self.restored and not bool(torch.stack(self.restored).all()):
+            raise _wrong_layout("other valid-token counts or masks than the bucket's: valid tokens first")
 
     def plan(self, key: tuple[int, ...], part: Tensor) -> tuple[ChunkRun, Tensor]:
         """The chunk's run and the flat row*columns+column index of its (row, step) pairs, in the run's order."""
@@ -172,7 +182,7 @@ class _ChunkPlanner:
         else:
             cache = _rows_of(self.prefix, part)
             bucket = self._prepare(key, part)
-            _restore(bucket, cache)
+            self.restored.append(_restore(bucket, cache))
         if self.kept is not None:
             self.kept.append((part, cache))
         return bucket, cache if self.needs_grad else None
@@ -201,10 +211,8 @@ class _ChunkPlanner:
     @torch.no_grad()
     def _prepare(self, key: tuple[int, ...], part: Tensor, stages: tuple[str, ...] = ()):
         """The chunk's rows in their bucket (inputs, token layout, attention plans), then `stages` run."""
-        sampler, inputs = self.sampler, self.inputs
-        index = part.to(inputs.tokens.device)
-        rows = type(inputs)(inputs.images[index], inputs.image_masks[index], inputs.tokens[index],
-                            inputs.token_mask[index])
+        sampler = self.sampler
+        rows = call_inputs.take_rows(self.inputs, part)
         n, cfg, dev = len(part), sampler.cfg, sampler.device
         noise = torch.zeros(n, cfg.chunk_size, cfg.max_action_dim, device=dev)
         step_noise = noise[:, None].expand(n, sampler.num_steps, *noise.shape[1:])
@@ -249,21 +257,25 @@ def _layout(bucket, n: int) -> tuple[int, Tensor, Tensor]:
     return p, offsets, torch.arange(p, device=offsets.device)[None, :] < offsets[:, None]
 
 
+def _wrong_layout(what: str) -> ValueError:
+    return ValueError(f"consistent log_prob: the given prefix cache is not these rows' in their bucket's layout "
+                      f"({what}); pass the `prefix` of a consistent log_prob call on the same rows")
+
+
 @torch.no_grad()
-def _restore(bucket, cache: PrefixCache) -> None:
+def _restore(bucket, cache: PrefixCache) -> Tensor:
     """`_snapshot`'s inverse: a chunk's kept prefix K/V back into the bucket's caches, after `prepare` laid out
-    the same rows (checked: the same prefix length and valid-first layout with the same valid counts; a cache
-    of other rows or from the plain path is refused), before any expert step."""
+    the same rows, before any expert step. Checked: the same prefix length (here) and the same valid-first layout
+    with the same valid counts (a cache of other rows or from the plain path): returned as a device bool that
+    `_ChunkPlanner.check_restored` reads once per call, after the chunks ran (the actor is host-bound, and a read
+    per chunk made the host wait for the GPU four times a micro-batch)."""
     n = cache.offsets.shape[0]
     p, offsets, pad_mask = _layout(bucket, n)
-    # one host sync for both checks (the actor is host-bound: each sync lets the GPU run dry)
-    if cache.pad_mask.shape[1] != p or not bool((cache.offsets.to(offsets.device) == offsets).all()
-                                                & (cache.pad_mask.to(offsets.device) == pad_mask).all()):
-        raise ValueError(f"consistent log_prob: the given prefix cache ({cache.pad_mask.shape[1]} slots) is not these "
-                         f"rows' in their bucket's layout ({p} slots, valid tokens first); pass the `prefix` of a "
-                         "consistent log_prob call on the same rows")
+    if cache.pad_mask.shape[1] != p:
+        raise _wrong_layout(f"{cache.pad_mask.shape[1]} slots, the bucket {p}")
     for dst, src in zip([*bucket.k_cache, *bucket.v_cache], [*cache.keys, *cache.values], strict=True):
         dst[:n, :p].copy_(src.transpose(1, 2))
+    return (cache.offsets.to(offsets.device) == offsets).all() & (cache.pad_mask.to(offsets.device) == pad_mask).all()
 
 
 def prefix_views(bucket, n: int) -> PrefixCache:
