@@ -56,6 +56,18 @@ def auto_device(name: str | torch.device) -> torch.device:
     return torch.device(name)
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`tensor` on `device`. A host tensor goes to a GPU through pinned memory without blocking: torch's blocking
+    copy (a plain `.to(device)`) synchronises the stream, so the host waits for every kernel queued before it.
+    Such copies of row indices and small inputs made the consistent GRPO actor's host wait for the GPU ~75 times
+    per 128-row pass (round 53's host profile, `experiments.profile_actor --host-profile`). The pinned staging
+    buffer comes from torch's caching host allocator, which keeps it until the copy is done."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
+
+
 def device_context(device: torch.device | str):
     """Make `device` current (kernels, streams, graph capture) for a CUDA device; nothing otherwise."""
     device = torch.device(device)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from common.devices import to_device
 from grpo import losses
 from grpo.config import GRPOConfig
 from grpo.distributed import full_parameters
@@ -128,7 +129,7 @@ class Actor:
         obs = observation_from_rows(policy.cfg, rows.images, rows.states, rows.tokens, rows.token_mask, self.device)
         # the denoise indices stay in host memory: log_prob checks them, and the consistent recompute plans its
         # chunks from them, without reading them back from the GPU
-        chains, denoise_inds = rows.chains.to(self.device), rows.denoise_inds
+        chains, denoise_inds = to_device(rows.chains, self.device), rows.denoise_inds
         with self.autocast():
             if keep is not None:  # the prefix as this forward computes it (the plain model's or the fast path's)
                 store, ids = keep
@@ -156,7 +157,7 @@ class Actor:
             out = torch.empty(len(samples), device=self.device)
             for idx in self._micro_batches(index, keep)[1]:  # the kept rows' micro-batches first
                 prefix = keep.gather(idx, self.device) if bool(keep.kept(idx).all()) else None
-                out[idx.to(self.device)] = self.chunk_logprob(policy, samples.select(idx), prefix)
+                out[to_device(idx, self.device)] = self.chunk_logprob(policy, samples.select(idx), prefix)
             return out.cpu()
         parts = [self.chunk_logprob(policy, samples.select(idx), keep=None if keep is None else (keep, idx))
                  for idx in self._micro(index)]
@@ -171,7 +172,7 @@ class Actor:
         grid = flow.time_grid(scfg.num_steps)
         std = flow.sde_sigmas(grid, scfg.noise_level) * torch.sqrt(flow.step_deltas(grid))
         numel = self.policy.cfg.logprob_chunk * self.policy.cfg.action_dim
-        return losses.gaussian_entropy(std[rows.denoise_inds[:, 0]], numel).to(self.device)
+        return to_device(losses.gaussian_entropy(std[rows.denoise_inds[:, 0]], numel), self.device)
 
     def _micro(self, index: Tensor) -> list[Tensor]:
         return list(torch.split(index, self.cfg.micro_batch))
@@ -281,9 +282,9 @@ class Actor:
         cfg, dev = self.cfg, self.device
         logprob = self.chunk_logprob(self.policy, rows, prefix)
         terms = losses.grpo_loss(
-            logprob, old.to(dev), rows.advantages.to(dev), weights.to(dev), cfg.clip_low, cfg.clip_high,
-            cfg.dual_clip, is_weight=None if is_weight is None else is_weight[index].to(dev),
-            ref_logprob=None if ref is None else ref[index].to(dev), kl_coef=cfg.kl_coef,
+            logprob, to_device(old, dev), to_device(rows.advantages, dev), to_device(weights, dev), cfg.clip_low,
+            cfg.clip_high, cfg.dual_clip, is_weight=None if is_weight is None else to_device(is_weight[index], dev),
+            ref_logprob=None if ref is None else to_device(ref[index], dev), kl_coef=cfg.kl_coef,
             kl_estimator=cfg.kl_estimator, entropy=self.step_entropy(rows),
         )
         terms.loss.backward()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from common.devices import to_device
 from policies.config import PolicyConfig
 from policies.observation import Observation
 from policies.transforms import resize_with_pad
@@ -48,7 +49,7 @@ def observation_from_rows(cfg: PolicyConfig, images: dict[str, Tensor], states: 
         if key not in images:
             raise ValueError(f"stored rows have no camera {key!r} (policy.inputs.camera_map maps it to {slot!r}); "
                              f"stored: {sorted(images)}")
-        obs_images[slot] = _image(images[key].to(device), size, cfg.inputs.resize_images, key)
+        obs_images[slot] = _image(to_device(images[key], device), size, cfg.inputs.resize_images, key)
         masks[slot] = torch.ones(n, dtype=torch.bool, device=token_mask.device)
     return Observation(images=obs_images, image_masks=masks, state=states, tokenized_prompt=tokens.long(),
                        tokenized_prompt_mask=token_mask.bool())

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from common.devices import to_device
 from policies.models.pi05 import PrefixCache
 
 
@@ -230,7 +231,7 @@ def _regroup(like: PrefixCache, flat: list[Tensor]) -> tuple[list[Tensor], list[
 def _read_rows(slot: Tensor, rows: Tensor, device: torch.device) -> Tensor:
     """slot's `rows` on `device`; from the host through a pinned buffer, whose copy does not block."""
     if slot.device.type != "cpu":
-        return slot.index_select(0, rows.to(slot.device)).to(device)
+        return slot.index_select(0, to_device(rows, slot.device)).to(device)
     staged = torch.empty((len(rows), *slot.shape[1:]), dtype=slot.dtype, pin_memory=slot.is_pinned())
     torch.index_select(slot, 0, rows, out=staged)
     return staged.to(device, non_blocking=slot.is_pinned())

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import Tensor
 
+from common.devices import to_device
 from policies.config import PolicyConfig
 
 
@@ -140,7 +141,8 @@ def model_inputs(
             )
     on_host = all(m.device.type == "cpu" for m in (token_mask, *masks))
     image_masks = torch.stack([m.to(token_mask.device if on_host else device) for m in masks], dim=1)
-    inputs = ModelInputs(torch.stack(images, dim=1), image_masks.to(device), tokens.to(device), token_mask.to(device))
+    inputs = ModelInputs(torch.stack(images, dim=1), to_device(image_masks, device), to_device(tokens, device),
+                         to_device(token_mask, device))
     if on_host:
         inputs.host_masks = HostMasks(token_mask, image_masks, of=(inputs.token_mask, inputs.image_masks))
     return inputs

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from common.devices import on_own_device
+from common.devices import on_own_device, to_device
 from policies import sampling
 from policies.config import PolicyConfig
 from policies.fast.call_inputs import drop_unused_cameras
@@ -260,8 +260,8 @@ class Policy(nn.Module):
             )
         host_inds = denoise_inds.long() if denoise_inds.device.type == "cpu" else None
         chains, denoise_inds = (
-            chains.to(self.device, torch.float32),
-            denoise_inds.to(self.device).long(),
+            to_device(chains, self.device).float(),
+            to_device(denoise_inds, self.device).long(),
         )
         if prefix is not None:
             check_given_prefix(prefix, b, cfg.train_expert_only)

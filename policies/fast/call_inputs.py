@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from common.devices import to_device
 from policies.observation import HostMasks
 
 
@@ -121,7 +122,7 @@ def take_rows(inputs, rows: slice | Tensor):
         if isinstance(rows, slice):
             return t[rows]
         if t.device not in moved:
-            moved[t.device] = rows.to(t.device)
+            moved[t.device] = to_device(rows, t.device)
         return t[moved[t.device]]
 
     out = type(inputs)(pick(inputs.images), pick(inputs.image_masks), pick(inputs.tokens), pick(inputs.token_mask))

@@ -15,7 +15,8 @@ How, per micro-batch:
    results do not depend on the other rows, so rows from different rollout calls mix freely; the
    bucket itself must match (other shapes pick other GEMM tilings). `fast_buckets` (B, 2) gives
    it per row (`FastSampler.last_buckets` right after the rollout's sample call), or one-entry
-   `policy.fast.batch_buckets` / `prompt_buckets` pin it for every row.
+   `policy.fast.batch_buckets` / `prompt_buckets` pin it for every row. Within a bucket the rows of one
+   denoise step go together (`step_sorted`): each chunk then runs one or two steps' graphs, not all of them.
 2. Vision + prefix: the fast path's own stages (its CUDA graphs) under no_grad
    (policy.train_expert_only: nothing there is trained). Or, given the rows' `prefix` (what an earlier
    call returned with `return_prefix`: the K/V slots as the prefix stage wrote them; GRPO's
@@ -41,6 +42,7 @@ import functools
 import torch
 from torch import Tensor
 
+from common.devices import to_device
 from policies import sampling
 from policies.fast import call_inputs
 from policies.fast.autograd import CallRun, ChunkRun, ConsistentCall, velocity_parameters
@@ -78,7 +80,7 @@ def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mo
         planner = _ChunkPlanner(sampler, inputs, chains, steps, len(columns), needs_grad, prefix, return_prefix)
         chunks, index = [], []
         for key, rows in _groups(keys):
-            for part in rows.split(key[0]):
+            for part in step_sorted(rows, steps).split(key[0]):
                 chunk, flat = planner.plan(key, part)
                 chunks.append(chunk)
                 index.append(flat)
@@ -131,6 +133,15 @@ def modulation_table(sampler) -> Tensor:
     return table
 
 
+def step_sorted(rows: Tensor, steps: Tensor) -> Tensor:
+    """`rows` with those of one denoise step together (by each row's first scored step; stable). A chunk runs its
+    bucket's graph once per distinct step among its rows, for all the bucket's rows: a GRPO micro-batch of rows from
+    many rollout calls (one random step each) in random order put ~4 steps in every chunk, 4 replays where
+    1-2 do. A row's log-prob does not depend on the rows beside it (the same kernels at the same shapes), so
+    the order changes no log-prob."""
+    return rows[torch.sort(steps[rows, 0], stable=True).indices]
+
+
 def _groups(keys: Tensor):
     for key in torch.unique(keys, dim=0).tolist():
         yield tuple(key), (keys == torch.tensor(key)).all(dim=1).nonzero().flatten()
@@ -156,11 +167,11 @@ class _ChunkPlanner:
     def plan(self, key: tuple[int, ...], part: Tensor) -> tuple[ChunkRun, Tensor]:
         """The chunk's run and the flat row*columns+column index of its (row, step) pairs, in the run's order."""
         dev = self.sampler.device
-        chains = self.chains[part.to(self.chains.device)]
+        chains = self.chains[to_device(part, self.chains.device)]
         steps = self.steps[part]
         distinct = sorted(set(steps.flatten().tolist()))
         picked = [(steps == step).nonzero(as_tuple=True) for step in distinct]  # per step: (rows, columns)
-        rows_dev = [rows.to(dev) for rows, _ in picked]
+        rows_dev = [to_device(rows, dev) for rows, _ in picked]
         x = torch.cat([chains[rows, step] for rows, step in zip(rows_dev, distinct, strict=True)])
         x_next = torch.cat([chains[rows, step + 1] for rows, step in zip(rows_dev, distinct, strict=True)])
 
@@ -170,7 +181,7 @@ class _ChunkPlanner:
 
         run = ChunkRun(self.sampler, functools.partial(self._lay_out, key, part), distinct, rows_dev, fill, x, x_next)
         flat = torch.cat([part[rows] * self.num_columns + cols for rows, cols in picked])
-        return run, flat.to(dev)
+        return run, to_device(flat, dev)
 
     def _lay_out(self, key: tuple[int, ...], part: Tensor):
         """The chunk's rows in their bucket with their prefix K/V (computed, or restored from the given ones) ->
@@ -244,7 +255,7 @@ def _rows_of(cache: PrefixCache, rows: Tensor) -> PrefixCache:
     bucket holds a whole micro-batch)."""
     if len(rows) == cache.offsets.shape[0] and torch.equal(rows.cpu(), torch.arange(len(rows))):
         return cache
-    return cache.index_select(rows.to(cache.offsets.device))
+    return cache.index_select(to_device(rows, cache.offsets.device))
 
 
 def _layout(bucket, n: int) -> tuple[int, Tensor, Tensor]:

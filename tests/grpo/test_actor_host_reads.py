@@ -77,3 +77,11 @@ def test_the_fast_path_lays_out_from_the_host_masks_it_is_given():
                                   of=(inputs.token_mask, inputs.image_masks))
     token_mask, image_masks = call_inputs.host_masks(inputs, {})
     assert token_mask.tolist() == [[True, False, False]] and image_masks.tolist() == [[True, False]]
+
+
+def test_to_device_on_the_cpu_is_the_tensor_itself_and_refuses_nothing():
+    from common.devices import to_device
+
+    t = torch.arange(4)
+    assert to_device(t, "cpu") is t and to_device(t, torch.device("cpu")) is t
+    assert to_device(t, "meta").device.type == "meta"  # another non-CUDA device: a plain copy

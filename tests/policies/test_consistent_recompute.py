@@ -346,3 +346,31 @@ def test_sde_all_gradients_match_plain_recompute_fp32():
     for name, want in plain.items():
         err = float((consistent[name] - want).norm() / want.norm().clamp_min(1e-12))
         assert err < 1e-4, (name, err)
+
+
+def test_rows_of_one_step_share_chunks_so_fewer_graphs_run():
+    # two calls of 4 rows (one bucket), steps 1 and 2, interleaved: in the given order every 4-row chunk holds
+    # both steps (4 step runs); grouped by step, each chunk holds one (2 runs), with the same log-probs
+    from policies.fast import recompute
+
+    policy = fast_policy(batch_buckets=[4], prompt_buckets=[16])
+    inputs, chains, inds, logprobs, _, buckets = rollout(policy, [(4, 9, 1), (4, 11, 2)], seed=3)
+    mixed = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
+    assert torch.equal(recompute.step_sorted(mixed, inds), torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]))
+    runs = []
+    sampler = policy.fast_sampler()
+    original = sampler.run_stage
+
+    def counted(bucket, stage, fn=None):
+        runs.append(stage)
+        return original(bucket, stage, fn)
+
+    sampler.run_stage = counted
+    try:
+        with torch.no_grad():
+            out = policy.log_prob(select(inputs, mixed), chains[mixed], inds[mixed], consistent=True,
+                                  fast_buckets=buckets[mixed])
+    finally:
+        del sampler.run_stage
+    assert sorted(stage for stage in runs if stage.startswith("recompute/")) == ["recompute/1", "recompute/2"]
+    assert torch.equal(out.logprobs, logprobs[mixed])
