@@ -318,7 +318,7 @@ class _Accumulator:
         self.first_clip_frac: Tensor | float | None = None  # the first micro-batch's ratios outside the clip band
 
     def add(self, terms: losses.LossTerms, weights: Tensor) -> None:
-        w = weights.to(terms.clip_active.device)
+        w = to_device(weights, terms.clip_active.device)
         values = {
             "train/loss": terms.loss, "train/policy_loss": terms.policy, "train/kl_ref": terms.kl,
             "train/entropy": terms.entropy, "train/approx_kl": terms.approx_kl,

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from common.devices import to_device
 from policies import flow
 from policies.fast.config import RECOMPUTE_BACKWARDS
 from policies.fast.flow_logprob import flow_logprob
@@ -151,7 +152,7 @@ class CallRun:
         params = {f"model.{name}": w.float() for name, w in zip(self.weight_names, weights)}
         x, x_next = torch.cat([c.x for c in chunks]), torch.cat([c.x_next for c in chunks])
         per_row = [k for c in chunks for k in c.row_steps()]
-        modulation = table.float()[torch.tensor(per_row, device=x.device)]
+        modulation = table.float()[to_device(torch.tensor(per_row), x.device)]  # built on the host: no wait
         caches = [c.cache for c in chunks]
         # the K/V stay in the fast path's dtype: the plain model's torch.cat with the suffix's fp32 keys promotes
         # them exactly, per layer, so no fp32 copy of the whole prefix is held beside the one autograd saves
@@ -160,8 +161,8 @@ class CallRun:
                             _joined([c.pad_mask for c in caches]), _joined([c.offsets for c in caches]))
         with reference_precision(self.backward, x.device.type):
             v = functional_call(_VelocityCall(sampler.model), params, (cache, x, modulation))  # fp32 out
-        constants = torch.tensor([sampler.step_constants[k][:3] for k in per_row], dtype=torch.float32,
-                                 device=x.device)
+        constants = to_device(torch.tensor([sampler.step_constants[k][:3] for k in per_row], dtype=torch.float32),
+                              x.device)
         t, delta, sigma = (constants[:, i, None, None] for i in range(3))
         mean, std = flow.sde_step_mean_std(x, v, t, delta, sigma)
         return flow.gaussian_log_prob(x_next, mean, std)

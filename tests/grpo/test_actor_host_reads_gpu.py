@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 # where the host waited before (file:line (function) of the innermost frame of ours)
 FORMER_WAITS = ("(_read_rows)", "(plan)", "(take_rows)", "(pick)", "(model_inputs)", "(_rows_of)", "(add)",
-                "(_micro_step)", "(observation_from_rows)")
+                "(_micro_step)", "(observation_from_rows)", "(reference)")
 
 
 def test_to_device_copies_without_a_synchronisation():
