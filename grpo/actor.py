@@ -306,7 +306,7 @@ def gap_metrics(trainer_logprob: Tensor, rollout_logprob: Tensor, clip_low: floa
 class _Accumulator:
     """Weighted sums of the loss terms over an RL step's micro-batches, kept on the device until `host_sums` /
     `metrics` read them all at once: a read per micro-batch made the host wait for its backward before it could
-    launch the next micro-batch (the consistent actor is host-bound)."""
+    launch the next micro-batch."""
 
     KEYS = ("train/loss", "train/policy_loss", "train/kl_ref", "train/entropy", "train/approx_kl",
             "train/clip_active_frac", "train/clip_frac")  # what `add` sums (the DP actor reduces these)
