@@ -77,7 +77,8 @@ class ModelInputs:
     token_mask: Tensor  # (B, L) bool
     # host copies of the masks where they were built there (model_inputs): the fast path lays the tokens out from
     # host masks, and reading them back from the GPU waits for everything queued before. Read through
-    # `masks_on_host`, which ignores copies of other tensors (after dataclasses.replace or an assignment)
+    # `masks_on_host`, which ignores copies of other tensors (after dataclasses.replace or an assignment) and of
+    # tensors changed in place since
     host_masks: HostMasks | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -85,20 +86,31 @@ class ModelInputs:
         return int(self.tokens.shape[0])
 
     def masks_on_host(self) -> tuple[Tensor, Tensor] | None:
-        """(token_mask, image_masks) in host memory, if `host_masks` holds copies of these very tensors."""
+        """(token_mask, image_masks) in host memory, if `host_masks` holds copies of these very tensors, unchanged
+        since (their version counters)."""
         host = self.host_masks
-        if host is None or host.of[0] is not self.token_mask or host.of[1] is not self.image_masks:
+        if host is None or not host.mirrors(self.token_mask, self.image_masks):
             return None
         return host.token_mask, host.image_masks
 
 
 @dataclass(frozen=True)
 class HostMasks:
-    """Host copies of a ModelInputs' masks, and the tensors (`of`: token_mask, image_masks) they copy."""
+    """Host copies of a ModelInputs' masks, and the tensors (`of`: token_mask, image_masks) they copy, with those
+    tensors' version counters when copied (an in-place change bumps them)."""
 
     token_mask: Tensor
     image_masks: Tensor
     of: tuple[Tensor, Tensor]
+    versions: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "versions", (self.of[0]._version, self.of[1]._version))
+
+    def mirrors(self, token_mask: Tensor, image_masks: Tensor) -> bool:
+        """Whether these are copies of `token_mask` and `image_masks` as they are now."""
+        return (self.of[0] is token_mask and self.of[1] is image_masks
+                and (token_mask._version, image_masks._version) == self.versions)
 
 
 def check_nonempty(batch_size: int, entry: str) -> None:

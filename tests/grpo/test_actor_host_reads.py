@@ -67,6 +67,10 @@ def test_rows_stay_in_host_memory_and_inputs_carry_host_masks():
     assert dataclasses.replace(inputs, image_masks=inputs.image_masks.clone()).masks_on_host() is None
     inputs.token_mask = inputs.token_mask.clone()
     assert inputs.masks_on_host() is None
+    # changed in place: on a GPU the host copies would no longer match
+    again = model_inputs(obs, policy.cfg, policy.device)
+    again.image_masks[0, 0] = False
+    assert again.masks_on_host() is None
 
 
 def test_the_fast_path_lays_out_from_the_host_masks_it_is_given():
