@@ -54,6 +54,7 @@ from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
 from policies.fast import recompute
 from policies.fast.autograd import CallRun, ChunkRun
+from policies.fast.config import RECOMPUTE_BACKWARDS
 from policies.fast.runner import FastSampler
 from policies.lerobot_bridge import relative_l2
 from policies.models.pi05 import PI05Model
@@ -295,10 +296,9 @@ def main() -> None:
     parser.add_argument("--consistent", action="store_true",
                         help="the trainer's recompute through the fast path (policy.fast.consistent_recompute)")
     parser.add_argument("--prompt-bucket", type=int, default=128, help="with --consistent: the pinned prompt bucket")
-    backwards = ["fp32", "tf32", "bf16"]
-    parser.add_argument("--recompute-backward", nargs="+", default=["fp32"], choices=backwards,
+    parser.add_argument("--recompute-backward", nargs="+", default=["fp32"], choices=RECOMPUTE_BACKWARDS,
                         help="with --consistent: policy.fast.recompute_backward settings to time, in order")
-    parser.add_argument("--profile-recompute-backward", default="fp32", choices=backwards)
+    parser.add_argument("--profile-recompute-backward", default="fp32", choices=RECOMPUTE_BACKWARDS)
     parser.add_argument("--top", type=int, default=40, help="ops kept in the JSON, by device time")
     parser.add_argument("--host-profile", action="store_true",
                         help="one more update under cProfile and CUDA's sync watch (experiments.host_profile)")
