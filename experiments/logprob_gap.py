@@ -16,7 +16,9 @@ a batch-invariant attention backend (sdpa), and a third recompute runs in the co
 (policy.fast.consistent_recompute: the rollout's kernels at the rollout's shapes, see
 policies/fast/recompute.py). Summary keys gap_mean_nats / gap_max_nats / clip_frac_lr0 are the
 consistent recompute's when it ran (the mode the trainer should use), else the bf16 one's;
-every recompute is in `recompute`, the bf16 one also as `bf16_gap_mean_nats` etc.
+every recompute is in `recompute`, the bf16 one also as `bf16_gap_mean_nats` etc. `--precision fp8`: the
+engine's fast path runs its FP8 GEMMs (policy.fast.precision=fp8), and so does the consistent recompute, which
+re-quantises each weight from the trainer's masters rounded to bf16; the plain recomputes stay bf16 / fp32.
 JSON `grpo_logprob_gap_*` via experiments.results.
 """
 
@@ -36,7 +38,7 @@ from grpo.distributed import full_parameters
 from grpo.samples import Samples
 from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
-from policies.fast.config import FAST_OFF
+from policies.fast.config import FAST_OFF, PRECISIONS
 from rollout.config import EngineConfig
 from rollout.engine import PolicyEngine
 
@@ -57,6 +59,10 @@ def policy_config(args: argparse.Namespace, cuda: bool) -> PolicyConfig:
         overrides["dtype"] = "bfloat16" if cuda else "float32"
     fast = {"on": True, "off": False, "auto": cuda}[args.fast]
     overrides["fast"] = {"enabled": fast}
+    if args.precision != "bf16":
+        if not fast:
+            raise SystemExit(f"--precision {args.precision} needs the engine's fast path (--fast on, or auto on CUDA)")
+        overrides["fast"]["precision"] = args.precision
     if fast and args.consistent != "off":
         # pinned shapes + a batch-invariant backend: what the consistent recompute needs
         overrides["fast"].update(attention="sdpa", batch_buckets=[args.batch], prompt_buckets=[args.prompt_bucket],
@@ -105,6 +111,8 @@ def main() -> None:
                         help="engine fast path (auto: on CUDA)")
     parser.add_argument("--consistent", default="auto", choices=["auto", "off"],
                         help="auto: with the fast path, also measure the consistent recompute")
+    parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS),
+                        help="the fast path's policy.fast.precision, the engine's and the consistent recompute's")
     parser.add_argument("--prompt-bucket", type=int, default=128, help="the pinned prompt bucket (tokens)")
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--clip", type=float, default=0.2)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from policies.config import PolicyConfig
+from policies.lerobot_bridge import relative_l2
 from policies.observation import ModelInputs
 from policies.policy import build_policy
 
@@ -30,8 +31,8 @@ CALLS = [(16, 20, 1), (5, 40, 2), (9, 28, 0), (32, 60, 3), (3, 12, 2)]
 FAST = {"enabled": True, "batch_buckets": [8, 16, 32], "prompt_buckets": [32, 64]}
 
 
-def config(size: str, attention: str, dtype: str = "bfloat16") -> PolicyConfig:
-    fast = {**FAST, "attention": attention}
+def config(size: str, attention: str, dtype: str = "bfloat16", **fast_options) -> PolicyConfig:
+    fast = {**FAST, "attention": attention, **fast_options}
     common = dict(dtype=dtype, chunk_size=10, max_token_len=64, sampling={"num_steps": 4}, fast=fast)
     if size == "small":
         return PolicyConfig.preset(
@@ -84,6 +85,17 @@ def rescore(policy, rows, micro: int, consistent: bool, grad: bool = False):
             outs.append(policy.log_prob(sub, chains[idx.cuda()], inds[idx.cuda()], consistent=consistent,
                                         fast_buckets=buckets[idx]))
     return torch.cat([o.logprobs for o in outs]), order
+
+
+def gradient_errors(got: dict, want: dict, label: str) -> tuple[str, float]:
+    """Relative L2 of each parameter's gradient against `want`'s; prints the worst and the median, returns the
+    worst (name, error)."""
+    assert set(want) == set(got) and want
+    errors = {n: relative_l2(got[n], w) for n, w in want.items()}
+    worst = max(errors, key=errors.get)
+    print(f"\nconsistent_gpu {label}: worst rel L2 {errors[worst]:.3e} ({worst}), "
+          f"median {sorted(errors.values())[len(errors) // 2]:.3e}")
+    return worst, errors[worst]
 
 
 def gap_stats(got: torch.Tensor, want: torch.Tensor, clip: float = 0.2) -> dict:
@@ -139,12 +151,8 @@ def test_consistent_gradients_close_to_fp32_reference():
         (lp.flatten(1).sum(1) * weights[order.cuda()]).sum().backward()
         grads.append({n: p.grad.float() for n, p in pol.model.named_parameters() if p.grad is not None})
     want, got = grads
-    assert set(want) == set(got)
-    errors = {n: float((got[n] - w).norm() / w.norm().clamp_min(1e-12)) for n, w in want.items()}
-    worst = max(errors, key=errors.get)
-    print(f"\nconsistent_gpu gradients vs fp32 plain: worst rel L2 {errors[worst]:.3e} ({worst}), "
-          f"median {sorted(errors.values())[len(errors) // 2]:.3e}")
-    assert errors[worst] < 0.1
+    _, worst = gradient_errors(got, want, "gradients vs fp32 plain")
+    assert worst < 0.1
 
 
 @pytest.mark.parametrize("backward", ["tf32", "bf16"])
@@ -164,10 +172,33 @@ def test_cheaper_backward_keeps_the_forward_and_rounds_the_gradients(backward):
         grads.append({n: p.grad.float() for n, p in policy.model.named_parameters() if p.grad is not None})
     assert torch.equal(logprobs[0], logprobs[1])
     want, got = grads
-    assert set(want) == set(got) and want
-    errors = {n: float((got[n] - w).norm() / w.norm().clamp_min(1e-12)) for n, w in want.items()}
-    worst = max(errors, key=errors.get)
-    print(f"\nconsistent_gpu {backward} backward vs fp32: worst rel L2 {errors[worst]:.3e} ({worst}), "
-          f"median {sorted(errors.values())[len(errors) // 2]:.3e}")
-    assert errors[worst] < (1e-2 if backward == "tf32" else 5e-2)
-    assert errors[worst] > 0.0, f"the {backward} backward computed the fp32 gradients"
+    _, worst = gradient_errors(got, want, f"{backward} backward vs fp32")
+    assert worst < (1e-2 if backward == "tf32" else 5e-2)
+    assert worst > 0.0, f"the {backward} backward computed the fp32 gradients"
+
+
+@pytest.mark.parametrize("size", ["small", "pi05_libero"])
+def test_fp8_consistent_recompute_by_fp32_masters_equals_the_fp8_rollout(size):
+    """policy.fast.precision=fp8 in GRPO: a bf16 engine rolls out through its FP8 GEMMs (the prefix's, and qkv's
+    too here); a trainer holding fp32 master weights (grpo.trainer.trainer_policy_config), synced into the engine
+    by a cast, re-scores through the same compiled kernels and graphs. Both quantise each weight from its bf16
+    value, so every log-prob equals the rollout's bit for bit; the plain bf16 recompute's gap is printed."""
+    fp8 = {"precision": "fp8", "fp8_gemms": ["prefix_gate_up", "prefix_down", "prefix_qkv"]}
+    engine = build_policy(config(size, "sdpa", **fp8), device="cuda")
+    trainer = build_policy(config(size, "sdpa", dtype="float32", **fp8), device="cuda")
+    trainer.model.load_state_dict(engine.model.state_dict())  # bf16 weights as fp32 masters
+    engine.model.load_state_dict(trainer.model.state_dict())  # a weight sync: fp32 -> bf16
+    rows = rollout(engine)
+    assert engine.fast_sampler().w.fp8_weights, "the rollout ran no FP8 GEMM"
+    results = {}
+    got, order = rescore(trainer, rows, 16, consistent=True)
+    results["consistent_fp32_masters"] = gap_stats(got, rows[3][order])
+    ours, theirs = trainer.fast_sampler().w.fp8_weights, engine.fast_sampler().w.fp8_weights
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a.scale, b.scale) and torch.equal(a.qweight.view(torch.uint8), b.qweight.view(torch.uint8))
+    got, order = rescore(engine, rows, 16, consistent=False)
+    results["plain_bf16"] = gap_stats(got, rows[3][order])
+    print(f"\nconsistent_gpu fp8 {size} rows={len(order)} " + json.dumps(results))
+    assert results["consistent_fp32_masters"]["elem_max"] == 0.0, results
+    assert results["plain_bf16"]["elem_max"] > 0.0
