@@ -27,7 +27,8 @@ and both the timed pass and the update read them. `--recompute-backward fp32 bf1
 micro-batch's gradients under each mode are compared with the fp32 backward's (`gradient_errors`: relative L2 per
 parameter, worst and median, and of all of them together). `--host-profile`: one more update of one epoch under
 experiments.host_profile (this repository's Python functions by cProfile, and on CUDA every call site that waited
-for the GPU, counted), kept as `host_profile`.
+for the GPU, counted), kept as `host_profile`. `--precision fp8`: the engine's fast path and the consistent
+recompute run their FP8 GEMMs (policy.fast.precision).
 JSON `profile_actor_*` via experiments.results.
 """
 
@@ -54,7 +55,7 @@ from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
 from policies.fast import recompute
 from policies.fast.autograd import CallRun, ChunkRun
-from policies.fast.config import RECOMPUTE_BACKWARDS
+from policies.fast.config import PRECISIONS, RECOMPUTE_BACKWARDS
 from policies.fast.runner import FastSampler
 from policies.lerobot_bridge import relative_l2
 from policies.models.pi05 import PI05Model
@@ -296,6 +297,8 @@ def main() -> None:
     parser.add_argument("--consistent", action="store_true",
                         help="the trainer's recompute through the fast path (policy.fast.consistent_recompute)")
     parser.add_argument("--prompt-bucket", type=int, default=128, help="with --consistent: the pinned prompt bucket")
+    parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS),
+                        help="policy.fast.precision of the engine's fast path and the consistent recompute")
     parser.add_argument("--recompute-backward", nargs="+", default=["fp32"], choices=RECOMPUTE_BACKWARDS,
                         help="with --consistent: policy.fast.recompute_backward settings to time, in order")
     parser.add_argument("--profile-recompute-backward", default="fp32", choices=RECOMPUTE_BACKWARDS)
@@ -327,7 +330,7 @@ def main() -> None:
     # the LIBERO RL configuration of logprob_gap: chunk 10, 4 steps, noise 0.5, fast path on CUDA, no pinning
     shape = argparse.Namespace(policy=args.policy, chunk=10, steps=4, fast="on" if args.consistent else "auto",
                                consistent="on" if args.consistent else "off", batch=args.batch,
-                               prompt_bucket=args.prompt_bucket)
+                               prompt_bucket=args.prompt_bucket, precision=args.precision)
     cfg = policy_config(shape, cuda)
     if args.policy != "tiny":  # the GRPO recipe's camera slots (libero10_pi05: the preset's three, one empty)
         cfg = cfg.replace(cameras=PolicyConfig.preset(args.policy).cameras)

@@ -44,6 +44,15 @@ def test_the_host_profile_names_the_actors_functions(monkeypatch, tmp_path):
     assert record["summary"]["host_sync_count"] == 0  # the CPU: nothing waits for a GPU
 
 
+def test_an_fp8_rollout_is_rescored_through_its_fp8_gemms(monkeypatch, tmp_path):
+    run(monkeypatch, "--consistent", "--precision", "fp8", "--rows", "8", "--batch", "4", "--micro-batch", "4",
+        "--epochs", "1", "--prefix-cache", "engine", "--profile-prefix-cache", "engine", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("profile_actor_*.json")
+    record = json.loads(path.read_text())
+    assert record["config"]["policy_cfg"]["fast"]["precision"] == "fp8"
+    assert record["timed"]["engine"]["rollout/logprob_gap"] == 0.0  # the FP8 rollout's own bits
+
+
 def test_a_budget_keeps_only_the_rows_that_fit(monkeypatch, tmp_path):
     run(monkeypatch, "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1", "--prefix-cache",
         "device", "--prefix-cache-gib", "0", "--out", str(tmp_path))
