@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import time
 from typing import Any
 
 import torch
@@ -208,12 +209,9 @@ class Actor:
             consistent = self.policy.cfg.fast.consistent_recompute  # the config refuses it without fast.enabled
             prefixes = RowPrefixes(cfg.prefix_cache, rows=len(samples), budget_bytes=cfg.prefix_cache_bytes,
                                    key_dtype=None if consistent else self.autocast_dtype())
+        started = time.perf_counter()
         old = self.recompute(samples, keep=prefixes)
-        metrics = gap_metrics(old, samples.rollout_logprob, cfg.clip_low, cfg.clip_high)
-        is_weight = losses.truncated_is_weight(old, samples.rollout_logprob, cfg.tis_cap) if cfg.tis else None
-        if is_weight is not None:
-            metrics["train/is_weight_mean"] = float(is_weight.mean())
-            metrics["train/is_weight_truncated_frac"] = float((is_weight >= cfg.tis_cap).float().mean())
+        metrics, is_weight = old_pass_metrics(old, samples.rollout_logprob, cfg, started)
         ref = self.recompute(samples, self.reference) if self.reference is not None else None
         raw_weights = losses.row_weights(samples.trajectory_length, cfg.loss_agg)
         acc = _Accumulator()
@@ -301,6 +299,21 @@ def gap_metrics(trainer_logprob: Tensor, rollout_logprob: Tensor, clip_low: floa
         "rollout/logprob_gap_max": float(gap.max()),
         "rollout/logprob_gap_clip_frac": float(outside.float().mean()),
     }
+
+
+def old_pass_metrics(old: Tensor, rollout_logprob: Tensor, cfg: GRPOConfig, started: float
+                     ) -> tuple[dict[str, float], Tensor | None]:
+    """After the old-log-prob pass: its gap to the rollout, the truncated IS weights (None without grpo.tis) with
+    their metrics, and `step_time/actor_old_logprob`, the pass's wall time since `started` (the gap's floats are
+    read from `old`, so the pass has finished on the device by then): with the step's `step_time/actor_train` it
+    splits the actor's time into this pass and the update epochs."""
+    metrics = gap_metrics(old, rollout_logprob, cfg.clip_low, cfg.clip_high)
+    is_weight = losses.truncated_is_weight(old, rollout_logprob, cfg.tis_cap) if cfg.tis else None
+    if is_weight is not None:
+        metrics["train/is_weight_mean"] = float(is_weight.mean())
+        metrics["train/is_weight_truncated_frac"] = float((is_weight >= cfg.tis_cap).float().mean())
+    metrics["step_time/actor_old_logprob"] = time.perf_counter() - started
+    return metrics, is_weight
 
 
 class _Accumulator:

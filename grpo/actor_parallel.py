@@ -25,13 +25,14 @@ The update equals the single-process `Actor.train` over all rows (up to fp32 sum
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from grpo import losses
-from grpo.actor import Actor, _Accumulator, gap_metrics, make_optimizer
+from grpo.actor import Actor, _Accumulator, make_optimizer, old_pass_metrics
 from grpo.config import GRPOConfig
 from grpo.distributed import (
     RankSpec,
@@ -118,12 +119,9 @@ class DistributedActor(Actor):
         cfg, spec = self.cfg, self.spec
         total = int(batch.owner.shape[0])
         self.policy.train()
+        started = time.perf_counter()
         old = gather_rows(self._recompute_local(batch, self.policy), batch.ids, total, spec)
-        metrics = gap_metrics(old, batch.rollout_logprob, cfg.clip_low, cfg.clip_high)
-        is_weight = losses.truncated_is_weight(old, batch.rollout_logprob, cfg.tis_cap) if cfg.tis else None
-        if is_weight is not None:
-            metrics["train/is_weight_mean"] = float(is_weight.mean())
-            metrics["train/is_weight_truncated_frac"] = float((is_weight >= cfg.tis_cap).float().mean())
+        metrics, is_weight = old_pass_metrics(old, batch.rollout_logprob, cfg, started)  # the time: this rank's
         ref = None
         if self.reference is not None:
             ref = gather_rows(self._recompute_local(batch, self.reference), batch.ids, total, spec)

@@ -137,6 +137,7 @@ def test_accumulator_keys_are_what_the_single_process_actor_reports():
     policy = tiny_policy()
     metrics = Actor(policy, GRPOConfig(micro_batch=4, lr=1e-3)).train(sampled_rows(policy, 4))
     assert set(_Accumulator.KEYS) <= set(metrics)
+    assert metrics["step_time/actor_old_logprob"] > 0.0  # the old-log-prob pass's wall time
     assert {k for k in metrics if k.startswith("train/")} - set(_Accumulator.KEYS) == {
         "train/is_weight_mean", "train/is_weight_truncated_frac", "train/clip_frac_first_mb", "train/grad_norm",
         "train/optimizer_steps", "train/rows", "train/lr"}

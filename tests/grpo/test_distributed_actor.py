@@ -42,6 +42,8 @@ def assert_same_update(single_policy, single_metrics, pushed: dict, metrics: dic
     assert metrics["train/optimizer_steps"] == single_metrics["train/optimizer_steps"] == 6
     assert metrics["train/grad_norm"] > 10 * RECIPE["grad_clip"]  # the clip acted
     for key, value in single_metrics.items():
+        if key.startswith("step_time/"):  # wall times: this rank's, not comparable
+            continue
         assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
 
 
