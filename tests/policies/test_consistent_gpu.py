@@ -186,8 +186,7 @@ def test_fp8_consistent_recompute_by_fp32_masters_equals_the_fp8_rollout(size):
     fp8 = {"precision": "fp8", "fp8_gemms": ["prefix_gate_up", "prefix_down", "prefix_qkv"]}
     engine = build_policy(config(size, "sdpa", **fp8), device="cuda")
     trainer = build_policy(config(size, "sdpa", dtype="float32", **fp8), device="cuda")
-    trainer.model.load_state_dict(engine.model.state_dict())  # bf16 weights as fp32 masters
-    engine.model.load_state_dict(trainer.model.state_dict())  # a weight sync: fp32 -> bf16
+    engine.model.load_state_dict(trainer.model.state_dict())  # a weight sync: fp32 masters -> bf16 (a cast)
     rows = rollout(engine)
     assert engine.fast_sampler().w.fp8_weights, "the rollout ran no FP8 GEMM"
     results = {}
