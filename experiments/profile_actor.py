@@ -327,6 +327,8 @@ def main() -> None:
 
     device = auto_device(args.device)
     cuda = device.type == "cuda"
+    if args.precision != "bf16" and not (args.consistent or cuda):
+        parser.error(f"--precision {args.precision} needs the engine's fast path: --consistent, or a CUDA device")
     # the LIBERO RL configuration of logprob_gap: chunk 10, 4 steps, noise 0.5, fast path on CUDA, no pinning
     shape = argparse.Namespace(policy=args.policy, chunk=10, steps=4, fast="on" if args.consistent else "auto",
                                consistent="on" if args.consistent else "off", batch=args.batch,

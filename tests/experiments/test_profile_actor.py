@@ -108,6 +108,12 @@ def test_each_backward_mode_is_timed_and_its_gradients_compared(monkeypatch, tmp
     assert record["summary"]["grad_bf16_all_rel_l2"] == errors["all_rel_l2"]
 
 
+def test_fp8_without_the_fast_path_is_refused_with_the_flag_to_add(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        run(monkeypatch, "--precision", "fp8", "--device", "cpu")
+    assert "--precision fp8 needs the engine's fast path: --consistent" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--epochs", "0"], ["--rows", "6", "--batch", "4"],
                                   ["--prefix-cache", "off", "off"], ["--prefix-cache", "engine"],
                                   ["--recompute-backward", "bf16"], ["--consistent", "--recompute-backward", "fp32",
