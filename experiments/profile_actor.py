@@ -126,8 +126,10 @@ def weights_restored(policy) -> Iterator[None]:
 
 def make_actor(policy, args: argparse.Namespace, prefix_cache: str, epochs: int,
                engine_store: RowPrefixes | None = None) -> Actor:
+    spills = prefix_cache in ("device", "engine")  # the settings grpo.prefix_cache_spill_gib applies to
     cfg = GRPOConfig(micro_batch=args.micro_batch, update_epochs=epochs, prefix_cache=prefix_cache,
                      prefix_cache_gib=None if prefix_cache == "off" else args.prefix_cache_gib,
+                     prefix_cache_spill_gib=args.prefix_cache_spill_gib if spills else None,
                      filter_groups=False, seed=args.seed)
     actor = Actor(policy, cfg, show_progress=False)
     actor.engine_prefixes = engine_store  # read under prefix_cache "engine" only
@@ -160,6 +162,7 @@ def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: 
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     out["prefix_cache_rows"] = metrics.get("train/prefix_cache_rows")
+    out["prefix_cache_spilled_rows"] = metrics.get("train/prefix_cache_spilled_rows")
     print(f"prefix_cache={prefix_cache}: recompute {recompute_s:.2f} s, train {train_s:.2f} s "
           f"({args.epochs} epochs), ~{out['epoch_s_estimate']:.2f} s an epoch, "
           f"gap to the engine {out['rollout/logprob_gap']:.4f} nats"
@@ -292,6 +295,8 @@ def main() -> None:
     parser.add_argument("--profile-prefix-cache", default="off", choices=caches)
     parser.add_argument("--prefix-cache-gib", type=float, default=None,
                         help="grpo.prefix_cache_gib of the kept settings (default: every row kept)")
+    parser.add_argument("--prefix-cache-spill-gib", type=float, default=None,
+                        help="with --prefix-cache-gib: grpo.prefix_cache_spill_gib of the device and engine settings")
     parser.add_argument("--frozen-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="policy.frozen_dtype of the trainer (auto: unset, fp32 like the trained weights)")
     parser.add_argument("--consistent", action="store_true",
@@ -325,6 +330,8 @@ def main() -> None:
     if keep_engine and not args.consistent:
         parser.error("--prefix-cache engine needs --consistent (the trainer restores the engine's fast-path K/V)")
 
+    if args.prefix_cache_spill_gib is not None and args.prefix_cache_gib is None:
+        parser.error("--prefix-cache-spill-gib keeps the rows past --prefix-cache-gib in host memory: set that cap")
     device = auto_device(args.device)
     cuda = device.type == "cuda"
     if args.precision != "bf16" and not (args.consistent or cuda):
@@ -343,8 +350,10 @@ def main() -> None:
     engine = PolicyEngine(EngineConfig(devices=str(device), seed=args.seed), cfg)
     # "engine": the engine keeps the rows' prefix K/V as it predicts them (its store outlives it)
     # its cap, --prefix-cache-gib, is the engine's (the trainer's grpo.prefix_cache_gib under grpo.prefix_cache=engine)
-    cap = GRPOConfig(prefix_cache="engine", prefix_cache_gib=args.prefix_cache_gib).prefix_cache_bytes
-    store = RowPrefixes("device", rows=args.rows, budget_bytes=cap, setting="engine") if keep_engine else None
+    engine_cfg = GRPOConfig(prefix_cache="engine", prefix_cache_gib=args.prefix_cache_gib,
+                            prefix_cache_spill_gib=args.prefix_cache_spill_gib)
+    store = RowPrefixes("device", rows=args.rows, budget_bytes=engine_cfg.prefix_cache_bytes, setting="engine",
+                        spill_bytes=engine_cfg.prefix_cache_spill_bytes) if keep_engine else None
     try:
         engine.update_weights(full_parameters(policy.model, full=True), version=1)
         if store is not None:

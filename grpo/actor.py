@@ -208,6 +208,7 @@ class Actor:
             # path in its own dtype, kept as they are
             consistent = self.policy.cfg.fast.consistent_recompute  # the config refuses it without fast.enabled
             prefixes = RowPrefixes(cfg.prefix_cache, rows=len(samples), budget_bytes=cfg.prefix_cache_bytes,
+                                   spill_bytes=cfg.prefix_cache_spill_bytes,
                                    key_dtype=None if consistent else self.autocast_dtype())
         started = time.perf_counter()
         old = self.recompute(samples, keep=prefixes)
@@ -245,6 +246,7 @@ class Actor:
         if prefixes is not None:
             metrics["train/prefix_cache_rows"] = len(prefixes)
             metrics["train/prefix_cache_gib"] = prefixes.kept_bytes / 2**30
+            metrics["train/prefix_cache_spilled_rows"] = prefixes.spilled
         metrics["train/rows"] = len(samples)
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]  # what the steps used (not the config)
         return metrics

@@ -79,6 +79,9 @@ class GRPOConfig:
     # The most memory (GiB) the kept caches of one update take; the rows past it recompute their prefix in every
     # epoch (null: every row is kept)
     prefix_cache_gib: float | None = None
+    # With grpo.prefix_cache=device or engine and a cap: the rows past prefix_cache_gib are kept in pinned host
+    # memory, up to this many GiB, instead of recomputing their prefix in every epoch (null: none)
+    prefix_cache_spill_gib: float | None = None
     seed: int = 0  # shuffling of the rows (its RNG state is checkpointed)
     # ----- data-parallel actor (grpo/distributed.py): mode none | ddp | fsdp2, world_size, devices -----
     actor_parallel: ActorParallelConfig = field(default_factory=ActorParallelConfig)
@@ -87,6 +90,11 @@ class GRPOConfig:
     def prefix_cache_bytes(self) -> int | None:
         """grpo.prefix_cache_gib in bytes (None: no cap)."""
         return None if self.prefix_cache_gib is None else int(self.prefix_cache_gib * 2**30)
+
+    @property
+    def prefix_cache_spill_bytes(self) -> int:
+        """grpo.prefix_cache_spill_gib in bytes (0: no spill)."""
+        return 0 if self.prefix_cache_spill_gib is None else int(self.prefix_cache_spill_gib * 2**30)
 
     def __post_init__(self) -> None:
         for key in ("steps", "rollout_epochs", "update_epochs", "micro_batch"):
@@ -126,6 +134,13 @@ class GRPOConfig:
             if self.prefix_cache == "off":
                 raise ValueError(f"grpo.prefix_cache_gib={self.prefix_cache_gib} caps kept prefix caches, but "
                                  "grpo.prefix_cache is off: set grpo.prefix_cache=device (or host), or drop the cap")
+        if self.prefix_cache_spill_gib is not None:
+            _check_range("grpo.prefix_cache_spill_gib", self.prefix_cache_spill_gib, 0.0, 2.0**20)
+            if self.prefix_cache not in ("device", "engine") or self.prefix_cache_gib is None:
+                raise ValueError(
+                    f"grpo.prefix_cache_spill_gib={self.prefix_cache_spill_gib} keeps the rows past "
+                    f"grpo.prefix_cache_gib in host memory: it needs grpo.prefix_cache=device or engine (got "
+                    f"{self.prefix_cache!r}) and grpo.prefix_cache_gib set (got {self.prefix_cache_gib})")
         for key in ("kl_coef", "weight_decay"):
             _check_range(f"grpo.{key}", getattr(self, key), 0.0, math.inf)
         _check_number("grpo.entropy_coef", self.entropy_coef)

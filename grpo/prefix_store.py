@@ -17,7 +17,11 @@ many rows the update has), which `add` copies into and `gather` reads with one i
 a pinned buffer that goes to the device without blocking, so a micro-batch's rows cost one CPU copy and one
 transfer. `budget_bytes` (`grpo.prefix_cache_gib`) caps the buffers: the first rows added that fit are kept, the
 others are not (the actor recomputes their prefix in every epoch), so a recipe whose update has more rows than
-the card holds still gains on the rows that fit instead of running out of memory. `key_dtype`: the keys are kept
+the card holds still gains on the rows that fit instead of running out of memory. `spill_bytes`
+(`grpo.prefix_cache_spill_gib`, "device" mode with a budget) keeps the next rows past the budget in pinned host
+memory instead, up to that many bytes: a micro-batch's spilled rows cost a CPU gather and a transfer where they
+would otherwise run vision and the prefix again in every epoch; `gather` puts both parts back in the rows' order.
+`key_dtype`: the keys are kept
 in it. The prefix stack leaves its keys in fp32 (RoPE runs in the trainer's fp32) and its values in bf16 under
 autocast, where the expert's attention casts both to bf16 anyway: the actor keeps them in bf16 there, a third less
 memory (a LIBERO row of the full pi0.5 measured 16.2 MiB before) and the same log-probs.
@@ -43,13 +47,19 @@ from policies.models.pi05 import PrefixCache
 
 class RowPrefixes:
     def __init__(self, where: str, rows: int, budget_bytes: int | None = None,
-                 key_dtype: torch.dtype | None = None, setting: str | None = None):
+                 key_dtype: torch.dtype | None = None, setting: str | None = None, spill_bytes: int = 0):
         if where not in ("device", "host"):
             raise ValueError(f"grpo.prefix_cache must be 'device' or 'host' to keep caches, got {where!r}")
         if rows < 1:
             raise ValueError(f"a prefix store needs at least one row, got rows={rows}")
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"a prefix store's budget must be at least 0 bytes, got {budget_bytes}")
+        if spill_bytes < 0 or (spill_bytes and (where != "device" or budget_bytes is None)):
+            raise ValueError(f"a prefix store spills rows past its device budget into host memory: spill_bytes "
+                             f"({spill_bytes}) needs where='device' and a budget (got {where!r}, {budget_bytes})")
+        self.spill_bytes = spill_bytes
+        self.device_capacity = 0  # slots below it are on the device (or the host in "host" mode), the rest spilled
+        self._spill: PrefixCache | None = None  # the spilled slots' buffers (pinned host memory), or None
         self.where = where
         self.setting = setting or where  # the grpo.prefix_cache value errors name (the engine's store: "engine")
         self.rows = rows
@@ -69,6 +79,11 @@ class RowPrefixes:
     @property
     def kept_bytes(self) -> int:
         return len(self) * self.row_bytes
+
+    @property
+    def spilled(self) -> int:
+        """Rows kept in the spilled (host) slots."""
+        return int((self._slot >= self.device_capacity).sum()) if self._spill is not None else 0
 
     def kept(self, rows: Tensor) -> Tensor:
         """(len(rows),) bool: which of `rows` have a kept cache."""
@@ -106,10 +121,15 @@ class RowPrefixes:
         if fits <= 0:
             return
         # slots are handed out in order, so the rows kept fill a run of them: one slice copy per tensor (device to
-        # pinned host directly in "host" mode), which also converts the keys to key_dtype (as .to() would), for the
-        # kept rows only
+        # pinned host directly in "host" mode, and into the spilled slots), which also converts the keys to
+        # key_dtype (as .to() would), for the kept rows only
+        first = max(0, min(fits, self.device_capacity - taken))  # of the run, the rows in the first buffers
         for slot, part in zip(_tensors(self._slots), _tensors(cache), strict=True):
-            slot[taken:taken + fits].copy_(part[:fits])
+            slot[taken:taken + first].copy_(part[:first])
+        if fits > first:
+            start = taken + first - self.device_capacity
+            for slot, part in zip(_tensors(self._spill), _tensors(cache), strict=True):
+                slot[start:start + fits - first].copy_(part[first:fits])
         self._slot[rows[:fits]] = torch.arange(taken, taken + fits)
 
     def append(self, cache: PrefixCache) -> Tensor:
@@ -145,27 +165,41 @@ class RowPrefixes:
         if not bool(known.all()):
             raise KeyError(f"no kept prefix cache for rows {rows[~known][:8].tolist()}")
         slots = self._slot[rows]
-        return PrefixCache(*_regroup(self._slots, [_read_rows(t, slots, device) for t in _tensors(self._slots)]))
+        spilled = slots >= self.device_capacity
+        if not bool(spilled.any()):
+            return PrefixCache(*_regroup(self._slots, [_read_rows(t, slots, device) for t in _tensors(self._slots)]))
+        # some rows are in host memory: each part read from its buffers, then put back in the rows' order
+        near, far = (~spilled).nonzero().flatten(), spilled.nonzero().flatten()
+        near_at, far_at = to_device(near, device), to_device(far, device)
+        out = []
+        for slot, spill in zip(_tensors(self._slots), _tensors(self._spill), strict=True):
+            merged = torch.empty((len(rows), *slot.shape[1:]), dtype=slot.dtype, device=device)
+            merged.index_copy_(0, near_at, _read_rows(slot, slots[near], device))
+            merged.index_copy_(0, far_at, _read_rows(spill, slots[far] - self.device_capacity, device))
+            out.append(merged)
+        return PrefixCache(*_regroup(self._slots, out))
 
     def _allocate(self, like: PrefixCache) -> None:
         """Slots for every row, or for as many as the budget holds (maybe none)."""
         dtypes = stored_dtypes(like, self.key_dtype)
         self.row_bytes = row_bytes(like, self.key_dtype)
         fit = self.rows if self.budget_bytes is None else self.budget_bytes // max(self.row_bytes, 1)
-        self.capacity = min(self.rows, fit)
-        pin = self.where == "host" and torch.cuda.is_available() and self.capacity > 0
-        device = torch.device("cpu") if self.where == "host" else like.offsets.device
+        self.device_capacity = min(self.rows, fit)
+        spill = min(self.rows - self.device_capacity, self.spill_bytes // max(self.row_bytes, 1))
+        self.capacity = self.device_capacity + spill
+        host = self.where == "host"
+        device = torch.device("cpu") if host else like.offsets.device
         try:
-            buffers = [torch.empty((self.capacity, *t.shape[1:]), dtype=dtype, device=device, pin_memory=pin)
-                       for t, dtype in zip(_tensors(like), dtypes, strict=True)]
+            self._slots = _buffers(like, dtypes, self.device_capacity, device, pin=host)
         except torch.OutOfMemoryError as error:  # the update's caches do not fit: say which key caps them
-            need = self.capacity * self.row_bytes / 2**30
+            need = self.device_capacity * self.row_bytes / 2**30
             raise torch.OutOfMemoryError(
-                f"grpo.prefix_cache={self.setting}: the kept prefix caches of {self.capacity} rows need {need:.2f} GiB "
-                f"({self.row_bytes / 2**20:.2f} MiB a row) and {device} has no room for them; set "
+                f"grpo.prefix_cache={self.setting}: the kept prefix caches of {self.device_capacity} rows need "
+                f"{need:.2f} GiB ({self.row_bytes / 2**20:.2f} MiB a row) and {device} has no room for them; set "
                 f"grpo.prefix_cache_gib to what fits (the other rows recompute their prefix) or "
                 f"grpo.prefix_cache=off") from error
-        self._slots = PrefixCache(*_regroup(like, buffers))
+        if spill:  # host memory: an allocation that fails says so itself (RuntimeError / MemoryError)
+            self._spill = _buffers(like, dtypes, spill, torch.device("cpu"), pin=True)
 
 
 class StoreView:
@@ -191,11 +225,28 @@ class StoreView:
     def kept_bytes(self) -> int:
         return len(self) * self.store.row_bytes
 
+    @property
+    def spilled(self) -> int:
+        if self.store._spill is None:
+            return 0
+        ids = self.ids[self.ids >= 0]
+        return int((self.store._slot[ids] >= self.store.device_capacity).sum())
+
     def kept(self, rows: Tensor) -> Tensor:
         return self.store.kept(self.ids[torch.as_tensor(rows, dtype=torch.long).cpu()])  # -1: never kept
 
     def gather(self, rows: Tensor, device: torch.device) -> PrefixCache:
         return self.store.gather(self.ids[torch.as_tensor(rows, dtype=torch.long).cpu()], device)
+
+
+def _buffers(like: PrefixCache, dtypes: list[torch.dtype], capacity: int, device: torch.device,
+             pin: bool) -> PrefixCache:
+    """Slots for `capacity` rows of `like`'s tensors on `device` (host memory pinned where `pin` and CUDA is there,
+    so reads go to a GPU without blocking)."""
+    pin = pin and device.type == "cpu" and torch.cuda.is_available() and capacity > 0
+    return PrefixCache(*_regroup(like, [torch.empty((capacity, *t.shape[1:]), dtype=dtype, device=device,
+                                                    pin_memory=pin)
+                                        for t, dtype in zip(_tensors(like), dtypes, strict=True)]))
 
 
 def _first_rows(cache: PrefixCache, n: int) -> PrefixCache:

@@ -164,7 +164,8 @@ class Trainer:
         if g.prefix_cache != "engine":
             return None
         rows = self.collector.num_envs * self.collector.max_chunks * g.rollout_epochs
-        store = RowPrefixes("device", rows=rows, budget_bytes=g.prefix_cache_bytes, setting="engine")
+        store = RowPrefixes("device", rows=rows, budget_bytes=g.prefix_cache_bytes, setting="engine",
+                            spill_bytes=g.prefix_cache_spill_bytes)
         self.engine.keep_prefixes(store)
         self.collector.keep_prefixes = True
         self.actor.engine_prefixes = store

@@ -115,6 +115,12 @@ def test_bad_override_on_the_command_line_writes_nothing(tmp_path):
     (["grpo.prefix_cache=gpu"], "grpo.prefix_cache must be one of"),
     (["grpo.prefix_cache=device", "grpo.prefix_cache_gib=-1"], r"grpo.prefix_cache_gib must be in \[0.0, "),
     (["grpo.prefix_cache_gib=4"], r"grpo.prefix_cache_gib=4.0 caps kept prefix caches, but grpo.prefix_cache is off"),
+    (["grpo.prefix_cache=host", "grpo.prefix_cache_gib=4", "grpo.prefix_cache_spill_gib=8"],
+     r"grpo.prefix_cache_spill_gib=8.0 keeps the rows past grpo.prefix_cache_gib in host memory: it needs "
+     r"grpo.prefix_cache=device or engine \(got 'host'\)"),
+    (["grpo.prefix_cache=device", "grpo.prefix_cache_spill_gib=8"], r"and grpo.prefix_cache_gib set \(got None\)"),
+    (["grpo.prefix_cache=device", "grpo.prefix_cache_gib=4", "grpo.prefix_cache_spill_gib=-1"],
+     r"grpo.prefix_cache_spill_gib must be in \[0.0, "),
 ])
 def test_prefix_cache_is_refused_where_it_cannot_hold(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -122,8 +128,9 @@ def test_prefix_cache_is_refused_where_it_cannot_hold(overrides, match):
 
 
 def test_prefix_cache_composes_on_the_default_run():
-    grpo = ExperimentConfig.from_hydra(composed("grpo.prefix_cache=device", "grpo.prefix_cache_gib=2.5")).grpo
-    assert (grpo.prefix_cache, grpo.prefix_cache_gib) == ("device", 2.5)
+    grpo = ExperimentConfig.from_hydra(composed("grpo.prefix_cache=device", "grpo.prefix_cache_gib=2.5",
+                                                "grpo.prefix_cache_spill_gib=4")).grpo
+    assert (grpo.prefix_cache, grpo.prefix_cache_gib, grpo.prefix_cache_spill_bytes) == ("device", 2.5, 4 * 2**30)
 
 
 def test_prefix_cache_composes_with_the_consistent_recompute():

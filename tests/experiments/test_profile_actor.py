@@ -60,6 +60,16 @@ def test_a_budget_keeps_only_the_rows_that_fit(monkeypatch, tmp_path):
     assert json.loads(path.read_text())["timed"]["device"]["prefix_cache_rows"] == 0
 
 
+def test_rows_past_the_budget_spill_into_host_memory(monkeypatch, tmp_path):
+    run(monkeypatch, "--consistent", "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1",
+        "--prefix-cache", "engine", "device", "--prefix-cache-gib", "0", "--prefix-cache-spill-gib", "1",
+        "--out", str(tmp_path))
+    (path,) = tmp_path.glob("profile_actor_*.json")
+    for timed in json.loads(path.read_text())["timed"].values():
+        assert timed["prefix_cache_rows"] == timed["prefix_cache_spilled_rows"] == 8
+        assert timed["rollout/logprob_gap"] == 0.0
+
+
 def test_the_consistent_recompute_with_its_kept_prefix_is_timed_and_labelled(monkeypatch, tmp_path):
     run(monkeypatch, "--consistent", "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1",
         "--prefix-cache", "off", "device", "--profile-prefix-cache", "device", "--out", str(tmp_path))
@@ -116,8 +126,8 @@ def test_fp8_without_the_fast_path_is_refused_with_the_flag_to_add(monkeypatch, 
 
 @pytest.mark.parametrize("argv", [["--epochs", "0"], ["--rows", "6", "--batch", "4"],
                                   ["--prefix-cache", "off", "off"], ["--prefix-cache", "engine"],
-                                  ["--recompute-backward", "bf16"], ["--consistent", "--recompute-backward", "fp32",
-                                                                     "fp32"]])
+                                  ["--recompute-backward", "bf16"], ["--prefix-cache-spill-gib", "1"],
+                                  ["--consistent", "--recompute-backward", "fp32", "fp32"]])
 def test_bad_sizes_and_repeats_are_refused(monkeypatch, argv):
     with pytest.raises(SystemExit):
         run(monkeypatch, *argv)

@@ -56,6 +56,50 @@ def test_a_budget_keeps_the_first_rows_and_views_read_through_ids():
         view.gather(torch.tensor([1]), torch.device("cpu"))
 
 
+def test_rows_past_the_budget_spill_into_host_memory_and_read_back_in_order():
+    one_row = cache_of(1).keys[0][0].numel() * 4 * 4 + 6 + 8
+    store = RowPrefixes("device", rows=8, budget_bytes=2 * one_row, spill_bytes=3 * one_row)
+    assert store.append(cache_of(3)).tolist() == [0, 1, 2]  # one append across both buffers
+    assert store.append(cache_of(3, fill=10)).tolist() == [3, 4, -1]  # 2 + 3 rows kept, the sixth not
+    assert (store.device_capacity, store.capacity, len(store), store.spilled) == (2, 5, 5, 3)
+    assert all(not t.is_cuda for t in store._spill.keys)
+    got = store.gather(torch.tensor([4, 0, 2, 1, 3]), torch.device("cpu"))  # spilled and not, interleaved
+    assert torch.equal(got.keys[1][:, 0, 0, 0], torch.tensor([11.0, 0.0, 2.0, 1.0, 10.0]))
+    assert torch.equal(got.offsets, torch.full((5,), 6))
+    view = store.view(torch.tensor([3, 0, -1]))
+    assert (len(view), view.spilled) == (2, 1)
+    store.reset()
+    assert store.spilled == 0 and store.append(cache_of(1, fill=20)).tolist() == [8]
+    for where, budget in (("host", 2 * one_row), ("device", None)):
+        with pytest.raises(ValueError, match=r"spill_bytes \(64\) needs where='device' and a budget"):
+            RowPrefixes(where, rows=8, budget_bytes=budget, spill_bytes=64)
+
+
+def test_the_update_with_spilled_engine_prefixes_equals_the_recomputing_one():
+    """grpo.prefix_cache_spill_gib: rows past the device budget come back from host memory, bit for bit, so the
+    update equals the one that recomputes every prefix and no stage of vision or the prefix runs in the actor."""
+    results = {}
+    for name in ("off", "engine"):
+        policy = tiny_policy(fast=FAST)
+        rows, one = engine_kept_rows(policy, 4)  # a store of 4 rows: one row's bytes for the budgets below
+        budget = 3 * one.row_bytes
+        store = RowPrefixes("device", rows=8, budget_bytes=budget, spill_bytes=5 * one.row_bytes, setting="engine")
+        policy = tiny_policy(fast=FAST)
+        rows, store = engine_kept_rows(policy, 8, store)
+        runs = record_stages(policy)
+        actor = Actor(policy, GRPOConfig(micro_batch=3, lr=1e-2, update_epochs=3, global_batch=6, prefix_cache=name),
+                      show_progress=False)
+        actor.engine_prefixes = store
+        metrics = actor.train(rows)
+        assert metrics["rollout/logprob_gap"] == 0.0
+        results[name] = [p.detach().clone() for p in policy.trainable_parameters()]
+        if name == "engine":
+            assert runs.count("prefix") == 0 and runs.count("vision") == 0
+            assert metrics["train/prefix_cache_rows"] == 8 and metrics["train/prefix_cache_spilled_rows"] == 5
+    for a, b in zip(results["off"], results["engine"], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_an_engine_store_that_does_not_fit_names_its_setting_and_the_cap(monkeypatch):
     store = RowPrefixes("device", rows=8192, setting="engine")
 
@@ -105,9 +149,10 @@ def test_keep_prefix_without_a_store_is_refused():
             engine.predict(raw_obs(2), mode="train", keep_prefix=True)
 
 
-def engine_kept_rows(policy, n: int):
-    """n rows sampled in train mode with the fast path's prefix sink on (what the engine core does), and the store."""
-    store = RowPrefixes("device", rows=n)
+def engine_kept_rows(policy, n: int, store: RowPrefixes | None = None):
+    """n rows sampled in train mode with the fast path's prefix sink on (what the engine core does), and the store
+    (by default one that keeps every row on the device)."""
+    store = RowPrefixes("device", rows=n) if store is None else store  # an empty store is falsy (its len)
     sampler, ids = policy.fast_sampler(), []
     sampler.prefix_sink = lambda cache: ids.append(store.append(cache))
     try:

@@ -179,18 +179,20 @@ def one_row_gib(bf16: bool) -> float:
 @pytest.mark.parametrize("settings", [{"prefix_cache": "device"}, {"prefix_cache": "host"},
                                       {"prefix_cache": "device", "kept_rows": 5},
                                       {"prefix_cache": "host", "kept_rows": 0},
+                                      {"prefix_cache": "device", "kept_rows": 3, "spill_rows": 3},
                                       {"prefix_cache": "device", "autocast": "bf16"},
                                       {"prefix_cache": "host", "autocast": "bf16"}], ids=str)
 def test_the_update_with_kept_prefixes_equals_the_recomputing_one(settings):
     """Several epochs of shuffled micro-batches: the kept caches give the rows' prefixes in the micro-batches'
     order (a wrong row would change the update), and no forward of an epoch runs vision or the prefix of a kept
     row. Under a budget (grpo.prefix_cache_gib) only the rows that fit are kept, the others recompute theirs."""
-    kept_rows = settings.get("kept_rows", 8)
+    kept_rows, spill_rows = settings.get("kept_rows", 8), settings.get("spill_rows", 0)
     budget = None if "kept_rows" not in settings else (kept_rows + 0.5) * one_row_gib("autocast" in settings)
+    spill = {"prefix_cache_spill_gib": (spill_rows + 0.5) * one_row_gib(False)} if spill_rows else {}
     results, prefix_rows = {}, {}
     autocast = {"autocast": settings.get("autocast", "auto")}  # bf16: the keys are kept in bf16 (CUDA's default)
     for name, extra in (("off", autocast), ("kept", {"prefix_cache": settings["prefix_cache"],
-                                                     "prefix_cache_gib": budget, **autocast})):
+                                                     "prefix_cache_gib": budget, **spill, **autocast})):
         policy, rows = update_rows()
         calls = []
         original = policy.prefix_cache
@@ -202,8 +204,10 @@ def test_the_update_with_kept_prefixes_equals_the_recomputing_one(settings):
         results[name] = ([p.detach().clone() for p in policy.trainable_parameters()], metrics)
         prefix_rows[name] = sum(calls)
     assert prefix_rows["off"] == 8 * 4  # the old-log-prob pass and three epochs
+    kept_rows += spill_rows  # grpo.prefix_cache_spill_gib: the next rows in host memory
     assert prefix_rows["kept"] == 8 + 3 * (8 - kept_rows)  # the pass, then the rows not kept in every epoch
     assert results["kept"][1]["train/prefix_cache_rows"] == kept_rows
+    assert results["kept"][1]["train/prefix_cache_spilled_rows"] == spill_rows
     # under a budget the micro-batches hold other rows (kept ones first), so the sums round differently (in fp32:
     # under bf16 autocast the GEMMs of other batch compositions differ by far more than the cache could show)
     tolerance = {"rtol": 1e-5, "atol": 1e-7} if kept_rows == 8 else {"rtol": 1e-4, "atol": 1e-6}
