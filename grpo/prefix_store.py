@@ -21,10 +21,9 @@ the card holds still gains on the rows that fit instead of running out of memory
 (`grpo.prefix_cache_spill_gib`, "device" mode with a budget) keeps the next rows past the budget in pinned host
 memory instead, up to that many bytes: a micro-batch's spilled rows cost a CPU gather and a transfer where they
 would otherwise run vision and the prefix again in every epoch; `gather` puts both parts back in the rows' order.
-`key_dtype`: the keys are kept
-in it. The prefix stack leaves its keys in fp32 (RoPE runs in the trainer's fp32) and its values in bf16 under
-autocast, where the expert's attention casts both to bf16 anyway: the actor keeps them in bf16 there, a third less
-memory (a LIBERO row of the full pi0.5 measured 16.2 MiB before) and the same log-probs.
+`key_dtype`: the keys are kept in it. The prefix stack leaves its keys in fp32 (RoPE runs in the trainer's fp32) and
+its values in bf16 under autocast, where the expert's attention casts both to bf16 anyway: the actor keeps them in
+bf16 there, a third less memory (a LIBERO row of the full pi0.5 measured 16.2 MiB before) and the same log-probs.
 The caches of one update share their prefix length (the rows' prompts are stored at one width, and
 `observation_from_rows` masks a camera slot in every row or in none, so every micro-batch keeps the same slots);
 a cache of another shape is refused.

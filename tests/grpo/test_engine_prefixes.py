@@ -75,31 +75,6 @@ def test_rows_past_the_budget_spill_into_host_memory_and_read_back_in_order():
             RowPrefixes(where, rows=8, budget_bytes=budget, spill_bytes=64)
 
 
-def test_the_update_with_spilled_engine_prefixes_equals_the_recomputing_one():
-    """grpo.prefix_cache_spill_gib: rows past the device budget come back from host memory, bit for bit, so the
-    update equals the one that recomputes every prefix and no stage of vision or the prefix runs in the actor."""
-    results = {}
-    for name in ("off", "engine"):
-        policy = tiny_policy(fast=FAST)
-        rows, one = engine_kept_rows(policy, 4)  # a store of 4 rows: one row's bytes for the budgets below
-        budget = 3 * one.row_bytes
-        store = RowPrefixes("device", rows=8, budget_bytes=budget, spill_bytes=5 * one.row_bytes, setting="engine")
-        policy = tiny_policy(fast=FAST)
-        rows, store = engine_kept_rows(policy, 8, store)
-        runs = record_stages(policy)
-        actor = Actor(policy, GRPOConfig(micro_batch=3, lr=1e-2, update_epochs=3, global_batch=6, prefix_cache=name),
-                      show_progress=False)
-        actor.engine_prefixes = store
-        metrics = actor.train(rows)
-        assert metrics["rollout/logprob_gap"] == 0.0
-        results[name] = [p.detach().clone() for p in policy.trainable_parameters()]
-        if name == "engine":
-            assert runs.count("prefix") == 0 and runs.count("vision") == 0
-            assert metrics["train/prefix_cache_rows"] == 8 and metrics["train/prefix_cache_spilled_rows"] == 5
-    for a, b in zip(results["off"], results["engine"], strict=True):
-        assert torch.equal(a, b)
-
-
 def test_an_engine_store_that_does_not_fit_names_its_setting_and_the_cap(monkeypatch):
     store = RowPrefixes("device", rows=8192, setting="engine")
 
@@ -163,13 +138,23 @@ def engine_kept_rows(policy, n: int, store: RowPrefixes | None = None):
     return rows, store
 
 
-def test_the_update_with_the_engines_prefixes_equals_the_recomputing_one():
+def spilling_store(rows: int, on_device: int) -> RowPrefixes:
+    """An engine store that keeps `on_device` rows of the tiny policy's prefix on the device and the rest in host
+    memory (grpo.prefix_cache_spill_gib)."""
+    _, probe = engine_kept_rows(tiny_policy(fast=FAST), 4)  # one row's bytes
+    return RowPrefixes("device", rows=rows, budget_bytes=on_device * probe.row_bytes,
+                       spill_bytes=(rows - on_device) * probe.row_bytes, setting="engine")
+
+
+@pytest.mark.parametrize("spilled", [0, 5])
+def test_the_update_with_the_engines_prefixes_equals_the_recomputing_one(spilled):
     """Three epochs of shuffled micro-batches: the same parameters bit for bit as recomputing every prefix, the
-    rollout re-scored exactly (gap 0), and no stage of vision or the prefix runs in the actor."""
+    rollout re-scored exactly (gap 0), and no stage of vision or the prefix runs in the actor; also where the
+    rows past the device budget come back from host memory (grpo.prefix_cache_spill_gib)."""
     results = {}
     for name in ("off", "engine"):
         policy = tiny_policy(fast=FAST)
-        rows, store = engine_kept_rows(policy, 8)
+        rows, store = engine_kept_rows(policy, 8, spilling_store(8, 8 - spilled) if spilled else None)
         runs = record_stages(policy)
         actor = Actor(policy, GRPOConfig(micro_batch=3, lr=1e-2, update_epochs=3, global_batch=6, prefix_cache=name),
                       show_progress=False)
@@ -179,7 +164,7 @@ def test_the_update_with_the_engines_prefixes_equals_the_recomputing_one():
         results[name] = [p.detach().clone() for p in policy.trainable_parameters()]
         if name == "engine":
             assert runs.count("prefix") == 0 and runs.count("vision") == 0
-            assert metrics["train/prefix_cache_rows"] == 8
+            assert metrics["train/prefix_cache_rows"] == 8 and metrics["train/prefix_cache_spilled_rows"] == spilled
         else:
             assert runs.count("prefix") == 3 + 3 * 3  # 3 micro-batches in the pass and in each epoch
     for a, b in zip(results["off"], results["engine"], strict=True):
