@@ -35,13 +35,21 @@ def engine_rows(engine: PolicyEngine, n: int) -> Samples:
         prefix_row=out.prefix_rows)
 
 
-def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one():
+@pytest.mark.parametrize("spilled", [0, 5])
+def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one(spilled):
+    """With `spilled`, the store keeps 3 of the 8 rows on the device and the other 5 in pinned host memory
+    (grpo.prefix_cache_spill_gib): read back into the micro-batches' order without blocking, the same update."""
     cfg = PolicyConfig.preset("tiny", seed=0, **WIDE, fast=CONSISTENT)
     policy = build_policy(trainer_policy_config(cfg), device="cuda")
     initial = {k: v.clone() for k, v in policy.state_dict().items()}
     with PolicyEngine(EngineConfig(backend="inproc", devices="cuda:0", seed=0), cfg) as engine:
         engine.update_weights({n: p.detach() for n, p in policy.model.named_parameters()}, version=1)
         store = RowPrefixes("device", rows=16)
+        if spilled:  # a first predict tells one row's bytes
+            engine.keep_prefixes(store)
+            engine_rows(engine, 4)
+            one = store.row_bytes
+            store = RowPrefixes("device", rows=16, budget_bytes=(8 - spilled) * one, spill_bytes=13 * one)
         engine.keep_prefixes(store)
         rows = engine_rows(engine, 8)
         assert rows.prefix_row.tolist() == list(range(8))
@@ -57,6 +65,7 @@ def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one():
             assert metrics["rollout/logprob_gap"] == 0.0, name  # the engine's rollout re-scored exactly
             if name == "engine":
                 assert runs.count("prefix") == 0 and metrics["train/prefix_cache_rows"] == 8
+                assert metrics["train/prefix_cache_spilled_rows"] == spilled
             weights[name] = [p.detach().clone() for p in policy.trainable_parameters()]
     for a, b in zip(weights["off"], weights["engine"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # the backward's CUDA atomics
