@@ -197,8 +197,14 @@ class RowPrefixes:
                 f"{need:.2f} GiB ({self.row_bytes / 2**20:.2f} MiB a row) and {device} has no room for them; set "
                 f"grpo.prefix_cache_gib to what fits (the other rows recompute their prefix) or "
                 f"grpo.prefix_cache=off") from error
-        if spill:  # host memory: an allocation that fails says so itself (RuntimeError / MemoryError)
-            self._spill = _buffers(like, dtypes, spill, torch.device("cpu"), pin=True)
+        if spill:
+            try:
+                self._spill = _buffers(like, dtypes, spill, torch.device("cpu"), pin=True)
+            except (RuntimeError, MemoryError) as error:  # pinned host memory: CUDA's or the allocator's refusal
+                raise MemoryError(
+                    f"grpo.prefix_cache_spill_gib: {spill} rows past grpo.prefix_cache_gib need "
+                    f"{spill * self.row_bytes / 2**30:.2f} GiB of pinned host memory ({self.row_bytes / 2**20:.2f} MiB "
+                    f"a row), which the host refused; set grpo.prefix_cache_spill_gib lower") from error
 
 
 class StoreView:

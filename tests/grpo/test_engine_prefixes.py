@@ -75,6 +75,21 @@ def test_rows_past_the_budget_spill_into_host_memory_and_read_back_in_order():
             RowPrefixes(where, rows=8, budget_bytes=budget, spill_bytes=64)
 
 
+def test_a_spill_the_host_refuses_names_its_key(monkeypatch):
+    store = RowPrefixes("device", rows=8, budget_bytes=0, spill_bytes=2**40, setting="engine")
+    real_empty = torch.empty
+
+    def refusing_empty(shape, **kwargs):
+        if shape[0] > 0:  # the spilled slots (the device ones: none under a budget of 0 bytes)
+            raise RuntimeError("CUDA error: out of memory")  # what a refused cudaHostAlloc raises
+        return real_empty(shape, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", refusing_empty)
+    with pytest.raises(MemoryError, match=r"grpo.prefix_cache_spill_gib: 8 rows past grpo.prefix_cache_gib need .* "
+                                          r"GiB of pinned host memory .* set grpo.prefix_cache_spill_gib lower"):
+        store.append(cache_of(2))
+
+
 def test_an_engine_store_that_does_not_fit_names_its_setting_and_the_cap(monkeypatch):
     store = RowPrefixes("device", rows=8192, setting="engine")
 
