@@ -8,14 +8,18 @@
 # keeps OUT_DIR/grpo_NAME_report.json (the profiler's step report) and its log and metrics in
 # OUT_DIR/grpo_NAME.tgz, so few files come back from the machine. Runs share BUDGET_S seconds: each
 # is stopped (timeout) at the budget's end, later settings are then skipped (named in the output).
+# GRPO_REPEATS=k runs the settings in turn k times (NAME.r1 .. NAME.rk: a setting's runs spread over the call);
+# `python -m experiments.compare_grpo_runs OUT_DIR` tabulates the runs and each setting's mean, min and max.
 set -u
 out=$1; budget=$2; shift 2
+repeats=${GRPO_REPEATS:-1}
 deadline=$(( $(date +%s) + budget ))
 base="+experiment=libero10_pi05 env.task_ids=[2,8,2,8,2,8,2,8] env.max_episode_steps=160 grpo.steps=2"
 base="$base grpo.rollout_epochs=1 grpo.filter_groups=false grpo.micro_batch=${GRPO_MICRO_BATCH:-32} logger=none"
 base="$base profiler.exports=[json] run.checkpoint_every=0 eval.every=0"
-for setting in "$@"; do
+for repeat in $(seq 1 "$repeats"); do for setting in "$@"; do
     name=${setting%%=*}; overrides=${setting#*=}
+    if [ "$repeats" -gt 1 ]; then name="$name.r$repeat"; fi
     left=$(( deadline - $(date +%s) ))
     if [ "$left" -lt 60 ]; then echo "SKIPPED $name: ${left} s of the budget left"; continue; fi
     dir=$out/grpo_$name
@@ -27,4 +31,4 @@ for setting in "$@"; do
     [ -f "$dir/report.json" ] && cp "$dir/report.json" "$out/grpo_${name}_report.json"
     find "$dir" -name '*.pt' -delete
     tar -czf "$out/grpo_$name.tgz" -C "$out" "grpo_$name.log" "grpo_$name" && rm -rf "$dir" "$out/grpo_$name.log"
-done
+done; done
