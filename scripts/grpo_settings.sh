@@ -10,6 +10,7 @@
 # is stopped (timeout) at the budget's end, later settings are then skipped (named in the output).
 # GRPO_REPEATS=k runs the settings in turn k times (NAME.r1 .. NAME.rk: a setting's runs spread over the call);
 # `python -m experiments.compare_grpo_runs OUT_DIR` tabulates the runs and each setting's mean, min and max.
+# Each run leaves two files: past four runs a device call (8 files back) needs them packed into one tar.
 set -u
 out=$1; budget=$2; shift 2
 repeats=${GRPO_REPEATS:-1}
