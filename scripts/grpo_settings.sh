@@ -14,6 +14,7 @@
 set -u
 out=$1; budget=$2; shift 2
 repeats=${GRPO_REPEATS:-1}
+case $repeats in ''|*[!0-9]*|0) echo "GRPO_REPEATS must be a positive integer, got '$repeats'" >&2; exit 2;; esac
 deadline=$(( $(date +%s) + budget ))
 base="+experiment=libero10_pi05 env.task_ids=[2,8,2,8,2,8,2,8] env.max_episode_steps=160 grpo.steps=2"
 base="$base grpo.rollout_epochs=1 grpo.filter_groups=false grpo.micro_batch=${GRPO_MICRO_BATCH:-32} logger=none"

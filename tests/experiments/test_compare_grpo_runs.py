@@ -69,6 +69,14 @@ def test_repeats_alternate_the_settings_and_the_comparison_groups_them(tmp_path)
     assert record["without_report"] == ["c"] and record["summary"]["runs_devices"] == ["fake"]
 
 
+@pytest.mark.parametrize("repeats", ["0", "two", "-1"])
+def test_a_bad_repeat_count_is_refused_by_name(tmp_path, repeats):
+    proc = subprocess.run(["bash", "scripts/grpo_settings.sh", str(tmp_path), "600", "a="], cwd=ROOT,
+                          env={**os.environ, "GRPO_REPEATS": repeats}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"GRPO_REPEATS must be a positive integer, got '{repeats}'" in proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
 def test_a_step_the_reports_lack_is_refused_by_name(tmp_path):
     report = {"steps": [{"step": 1, "total_s": 3.0, "phases": {}}]}
     (tmp_path / "grpo_x_report.json").write_text(json.dumps(report))
