@@ -67,8 +67,13 @@ def metrics_of(tgz: Path, run: str, step: int) -> dict:
     return next((r for r in records if r.get("kind") == "train" and r.get("step") == step), {})
 
 
+def run_name(path: Path, suffix: str) -> str:
+    """NAME of grpo_settings.sh's `grpo_NAME<suffix>` files."""
+    return path.name[len("grpo_"):-len(suffix)]
+
+
 def run_row(report_path: Path, step: int) -> dict:
-    run = report_path.name[len("grpo_"):-len("_report.json")]
+    run = run_name(report_path, "_report.json")
     report = json.loads(report_path.read_text())
     entry = step_of(report, step, report_path)
     metrics = metrics_of(report_path.with_name(f"grpo_{run}.tgz"), run, step)
@@ -134,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.runs_dir.is_dir():
         parser.error(f"{args.runs_dir} is not a directory")
     reports = sorted(args.runs_dir.glob("grpo_*_report.json"), key=lambda p: p.stat().st_mtime)
-    logs = {p.name[len("grpo_"):-len(".tgz")] for p in args.runs_dir.glob("grpo_*.tgz")}
-    missing = sorted(logs - {p.name[len("grpo_"):-len("_report.json")] for p in reports})
+    logs = {run_name(p, ".tgz") for p in args.runs_dir.glob("grpo_*.tgz")}
+    missing = sorted(logs - {run_name(p, "_report.json") for p in reports})
     if not reports:
         parser.error(f"no grpo_*_report.json in {args.runs_dir} (runs without a report: {missing})")
     rows = [run_row(path, args.step) for path in reports]

@@ -82,7 +82,11 @@ class RowPrefixes:
     @property
     def spilled(self) -> int:
         """Rows kept in the spilled (host) slots."""
-        return int((self._slot >= self.device_capacity).sum()) if self._spill is not None else 0
+        return self.spilled_among(torch.arange(self.rows))
+
+    def spilled_among(self, rows: Tensor) -> int:
+        """How many of `rows` (this store's rows) are kept in the spilled slots."""
+        return int((self._slot[rows] >= self.device_capacity).sum()) if self._spill is not None else 0
 
     def kept(self, rows: Tensor) -> Tensor:
         """(len(rows),) bool: which of `rows` have a kept cache."""
@@ -232,10 +236,7 @@ class StoreView:
 
     @property
     def spilled(self) -> int:
-        if self.store._spill is None:
-            return 0
-        ids = self.ids[self.ids >= 0]
-        return int((self.store._slot[ids] >= self.store.device_capacity).sum())
+        return self.store.spilled_among(self.ids[self.ids >= 0])
 
     def kept(self, rows: Tensor) -> Tensor:
         return self.store.kept(self.ids[torch.as_tensor(rows, dtype=torch.long).cpu()])  # -1: never kept
