@@ -9,7 +9,8 @@ over the call; here they are grouped back by NAME. Runs vary between repeats on 
 command moved 0.4-1.2 s between identical runs in rounds 53-54), so each setting's mean, min and max are given, and
 each setting's mean against the first setting's. Per run: the step, the rollout (its predict and env-step sums), the
 actor (and its old-log-prob pass, `step_time/actor_old_logprob`, where the metrics have it), the rollout/trainer gap,
-the peak allocated memory. A run without a report (stopped by the budget) is named and left out.
+the peak allocated memory, and the median predict call inside the rollout (the report's control roofline, over the
+chunks it recorded). A run without a report (stopped by the budget) is named and left out.
 JSON `compare_grpo_runs_*` via experiments.results (its provenance is where the comparison ran; the runs'
 devices, from their reports, are `runs_devices`).
 """
@@ -31,6 +32,7 @@ COLUMNS = [
     ("rollout_s", "rollout", "phase"),
     ("predict_s", "rollout/predict", "phase"),
     ("env_step_s", "rollout/env_step", "phase"),
+    ("median_predict_s", "median_l_inference_s", "roofline"),  # one predict call in the pipeline (the report's)
     ("actor_s", "actor_train", "phase"),
     ("old_logprob_s", "step_time/actor_old_logprob", "metrics"),
     ("gap_nats", "rollout/logprob_gap", "metrics"),
@@ -79,7 +81,8 @@ def run_row(report_path: Path, step: int) -> dict:
     metrics = metrics_of(report_path.with_name(f"grpo_{run}.tgz"), run, step)
     row = {"run": run, "setting": setting_of(run)}
     for column, key, source in COLUMNS:
-        value = {"report": entry, "phase": entry.get("phases", {}), "metrics": metrics}[source].get(key)
+        value = {"report": entry, "phase": entry.get("phases", {}), "metrics": metrics,
+                 "roofline": report.get("control_roofline") or {}}[source].get(key)
         row[column] = None if value is None else float(value)
     row["git_sha"] = report.get("meta", {}).get("provenance", {}).get("git_sha")
     row["device"] = report.get("meta", {}).get("provenance", {}).get("device")
@@ -112,11 +115,12 @@ def table(rows: list[dict], summary: dict[str, dict]) -> str:
     def cell(value, fmt=".2f"):
         return "-" if value is None else format(value, fmt)
 
-    lines = [f"{'run':<16} {'step':>7} {'rollout':>8} {'predict':>8} {'env':>7} {'actor':>7} {'old_lp':>7} "
-             f"{'gap':>7} {'peak GiB':>8}"]
+    lines = [f"{'run':<16} {'step':>7} {'rollout':>8} {'predict':>8} {'env':>7} {'median predict':>14} "
+             f"{'actor':>7} {'old_lp':>7} {'gap':>7} {'peak GiB':>8}"]
     for r in rows:
         lines.append(f"{r['run']:<16} {cell(r['step_s']):>7} {cell(r['rollout_s']):>8} {cell(r['predict_s']):>8} "
-                     f"{cell(r['env_step_s']):>7} {cell(r['actor_s']):>7} {cell(r['old_logprob_s']):>7} "
+                     f"{cell(r['env_step_s']):>7} {cell(r['median_predict_s'], '.3f'):>14} {cell(r['actor_s']):>7} "
+                     f"{cell(r['old_logprob_s']):>7} "
                      f"{cell(r['gap_nats'], '.4f'):>7} {cell(r['peak_allocated_gib'], '.1f'):>8}")
     lines.append("")
     for name, stats in summary.items():

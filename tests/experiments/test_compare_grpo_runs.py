@@ -62,6 +62,7 @@ def test_repeats_alternate_the_settings_and_the_comparison_groups_them(tmp_path)
     assert [by_run[r]["step_s"] for r in runs] == [1.0, 2.0, 3.0, 4.0]
     assert by_run["b.r2"]["old_logprob_s"] == 0.25 and by_run["b.r2"]["gap_nats"] == 0.0  # from the tgz's metrics
     assert by_run["a.r1"]["setting"] == "a" and by_run["a.r1"]["predict_s"] is None  # no such phase: None
+    assert by_run["a.r1"]["median_predict_s"] is None  # no control roofline in the report
     settings = record["summary"]["settings"]
     assert list(settings) == ["a", "b"] and settings["a"]["runs"] == 2
     assert settings["a"]["step_s"] == {"mean": 2.0, "min": 1.0, "max": 3.0, "mean_vs_first": 0.0}
