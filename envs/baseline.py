@@ -83,7 +83,8 @@ class _LiberoEnvProcess:
             # the options that change pixels hold on both sides of a comparison (culling changes none:
             # it stays ours' engineering); without this the baseline rendered LIBERO's look whatever they said
             try:
-                apply_render_options(self.env, cfg.render_reflections, cfg.render_multisamples)
+                apply_render_options(self.env, cfg.render_reflections, cfg.render_multisamples,
+                                     cfg.render_mesh_cell_mm)
             except BaseException:
                 self.env.close()
                 raise

@@ -1,4 +1,5 @@
-"""Opt-in cheaper camera renders for LIBERO scenes (`env.render_reflections`, `env.render_multisamples`).
+"""Opt-in cheaper camera renders for LIBERO scenes (`env.render_reflections`, `env.render_multisamples`,
+`env.render_mesh_cell_mm`).
 
 LIBERO's scenes give some boxes and planes a reflective material (a stove's base, a table top, in
 some styles the floor). MuJoCo draws every such geom's reflection by rendering the whole scene a
@@ -6,9 +7,10 @@ second time, mirrored, through a stencil of the geom: two reflective boxes in vi
 over ~380k triangles of scanned meshes. Turning reflections off skips those passes; the pixels
 change only where a reflection was visible (often almost nowhere: `experiments.probe_render_cost`
 measures both the time and the pixel difference per task). Multisampling (MuJoCo's offscreen 4x
-MSAA by default) smooths edges; 0 turns it off.
+MSAA by default) smooths edges; 0 turns it off. Coarser meshes (envs/render_lod.py) draw fewer of
+those triangles.
 
-Both change the images a policy sees, so both are off by default: a checkpoint trained on LIBERO's
+All three change the images a policy sees, so both are off by default: a checkpoint trained on LIBERO's
 demonstrations saw reflections and 4x multisampling. Shadows cost nothing here (no LIBERO light casts
 one), so they have no option.
 
@@ -22,6 +24,9 @@ from typing import Any
 
 DEFAULT_REFLECTIONS = True
 DEFAULT_MULTISAMPLES = None  # None: the scene's own (MuJoCo's default 4)
+DEFAULT_MESH_CELL_MM = None  # None: the full meshes (envs/render_lod.py)
+# the mesh cell a robosuite render context was made with (absent: the full meshes)
+MESH_CELL_ATTRIBUTE = "_vla_rollout_mesh_cell_mm"
 
 
 def render_context(robosuite_env: Any) -> Any:
@@ -34,23 +39,36 @@ def render_context(robosuite_env: Any) -> Any:
 
 
 def apply_render_options(robosuite_env: Any, reflections: bool = DEFAULT_REFLECTIONS,
-                         multisamples: int | None = DEFAULT_MULTISAMPLES) -> None:
-    """Set the reflection pass and the offscreen multisample count of the env's render context.
+                         multisamples: int | None = DEFAULT_MULTISAMPLES,
+                         mesh_cell_mm: float | None = DEFAULT_MESH_CELL_MM) -> dict[str, int]:
+    """Set the reflection pass, the offscreen multisample count and the drawn meshes' detail.
 
     `multisamples` (not None, and unlike the context's) rebuilds MuJoCo's render context (offscreen
-    buffers are allocated with their sample count); None leaves the count as it is. The reflection
-    flag is set either way, so a later call can turn reflections back on.
+    buffers are allocated with their sample count); None leaves the count as it is. `mesh_cell_mm`
+    (envs/render_lod.py) rebuilds it with the drawn meshes clustered on that grid, None with the full
+    meshes, each only when the context holds the other. The reflection flag is set either way, so a
+    later call can turn reflections back on. Returns the drawn meshes' face counts when the context was
+    made with coarse meshes, else {}.
     """
     import mujoco
+
+    from envs.render_lod import coarse_meshes
 
     context = render_context(robosuite_env)
     context.gl_ctx.make_current()  # several envs in one process each own a GL context
     # mjv_updateScene leaves scene flags alone, so the flag holds for every later render
     context.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = int(bool(reflections))
-    if multisamples is not None and multisamples != context.con.offSamples:
+    new_samples = multisamples is not None and multisamples != context.con.offSamples
+    new_meshes = mesh_cell_mm != getattr(context, MESH_CELL_ATTRIBUTE, None)
+    if not (new_samples or new_meshes):
+        return {}
+    if multisamples is not None:
         context.model.vis.quality.offsamples = int(multisamples)
+    with coarse_meshes(context.model._model, context.vopt.geomgroup, mesh_cell_mm) as faces:
         context.con.free()
         context._set_mujoco_context_and_buffers()  # robosuite's own rebuild (as on an offscreen resize)
-        if context.con.offSamples != multisamples:
-            raise RuntimeError(f"env.render_multisamples={multisamples}: the GL driver gave "
-                               f"{context.con.offSamples} samples")
+    setattr(context, MESH_CELL_ATTRIBUTE, mesh_cell_mm)
+    if multisamples is not None and context.con.offSamples != multisamples:
+        raise RuntimeError(f"env.render_multisamples={multisamples}: the GL driver gave "
+                           f"{context.con.offSamples} samples")
+    return faces

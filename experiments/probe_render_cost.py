@@ -14,7 +14,9 @@ levels, largest change). Variants (envs/render_options.py, envs/render_culling.p
 - culled: the same with frustum culling (`env.render_culling`, on by default under OSMesa; the same pixels);
 - no_reflections: culled, `env.render_reflections=false`;
 - multisamples0: culled, `env.render_multisamples=0`;
-- cheapest: culled, both.
+- cheapest: culled, both;
+- meshes_<n>mm: unculled, the drawn meshes clustered on an n mm grid (`env.render_mesh_cell_mm`);
+- no_reflections_meshes_4mm: unculled, reflections off and 4 mm meshes.
 Each task also records its reflective geoms (the reflection passes' cause). One JSON (experiments/results.py).
 This is one process rendering alone: for the cost under 16 rendering workers beside the engine, use
 bench_rollout's variant no_reflections and probe_rollout_contention.
@@ -50,10 +52,15 @@ from experiments.results import write_result
 
 register_hydra_schema()
 
-# name -> (reflections, multisamples, frustum culling); multisamples None: the scene's own count
-VARIANTS: dict[str, tuple[bool, int | None, bool]] = {
-    "default": (True, None, False), "culled": (True, None, True), "no_reflections": (False, None, True),
-    "multisamples0": (True, 0, True), "cheapest": (False, 0, True)}
+# name -> (reflections, multisamples, frustum culling, mesh cell mm); multisamples None: the scene's own
+# count; mesh cell None: the full meshes. The coarse-mesh variants leave culling off (it saves nothing
+# under EGL, where they are meant to run) and keep LIBERO's reflections unless named
+VARIANTS: dict[str, tuple[bool, int | None, bool, float | None]] = {
+    "default": (True, None, False, None), "culled": (True, None, True, None),
+    "no_reflections": (False, None, True, None), "multisamples0": (True, 0, True, None),
+    "cheapest": (False, 0, True, None),
+    "meshes_2mm": (True, None, False, 2.0), "meshes_4mm": (True, None, False, 4.0),
+    "meshes_8mm": (True, None, False, 8.0), "no_reflections_meshes_4mm": (False, None, False, 4.0)}
 BIG_CHANGE = 8  # levels: a change a viewer would notice
 
 
@@ -117,13 +124,15 @@ def pixel_difference(image: np.ndarray, reference: np.ndarray) -> dict[str, floa
             "max_abs_level": int(per_pixel.max())}
 
 
-def render_variant(env: LiberoEnv, name: str, scene_samples: int, repeats: int) -> tuple[float, dict]:
-    """Median seconds to render every camera under the variant, and its images."""
+def render_variant(env: LiberoEnv, name: str, scene_samples: int, repeats: int) -> tuple[float, dict, dict]:
+    """Median seconds to render every camera under the variant, its images and, for coarse meshes, the
+    drawn meshes' face counts."""
     from envs.render_culling import set_frustum_culling
     from envs.render_options import apply_render_options
 
-    reflections, samples, culling = VARIANTS[name]
-    apply_render_options(env.libero_env, reflections, scene_samples if samples is None else samples)
+    reflections, samples, culling, mesh_cell_mm = VARIANTS[name]
+    faces = apply_render_options(env.libero_env, reflections, scene_samples if samples is None else samples,
+                                 mesh_cell_mm)
     set_frustum_culling(env.libero_env, culling)
     walls, images = [], {}
     for _ in range(repeats):
@@ -131,13 +140,13 @@ def render_variant(env: LiberoEnv, name: str, scene_samples: int, repeats: int) 
         obs = env.observation(render=True)
         walls.append(time.perf_counter() - start)
         images = {key: value for key, value in obs.items() if key.endswith("_image")}
-    return statistics.median(walls), images
+    return statistics.median(walls), images, faces
 
 
 def probe_task(env_cfg: EnvConfig, task_id: int, probe: RenderProbeConfig) -> dict[str, Any]:
     # built with LIBERO's own settings: every variant is applied to it in turn
     env = LiberoEnv.from_config(dataclasses.replace(env_cfg, render_reflections=True, render_multisamples=None,
-                                                    render_culling=False), task_id)
+                                                    render_culling=False, render_mesh_cell_mm=None), task_id)
     rng = np.random.default_rng(probe.seed)
     try:  # begin_episode builds the scene (GL context included): a failure after that must close it too
         start = time.perf_counter()
@@ -156,9 +165,9 @@ def probe_task(env_cfg: EnvConfig, task_id: int, probe: RenderProbeConfig) -> di
             rendered = {name: render_variant(env, name, scene_samples, probe.repeats) for name in probe.variants}
             reference = rendered["default"][1]
             record["states"].append({name: {
-                "render_ms": 1e3 * wall,
+                "render_ms": 1e3 * wall, **({"faces": faces} if faces else {}),
                 "pixels": {key: pixel_difference(image, reference[key]) for key, image in images.items()},
-            } for name, (wall, images) in rendered.items()})
+            } for name, (wall, images, faces) in rendered.items()})
         return record
     finally:
         env.close()

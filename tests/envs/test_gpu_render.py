@@ -65,3 +65,10 @@ def test_egl_culled_render_equals_robosuite_render(task_id):
     from tests.envs.test_render_culling import check_culled_pixels_equal_robosuite
 
     check_culled_pixels_equal_robosuite("egl", "libero_10", task_id, image_size=224)
+
+
+def test_egl_coarse_meshes_change_pixels_not_physics():
+    """env.render_mesh_cell_mm under EGL: coarser pixels, the same physics, the full meshes back on request."""
+    from tests.envs.test_render_lod import check_coarse_meshes_change_pixels_not_physics
+
+    check_coarse_meshes_change_pixels_not_physics("egl", image_size=224)

@@ -1,0 +1,188 @@
+"""Coarser meshes for the camera renders only (envs/render_lod.py, `env.render_mesh_cell_mm`).
+
+The clustering against hand-built meshes and a slow per-vertex reference; the model's own faces back
+after the render context is made (a MuJoCo model from XML, no LIBERO); on a LIBERO scene: the pixels
+change, the physics does not, and the full meshes come back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from envs.config import EnvConfig
+from envs.render_lod import cluster_faces, cluster_representatives, coarse_meshes, rendered_mesh_ids
+
+
+def grid_mesh(n: int, spacing: float) -> tuple[np.ndarray, np.ndarray]:
+    """An n x n grid of vertices in the z = 0 plane, two counter-clockwise triangles per square."""
+    xs, ys = np.meshgrid(np.arange(n) * spacing, np.arange(n) * spacing, indexing="xy")
+    vertices = np.stack([xs.ravel(), ys.ravel(), np.zeros(n * n)], axis=1)
+    faces = []
+    for row in range(n - 1):
+        for col in range(n - 1):
+            a, b, c, d = row * n + col, row * n + col + 1, (row + 1) * n + col + 1, (row + 1) * n + col
+            faces += [(a, b, c), (a, c, d)]
+    return vertices, np.array(faces)
+
+
+def reference_representatives(vertices: np.ndarray, cell: float) -> np.ndarray:
+    """One vertex at a time: the bin's vertex nearest the bin's mean, the lowest index on ties."""
+    bins: dict[tuple, list[int]] = {}
+    for index, vertex in enumerate(vertices):
+        bins.setdefault(tuple(np.floor(vertex / cell).astype(int)), []).append(index)
+    out = np.empty(len(vertices), dtype=np.int64)
+    for members in bins.values():
+        mean = vertices[members].mean(axis=0)
+        best = min(members, key=lambda i: (float(np.sum((vertices[i] - mean) ** 2)), i))
+        out[members] = best
+    return out
+
+
+def test_representatives_match_a_per_vertex_reference():
+    rng = np.random.default_rng(0)
+    vertices = rng.uniform(-0.05, 0.05, size=(500, 3))
+    for cell in (0.004, 0.013, 0.2):
+        np.testing.assert_array_equal(cluster_representatives(vertices, cell),
+                                      reference_representatives(vertices, cell))
+
+
+def test_representatives_by_hand():
+    # bin [0, 1): vertices 0, 1, 2 with mean 0.4 -> vertex 1 (0.3) is nearest; bin [1, 2): vertex 3 alone
+    vertices = np.array([[0.0, 0, 0], [0.3, 0, 0], [0.9, 0, 0], [1.5, 0, 0]])
+    np.testing.assert_array_equal(cluster_representatives(vertices, 1.0), [1, 1, 1, 3])
+    with pytest.raises(ValueError, match="cell must be positive"):
+        cluster_representatives(vertices, 0.0)
+
+
+def test_a_cell_below_the_spacing_keeps_every_face():
+    vertices, faces = grid_mesh(6, spacing=0.01)
+    # shifted half a spacing so no vertex sits on a cell boundary
+    clustered = cluster_faces(vertices + 0.0025, faces, cell=0.005)
+    np.testing.assert_array_equal(clustered.kept, np.arange(len(faces)))
+    np.testing.assert_array_equal(clustered.faces, faces)
+
+
+def test_coarse_faces_use_representatives_keep_orientation_and_drop_degenerates():
+    vertices, faces = grid_mesh(9, spacing=0.01)  # a flat sheet, every normal +z
+    clustered = cluster_faces(vertices, faces, cell=0.025)
+    representatives = set(cluster_representatives(vertices, 0.025).tolist())
+    assert 0 < len(clustered.kept) < len(faces) / 4
+    assert set(clustered.faces.ravel().tolist()) <= representatives
+    assert np.all(np.diff(clustered.kept) > 0)  # kept faces stay in order
+    a, b, c = (vertices[clustered.faces[:, k]] for k in range(3))
+    normals = np.cross(b - a, c - a)
+    assert np.all(normals[:, 2] > 0), "a kept face flipped or collapsed"
+    # no face repeats with the same corners in the same cycle
+    canonical = {tuple(np.roll(face, -int(np.argmin(face)))) for face in clustered.faces.tolist()}
+    assert len(canonical) == len(clustered.faces)
+
+
+def test_a_face_and_its_reversed_twin_are_both_kept():
+    vertices = np.array([[0.0, 0, 0], [1, 0, 0], [0, 1, 0]])
+    faces = np.array([[0, 1, 2], [0, 2, 1], [1, 2, 0]])  # the third repeats the first, rotated
+    clustered = cluster_faces(vertices, faces, cell=0.1)
+    np.testing.assert_array_equal(clustered.kept, [0, 1])
+
+
+MESH_XML = """
+<mujoco>
+  <asset>
+    <mesh name="sheet" vertex="{vertices}" face="{faces}"/>
+    <mesh name="hidden" vertex="0 0 0  0.1 0 0  0 0.1 0  0 0 0.1"/>
+  </asset>
+  <worldbody>
+    <geom name="sheet" type="mesh" mesh="sheet" group="1" contype="0" conaffinity="0"/>
+    <geom name="hidden" type="mesh" mesh="hidden" group="0" pos="1 0 0"/>
+  </worldbody>
+</mujoco>
+"""
+
+
+def sheet_model():
+    mujoco = pytest.importorskip("mujoco")
+    vertices, faces = grid_mesh(9, spacing=0.01)
+    # a second layer 1 cm below keeps the mesh three-dimensional for MuJoCo's compiler
+    vertices = np.concatenate([vertices, vertices - [0, 0, 0.01]])
+    faces = np.concatenate([faces, faces[:, ::-1] + 81])
+    xml = MESH_XML.format(vertices=" ".join(map(str, vertices.ravel())), faces=" ".join(map(str, faces.ravel())))
+    return mujoco.MjModel.from_xml_string(xml)
+
+
+def test_only_the_visible_groups_meshes_are_drawn():
+    model = sheet_model()
+    assert rendered_mesh_ids(model, np.array([0, 1, 1, 0, 0, 0])) == [0]
+    assert rendered_mesh_ids(model, np.array([1, 1, 0, 0, 0, 0])) == [0, 1]
+
+
+def test_the_models_faces_are_back_after_the_block():
+    model = sheet_model()
+    names = ("mesh_face", "mesh_facenormal", "mesh_facetexcoord", "mesh_facenum")
+    before = {name: getattr(model, name).copy() for name in names}
+    groups = np.array([0, 1, 1, 0, 0, 0])
+    with coarse_meshes(model, groups, 25.0) as counts:
+        assert counts["faces_after"] < counts["faces_before"] == before["mesh_facenum"][0]
+        assert model.mesh_facenum[0] == counts["faces_after"]
+        assert model.mesh_facenum[1] == before["mesh_facenum"][1]  # group 0: not drawn, untouched
+    for name in names:
+        np.testing.assert_array_equal(getattr(model, name), before[name], err_msg=name)
+    with pytest.raises(RuntimeError, match="inside"):  # restored on an exception too
+        with coarse_meshes(model, groups, 25.0):
+            raise RuntimeError("inside")
+    np.testing.assert_array_equal(model.mesh_facenum, before["mesh_facenum"])
+    with coarse_meshes(model, groups, None) as counts:  # None: the full meshes
+        assert counts == {}
+    with pytest.raises(ValueError, match="env.render_mesh_cell_mm"):
+        with coarse_meshes(model, groups, -1.0):
+            pass
+
+
+def test_the_mesh_cell_is_checked_by_name():
+    with pytest.raises(ValueError, match="env.render_mesh_cell_mm must be a positive number"):
+        EnvConfig(render_mesh_cell_mm=0)
+    with pytest.raises(ValueError, match="env.render_mesh_cell_mm must be a positive number"):
+        EnvConfig(render_mesh_cell_mm="4")
+    with pytest.raises(ValueError, match="apply to env_type 'libero' only"):
+        EnvConfig(env_type="reach", render_mesh_cell_mm=4.0)
+    assert EnvConfig(render_mesh_cell_mm=4).render_mesh_cell_mm == 4
+
+
+def check_coarse_meshes_change_pixels_not_physics(backend: str, image_size: int) -> None:
+    """Shared by the OSMesa test here and the EGL one (tests/envs/test_gpu_render.py)."""
+    from envs.libero_env import LiberoEnv
+    from envs.render_options import apply_render_options
+    from envs.suites import get_task
+
+    def images(env):
+        return {k: v for k, v in env.observation(render=True).items() if k.endswith("_image")}
+
+    task = get_task("libero_10", 2)
+    full = LiberoEnv(task, image_size=image_size, step_mode="lean", render_backend=backend)
+    coarse = LiberoEnv(task, image_size=image_size, step_mode="lean", render_backend=backend, render_mesh_cell_mm=8.0)
+    try:
+        for env in (full, coarse):
+            env.begin_episode(0, seed=0)
+        assert 0 < coarse.render_faces["faces_after"] < coarse.render_faces["faces_before"] / 2
+        assert full.render_faces == {}
+        default, cheap = images(full), images(coarse)
+        assert any(not np.array_equal(default[key], cheap[key]) for key in default)
+        for key in default:  # the same scene, drawn coarser
+            assert np.abs(default[key].astype(int) - cheap[key]).mean() < 8, key
+        rng = np.random.default_rng(0)
+        for _ in range(5):
+            action = rng.uniform(-0.5, 0.5, 7)
+            assert full.control_step(action) == coarse.control_step(action)
+        for env in (full, coarse):
+            env.observation(render=True)  # a render between the steps leaves the physics alone
+        np.testing.assert_array_equal(full.libero_env.sim.data.qpos, coarse.libero_env.sim.data.qpos)
+        apply_render_options(coarse.libero_env, mesh_cell_mm=None)  # back to the full meshes
+        back, again = images(coarse), images(full)
+        for key in again:
+            np.testing.assert_array_equal(back[key], again[key], err_msg=key)
+    finally:
+        full.close()
+        coarse.close()
+
+
+@pytest.mark.libero
+def test_coarse_meshes_change_the_pixels_not_the_physics_and_come_back():
+    check_coarse_meshes_change_pixels_not_physics("auto", image_size=96)
