@@ -84,7 +84,7 @@ class _LiberoEnvProcess:
             # it stays ours' engineering); without this the baseline rendered LIBERO's look whatever they said
             try:
                 apply_render_options(self.env, cfg.render_reflections, cfg.render_multisamples,
-                                     cfg.render_mesh_cell_mm)
+                                     cfg.render_mesh_faces)
             except BaseException:
                 self.env.close()
                 raise

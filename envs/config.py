@@ -19,7 +19,6 @@ from common.config import (
     check_nonnegative_int,
     check_positive_int,
     expand_task_ids,
-    is_number,
     reject_unknown_keys,
     to_container,
 )
@@ -64,9 +63,9 @@ class EnvConfig:
     # MuJoCo's reflection passes off, and the offscreen multisample count (None: the scene's, 4)
     render_reflections: bool = True
     render_multisamples: int | None = None
-    # draw the cameras' meshes merged on a grid of this many mm (envs/render_lod.py; physics keeps the
-    # full meshes): fewer triangles for the H100's few graphics units. None: LIBERO's full meshes
-    render_mesh_cell_mm: float | None = None
+    # draw each camera mesh with at most this many faces (envs/render_lod.py; physics keeps the full
+    # meshes): fewer triangles for the H100's few graphics units. None: LIBERO's full meshes
+    render_mesh_faces: int | None = None
     # leave geoms outside a camera's view out of its render (envs/render_culling.py): the same pixels,
     # fewer triangles. None: on under OSMesa (CPU rasterisation: 10-20% faster), off under EGL (no GPU
     # time saved on the H100, ~0.3 ms of Python a camera). env_type libero only (the others ignore it)
@@ -142,15 +141,13 @@ class EnvConfig:
                              f"got {self.render_culling!r}")
         if self.render_multisamples is not None:
             check_nonnegative_int("env.render_multisamples", self.render_multisamples)
-        if self.render_mesh_cell_mm is not None and not (is_number(self.render_mesh_cell_mm)
-                                                         and self.render_mesh_cell_mm > 0):
-            raise ValueError(f"env.render_mesh_cell_mm must be a positive number (millimetres) or null, got "
-                             f"{self.render_mesh_cell_mm!r}")
+        if self.render_mesh_faces is not None:
+            check_positive_int("env.render_mesh_faces", self.render_mesh_faces)
         cheaper = (not self.render_reflections or self.render_multisamples is not None
-                   or self.render_mesh_cell_mm is not None)
+                   or self.render_mesh_faces is not None)
         if cheaper and self.env_type != "libero":
             raise ValueError(
-                f"env.render_reflections / env.render_multisamples / env.render_mesh_cell_mm apply to env_type "
+                f"env.render_reflections / env.render_multisamples / env.render_mesh_faces apply to env_type "
                 f"'libero' only, got "
                 f"env_type {self.env_type!r} (reach renders its own cheap scene; countdown and worldmodel "
                 "have no MuJoCo cameras)")

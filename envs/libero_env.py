@@ -144,7 +144,7 @@ class LiberoEnv(gym.Env):
         render_reflections: bool = True,
         render_multisamples: int | None = None,
         render_culling: bool | None = None,
-        render_mesh_cell_mm: float | None = None,
+        render_mesh_faces: int | None = None,
     ):
         self.task = task
         # Given by the parent of a worker process (loaded there once): reading them here would
@@ -159,7 +159,7 @@ class LiberoEnv(gym.Env):
         self.render_reflections = bool(render_reflections)
         self.render_multisamples = render_multisamples
         self.render_culling = render_culling  # None: on under OSMesa only (envs/config.py says why)
-        self.render_mesh_cell_mm = render_mesh_cell_mm
+        self.render_mesh_faces = render_mesh_faces
         self.render_faces: dict[str, int] = {}  # the drawn meshes' faces before / after (coarse meshes only)
         self._base_seed = int(seed)
         self._env: Any = None  # LIBERO OffScreenRenderEnv, created lazily
@@ -193,7 +193,7 @@ class LiberoEnv(gym.Env):
             render_reflections=cfg.render_reflections,
             render_multisamples=cfg.render_multisamples,
             render_culling=cfg.render_culling,
-            render_mesh_cell_mm=cfg.render_mesh_cell_mm,
+            render_mesh_faces=cfg.render_mesh_faces,
         )
 
     # ----------------------------------------------------------------- low-level episode API
@@ -243,7 +243,7 @@ class LiberoEnv(gym.Env):
         try:
             if self.cameras:
                 self.render_faces = apply_render_options(env, self.render_reflections, self.render_multisamples,
-                                                         self.render_mesh_cell_mm)
+                                                         self.render_mesh_faces)
                 set_frustum_culling(env, culling_enabled(self.render_culling, backend))
             self._stepper = make_stepper(self.step_mode, env)
         except BaseException:

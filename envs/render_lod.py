@@ -1,20 +1,24 @@
-"""Opt-in coarser meshes for the camera renders only (`env.render_mesh_cell_mm`).
+"""Opt-in coarser meshes for the camera renders only (`env.render_mesh_faces`).
 
-A LIBERO scene hands OpenGL ~370k triangles of scanned meshes (the kitchen background, the stove, the
-robot's links), most of them far below a pixel at 224 px: the agent-view camera sees ~3.6 mm per pixel
-across the table. On an H100 / H200 only a few of the chip's units run graphics, so the renders are
-bound by that geometry, and they time-slice the GPU with the policy's predict beside them (README,
-"Cheaper renders").
+A LIBERO scene hands OpenGL ~370k triangles of scanned meshes, two thirds of them in a few large ones
+far from the cameras or hidden: the kitchen background behind the robot (~190k, 2-3 m from the
+agent-view camera), the robot's pedestal (33k) and the arm's links (12-15k each). On an H100 / H200
+only a few of the chip's units run graphics, so the renders are bound by that geometry, and they
+time-slice the GPU with the policy's predict beside them (README, "Cheaper renders").
 
-Vertex clustering: a mesh's vertices are binned on a grid of `cell` metres (the mesh's own frame,
-scale applied), each bin's vertices merge into the bin's vertex closest to the bin's mean (an existing
-vertex, so no new positions are made), and faces that collapse or repeat are dropped. Each kept face
-keeps its corners' own normals and texture coordinates. Only the render context's copy of the meshes
-changes: MuJoCo uploads a mesh's faces when the context is made (`mjr_makeContext`), so the faces are
-swapped into the model for that call and restored right after (`coarse_meshes`; the rebuild is
-`envs.render_options.apply_render_options`); physics, ray casts and every later read of the model see
-the original meshes. (robosuite remakes the context itself only when a camera outgrows the offscreen
-buffer, 640 x 480 in LIBERO's scenes.)
+`env.render_mesh_faces=N` draws every mesh with more than N faces with at most N; smaller meshes and
+every mesh of a free-moving body (the task's objects, which the wrist camera sees close up: a frying pan
+has 9.3k faces) stay whole. The cut is vertex clustering: a mesh's vertices are
+binned on a grid (the mesh's own frame), each bin's vertices merge into the bin's vertex closest to the
+bin's mean (an existing vertex, so no new positions are made), faces that collapse or repeat are
+dropped, and the grid is the finest that meets the budget (bisection on its cell size). Each kept face
+keeps its corners' own normals and texture coordinates, so textures do not smear across seams.
+
+Only the render context's copy of the meshes changes: MuJoCo uploads a mesh's faces when the context is
+made (`mjr_makeContext`), so the faces are swapped into the model for that call and restored right
+after (`coarse_meshes`; the rebuild is `envs.render_options.apply_render_options`); physics, ray casts
+and every later read of the model see the original meshes. (robosuite remakes the context itself only
+when a camera outgrows the offscreen buffer, 640 x 480 in LIBERO's scenes.)
 
 Like `env.render_reflections=false` this changes the pixels a policy sees (a checkpoint trained on
 LIBERO's renders saw the full meshes), so it is off by default; `experiments.probe_render_cost`
@@ -37,6 +41,7 @@ class ClusteredFaces:
 
     kept: np.ndarray  # (k,) int, indices into the mesh's faces, ascending
     faces: np.ndarray  # (k, 3) int32, mesh-local vertex indices
+    cell: float  # the grid's cell size, metres
 
 
 def cluster_representatives(vertices: np.ndarray, cell: float) -> np.ndarray:
@@ -72,7 +77,7 @@ def cluster_faces(vertices: np.ndarray, faces: np.ndarray, cell: float) -> Clust
     rolled = _canonical_rotation(merged[candidates])
     _, first = np.unique(rolled, axis=0, return_index=True)
     kept = candidates[np.sort(first)]
-    return ClusteredFaces(kept=kept, faces=merged[kept].astype(np.int32))
+    return ClusteredFaces(kept=kept, faces=merged[kept].astype(np.int32), cell=cell)
 
 
 def _canonical_rotation(triangles: np.ndarray) -> np.ndarray:
@@ -82,14 +87,28 @@ def _canonical_rotation(triangles: np.ndarray) -> np.ndarray:
     return triangles[rows, (start[:, None] + np.arange(3)) % 3]
 
 
-def rendered_mesh_ids(model: Any, geom_groups: np.ndarray) -> list[int]:
-    """Meshes drawn by a visible geom group (the render option's `geomgroup` flags)."""
+def free_moving_bodies(model: Any) -> np.ndarray:
+    """Per body: whether it or an ancestor has a free joint (the task's objects, which the cameras see close up)."""
+    import mujoco
+
+    has_free = np.zeros(model.nbody, dtype=bool)
+    has_free[model.jnt_bodyid[model.jnt_type == mujoco.mjtJoint.mjJNT_FREE]] = True
+    for body in range(1, model.nbody):  # a parent's id is always below its child's
+        has_free[body] |= has_free[model.body_parentid[body]]
+    return has_free
+
+
+def coarsened_mesh_ids(model: Any, geom_groups: np.ndarray) -> list[int]:
+    """Meshes drawn by a visible geom group (the render option's `geomgroup` flags), except those of a
+    free-moving body (a mesh one of them uses stays whole everywhere)."""
     import mujoco
 
     visible = np.flatnonzero(np.asarray(geom_groups) != 0)
     is_mesh = model.geom_type == mujoco.mjtGeom.mjGEOM_MESH
     shown = is_mesh & np.isin(model.geom_group, visible)
-    return sorted({int(mesh) for mesh in model.geom_dataid[shown] if mesh >= 0})
+    moving = is_mesh & free_moving_bodies(model)[model.geom_bodyid]
+    kept_whole = {int(mesh) for mesh in model.geom_dataid[moving]}
+    return sorted({int(mesh) for mesh in model.geom_dataid[shown] if mesh >= 0} - kept_whole)
 
 
 class _FaceArrays:
@@ -106,7 +125,31 @@ class _FaceArrays:
             getattr(self.model, name)[...] = values
 
 
-def swap_in_clustered_faces(model: Any, mesh_ids: list[int], cell: float) -> tuple[_FaceArrays, dict[str, int]]:
+def clustered_within_budget(vertices: np.ndarray, faces: np.ndarray, budget: int,
+                            iterations: int = 16) -> ClusteredFaces | None:
+    """The faces of the finest grid that leaves at most `budget` faces (bisection on the cell size, in log
+    space). None when the mesh has no more than `budget` faces (it stays whole) or when no grid that keeps
+    any face meets the budget (it stays whole too: a mesh is never dropped)."""
+    faces = np.asarray(faces).reshape(-1, 3)
+    if len(faces) <= budget:
+        return None
+    vertices = np.asarray(vertices, dtype=np.float64)
+    extent = float(np.max(vertices.max(axis=0) - vertices.min(axis=0)))
+    fine, coarse = extent * 1e-5, extent  # fine keeps (almost) every face, coarse one bin per axis or so
+    best = None
+    for _ in range(iterations):
+        cell = float(np.sqrt(fine * coarse))
+        clustered = cluster_faces(vertices, faces, cell)
+        if len(clustered.kept) > budget:
+            fine = cell
+        else:
+            coarse = cell
+            if len(clustered.kept):
+                best = clustered
+    return best
+
+
+def swap_in_clustered_faces(model: Any, mesh_ids: list[int], budget: int) -> tuple[_FaceArrays, dict[str, int]]:
     """Write each listed mesh's clustered faces into the model; returns the restorer and face counts."""
     saved = _FaceArrays(model)
     before = after = 0
@@ -115,11 +158,11 @@ def swap_in_clustered_faces(model: Any, mesh_ids: list[int], cell: float) -> tup
             start, count = int(model.mesh_faceadr[mesh]), int(model.mesh_facenum[mesh])
             first_vertex, vertex_count = int(model.mesh_vertadr[mesh]), int(model.mesh_vertnum[mesh])
             span = slice(start, start + count)
-            clustered = cluster_faces(model.mesh_vert[first_vertex:first_vertex + vertex_count],
-                                      saved.saved["mesh_face"][span], cell)
-            kept = len(clustered.kept) or count  # a mesh inside one cell: drawn whole rather than not at all
+            clustered = clustered_within_budget(model.mesh_vert[first_vertex:first_vertex + vertex_count],
+                                                saved.saved["mesh_face"][span], budget)
+            kept = count if clustered is None else len(clustered.kept)
             before, after = before + count, after + kept
-            if kept == count:
+            if clustered is None:
                 continue
             new = slice(start, start + kept)
             model.mesh_face[new] = clustered.faces
@@ -133,18 +176,18 @@ def swap_in_clustered_faces(model: Any, mesh_ids: list[int], cell: float) -> tup
 
 
 @contextmanager
-def coarse_meshes(model: Any, geom_groups: np.ndarray, cell_mm: float | None) -> Iterator[dict[str, int]]:
-    """The model with its drawn meshes clustered on a `cell_mm` grid inside the block (None: unchanged).
+def coarse_meshes(model: Any, geom_groups: np.ndarray, max_faces: int | None) -> Iterator[dict[str, int]]:
+    """The model with each drawn mesh cut to at most `max_faces` faces inside the block (None: unchanged).
 
     Make the render context inside the block: the model's own faces are back when it ends, so physics
     never sees the coarse meshes. Yields the drawn meshes' face counts before and after.
     """
-    if cell_mm is None:
+    if max_faces is None:
         yield {}
         return
-    if isinstance(cell_mm, bool) or not isinstance(cell_mm, (int, float)) or not cell_mm > 0:
-        raise ValueError(f"env.render_mesh_cell_mm must be a positive number (millimetres) or null, got {cell_mm!r}")
-    saved, counts = swap_in_clustered_faces(model, rendered_mesh_ids(model, geom_groups), cell_mm / 1000.0)
+    if isinstance(max_faces, bool) or not isinstance(max_faces, int) or max_faces < 1:
+        raise ValueError(f"env.render_mesh_faces must be a positive integer or null, got {max_faces!r}")
+    saved, counts = swap_in_clustered_faces(model, coarsened_mesh_ids(model, geom_groups), max_faces)
     try:
         yield counts
     finally:

@@ -1,5 +1,5 @@
 """Opt-in cheaper camera renders for LIBERO scenes (`env.render_reflections`, `env.render_multisamples`,
-`env.render_mesh_cell_mm`).
+`env.render_mesh_faces`).
 
 LIBERO's scenes give some boxes and planes a reflective material (a stove's base, a table top, in
 some styles the floor). MuJoCo draws every such geom's reflection by rendering the whole scene a
@@ -24,9 +24,9 @@ from typing import Any
 
 DEFAULT_REFLECTIONS = True
 DEFAULT_MULTISAMPLES = None  # None: the scene's own (MuJoCo's default 4)
-DEFAULT_MESH_CELL_MM = None  # None: the full meshes (envs/render_lod.py)
-# the mesh cell a robosuite render context was made with (absent: the full meshes)
-MESH_CELL_ATTRIBUTE = "_vla_rollout_mesh_cell_mm"
+DEFAULT_MESH_FACES = None  # None: the full meshes (envs/render_lod.py)
+# the face budget a robosuite render context was made with (absent: the full meshes)
+MESH_FACES_ATTRIBUTE = "_vla_rollout_mesh_faces"
 
 
 def render_context(robosuite_env: Any) -> Any:
@@ -40,13 +40,13 @@ def render_context(robosuite_env: Any) -> Any:
 
 def apply_render_options(robosuite_env: Any, reflections: bool = DEFAULT_REFLECTIONS,
                          multisamples: int | None = DEFAULT_MULTISAMPLES,
-                         mesh_cell_mm: float | None = DEFAULT_MESH_CELL_MM) -> dict[str, int]:
+                         mesh_faces: int | None = DEFAULT_MESH_FACES) -> dict[str, int]:
     """Set the reflection pass, the offscreen multisample count and the drawn meshes' detail.
 
     `multisamples` (not None, and unlike the context's) rebuilds MuJoCo's render context (offscreen
-    buffers are allocated with their sample count); None leaves the count as it is. `mesh_cell_mm`
-    (envs/render_lod.py) rebuilds it with the drawn meshes clustered on that grid, None with the full
-    meshes, each only when the context holds the other. The reflection flag is set either way, so a
+    buffers are allocated with their sample count); None leaves the count as it is. `mesh_faces`
+    (envs/render_lod.py) rebuilds it with each drawn mesh cut to at most that many faces, None with the
+    full meshes, each only when the context holds another. The reflection flag is set either way, so a
     later call can turn reflections back on. Returns the drawn meshes' face counts when the context was
     made with coarse meshes, else {}.
     """
@@ -59,15 +59,15 @@ def apply_render_options(robosuite_env: Any, reflections: bool = DEFAULT_REFLECT
     # mjv_updateScene leaves scene flags alone, so the flag holds for every later render
     context.scn.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = int(bool(reflections))
     new_samples = multisamples is not None and multisamples != context.con.offSamples
-    new_meshes = mesh_cell_mm != getattr(context, MESH_CELL_ATTRIBUTE, None)
+    new_meshes = mesh_faces != getattr(context, MESH_FACES_ATTRIBUTE, None)
     if not (new_samples or new_meshes):
         return {}
     if multisamples is not None:
         context.model.vis.quality.offsamples = int(multisamples)
-    with coarse_meshes(context.model._model, context.vopt.geomgroup, mesh_cell_mm) as faces:
+    with coarse_meshes(context.model._model, context.vopt.geomgroup, mesh_faces) as faces:
         context.con.free()
         context._set_mujoco_context_and_buffers()  # robosuite's own rebuild (as on an offscreen resize)
-    setattr(context, MESH_CELL_ATTRIBUTE, mesh_cell_mm)
+    setattr(context, MESH_FACES_ATTRIBUTE, mesh_faces)
     if multisamples is not None and context.con.offSamples != multisamples:
         raise RuntimeError(f"env.render_multisamples={multisamples}: the GL driver gave "
                            f"{context.con.offSamples} samples")

@@ -15,8 +15,8 @@ levels, largest change). Variants (envs/render_options.py, envs/render_culling.p
 - no_reflections: culled, `env.render_reflections=false`;
 - multisamples0: culled, `env.render_multisamples=0`;
 - cheapest: culled, both;
-- meshes_<n>mm: unculled, the drawn meshes clustered on an n mm grid (`env.render_mesh_cell_mm`);
-- no_reflections_meshes_4mm: unculled, reflections off and 4 mm meshes.
+- meshes_<n>: unculled, every drawn mesh cut to at most n faces (`env.render_mesh_faces`);
+- no_reflections_meshes_4000: unculled, reflections off and meshes of at most 4000 faces.
 Each task also records its reflective geoms (the reflection passes' cause). One JSON (experiments/results.py).
 This is one process rendering alone: for the cost under 16 rendering workers beside the engine, use
 bench_rollout's variant no_reflections and probe_rollout_contention.
@@ -52,15 +52,15 @@ from experiments.results import write_result
 
 register_hydra_schema()
 
-# name -> (reflections, multisamples, frustum culling, mesh cell mm); multisamples None: the scene's own
-# count; mesh cell None: the full meshes. The coarse-mesh variants leave culling off (it saves nothing
+# name -> (reflections, multisamples, frustum culling, faces per mesh); multisamples None: the scene's own
+# count; faces None: the full meshes. The coarse-mesh variants leave culling off (it saves nothing
 # under EGL, where they are meant to run) and keep LIBERO's reflections unless named
 VARIANTS: dict[str, tuple[bool, int | None, bool, float | None]] = {
     "default": (True, None, False, None), "culled": (True, None, True, None),
     "no_reflections": (False, None, True, None), "multisamples0": (True, 0, True, None),
     "cheapest": (False, 0, True, None),
-    "meshes_2mm": (True, None, False, 2.0), "meshes_4mm": (True, None, False, 4.0),
-    "meshes_8mm": (True, None, False, 8.0), "no_reflections_meshes_4mm": (False, None, False, 4.0)}
+    "meshes_8000": (True, None, False, 8000), "meshes_4000": (True, None, False, 4000),
+    "meshes_2000": (True, None, False, 2000), "no_reflections_meshes_4000": (False, None, False, 4000)}
 BIG_CHANGE = 8  # levels: a change a viewer would notice
 
 
@@ -130,9 +130,9 @@ def render_variant(env: LiberoEnv, name: str, scene_samples: int, repeats: int) 
     from envs.render_culling import set_frustum_culling
     from envs.render_options import apply_render_options
 
-    reflections, samples, culling, mesh_cell_mm = VARIANTS[name]
+    reflections, samples, culling, mesh_faces = VARIANTS[name]
     faces = apply_render_options(env.libero_env, reflections, scene_samples if samples is None else samples,
-                                 mesh_cell_mm)
+                                 mesh_faces)
     set_frustum_culling(env.libero_env, culling)
     walls, images = [], {}
     for _ in range(repeats):
@@ -146,7 +146,7 @@ def render_variant(env: LiberoEnv, name: str, scene_samples: int, repeats: int) 
 def probe_task(env_cfg: EnvConfig, task_id: int, probe: RenderProbeConfig) -> dict[str, Any]:
     # built with LIBERO's own settings: every variant is applied to it in turn
     env = LiberoEnv.from_config(dataclasses.replace(env_cfg, render_reflections=True, render_multisamples=None,
-                                                    render_culling=False, render_mesh_cell_mm=None), task_id)
+                                                    render_culling=False, render_mesh_faces=None), task_id)
     rng = np.random.default_rng(probe.seed)
     try:  # begin_episode builds the scene (GL context included): a failure after that must close it too
         start = time.perf_counter()

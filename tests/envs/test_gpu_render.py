@@ -68,7 +68,7 @@ def test_egl_culled_render_equals_robosuite_render(task_id):
 
 
 def test_egl_coarse_meshes_change_pixels_not_physics():
-    """env.render_mesh_cell_mm under EGL: coarser pixels, the same physics, the full meshes back on request."""
+    """env.render_mesh_faces under EGL: coarser pixels, the same physics, the full meshes back on request."""
     from tests.envs.test_render_lod import check_coarse_meshes_change_pixels_not_physics
 
     check_coarse_meshes_change_pixels_not_physics("egl", image_size=224)

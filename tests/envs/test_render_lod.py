@@ -1,4 +1,4 @@
-"""Coarser meshes for the camera renders only (envs/render_lod.py, `env.render_mesh_cell_mm`).
+"""Coarser meshes for the camera renders only (envs/render_lod.py, `env.render_mesh_faces`).
 
 The clustering against hand-built meshes and a slow per-vertex reference; the model's own faces back
 after the render context is made (a MuJoCo model from XML, no LIBERO); on a LIBERO scene: the pixels
@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from envs.config import EnvConfig
-from envs.render_lod import cluster_faces, cluster_representatives, coarse_meshes, rendered_mesh_ids
+from envs.render_lod import (
+    cluster_faces,
+    cluster_representatives,
+    clustered_within_budget,
+    coarse_meshes,
+    coarsened_mesh_ids,
+)
 
 
 def grid_mesh(n: int, spacing: float) -> tuple[np.ndarray, np.ndarray]:
@@ -84,15 +90,32 @@ def test_a_face_and_its_reversed_twin_are_both_kept():
     np.testing.assert_array_equal(clustered.kept, [0, 1])
 
 
+def test_the_budget_takes_the_finest_grid_that_meets_it():
+    vertices, faces = grid_mesh(41, spacing=0.001)  # 3200 faces
+    assert clustered_within_budget(vertices, faces, budget=3200) is None  # within the budget: whole
+    for budget in (2000, 500, 50):
+        clustered = clustered_within_budget(vertices, faces, budget)
+        assert 0 < len(clustered.kept) <= budget
+        same = cluster_faces(vertices, faces, clustered.cell)
+        np.testing.assert_array_equal(same.kept, clustered.kept)
+        # a grid 1% finer exceeds the budget: the bisection stopped at the edge, not anywhere below it
+        assert len(cluster_faces(vertices, faces, clustered.cell * 0.99).kept) > budget
+
+
 MESH_XML = """
 <mujoco>
   <asset>
     <mesh name="sheet" vertex="{vertices}" face="{faces}"/>
     <mesh name="hidden" vertex="0 0 0  0.1 0 0  0 0.1 0  0 0 0.1"/>
+    <mesh name="object" vertex="0 0 0  0.1 0 0  0 0.1 0  0 0 0.1"/>
   </asset>
   <worldbody>
     <geom name="sheet" type="mesh" mesh="sheet" group="1" contype="0" conaffinity="0"/>
     <geom name="hidden" type="mesh" mesh="hidden" group="0" pos="1 0 0"/>
+    <body name="thing" pos="0 1 0">
+      <freejoint/>
+      <body name="part"><geom name="object" type="mesh" mesh="object" group="1"/></body>
+    </body>
   </worldbody>
 </mujoco>
 """
@@ -108,10 +131,11 @@ def sheet_model():
     return mujoco.MjModel.from_xml_string(xml)
 
 
-def test_only_the_visible_groups_meshes_are_drawn():
+def test_visible_meshes_of_fixed_bodies_are_coarsened():
+    """The visible groups' meshes, but none of a free-moving body (here on a child of the free body)."""
     model = sheet_model()
-    assert rendered_mesh_ids(model, np.array([0, 1, 1, 0, 0, 0])) == [0]
-    assert rendered_mesh_ids(model, np.array([1, 1, 0, 0, 0, 0])) == [0, 1]
+    assert coarsened_mesh_ids(model, np.array([0, 1, 1, 0, 0, 0])) == [0]
+    assert coarsened_mesh_ids(model, np.array([1, 1, 0, 0, 0, 0])) == [0, 1]
 
 
 def test_the_models_faces_are_back_after_the_block():
@@ -119,31 +143,31 @@ def test_the_models_faces_are_back_after_the_block():
     names = ("mesh_face", "mesh_facenormal", "mesh_facetexcoord", "mesh_facenum")
     before = {name: getattr(model, name).copy() for name in names}
     groups = np.array([0, 1, 1, 0, 0, 0])
-    with coarse_meshes(model, groups, 25.0) as counts:
-        assert counts["faces_after"] < counts["faces_before"] == before["mesh_facenum"][0]
+    with coarse_meshes(model, groups, 40) as counts:
+        assert 0 < counts["faces_after"] <= 40 < counts["faces_before"] == before["mesh_facenum"][0]
         assert model.mesh_facenum[0] == counts["faces_after"]
         assert model.mesh_facenum[1] == before["mesh_facenum"][1]  # group 0: not drawn, untouched
     for name in names:
         np.testing.assert_array_equal(getattr(model, name), before[name], err_msg=name)
     with pytest.raises(RuntimeError, match="inside"):  # restored on an exception too
-        with coarse_meshes(model, groups, 25.0):
+        with coarse_meshes(model, groups, 40):
             raise RuntimeError("inside")
     np.testing.assert_array_equal(model.mesh_facenum, before["mesh_facenum"])
     with coarse_meshes(model, groups, None) as counts:  # None: the full meshes
         assert counts == {}
-    with pytest.raises(ValueError, match="env.render_mesh_cell_mm"):
-        with coarse_meshes(model, groups, -1.0):
-            pass
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="env.render_mesh_faces"):
+            with coarse_meshes(model, groups, bad):
+                pass
 
 
 def test_the_mesh_cell_is_checked_by_name():
-    with pytest.raises(ValueError, match="env.render_mesh_cell_mm must be a positive number"):
-        EnvConfig(render_mesh_cell_mm=0)
-    with pytest.raises(ValueError, match="env.render_mesh_cell_mm must be a positive number"):
-        EnvConfig(render_mesh_cell_mm="4")
+    for bad in (0, "4000", 2.5):
+        with pytest.raises(ValueError, match="env.render_mesh_faces"):
+            EnvConfig(render_mesh_faces=bad)
     with pytest.raises(ValueError, match="apply to env_type 'libero' only"):
-        EnvConfig(env_type="reach", render_mesh_cell_mm=4.0)
-    assert EnvConfig(render_mesh_cell_mm=4).render_mesh_cell_mm == 4
+        EnvConfig(env_type="reach", render_mesh_faces=4000)
+    assert EnvConfig(render_mesh_faces=4000).render_mesh_faces == 4000
 
 
 def check_coarse_meshes_change_pixels_not_physics(backend: str, image_size: int) -> None:
@@ -157,11 +181,13 @@ def check_coarse_meshes_change_pixels_not_physics(backend: str, image_size: int)
 
     task = get_task("libero_10", 2)
     full = LiberoEnv(task, image_size=image_size, step_mode="lean", render_backend=backend)
-    coarse = LiberoEnv(task, image_size=image_size, step_mode="lean", render_backend=backend, render_mesh_cell_mm=8.0)
+    coarse = LiberoEnv(task, image_size=image_size, step_mode="lean", render_backend=backend, render_mesh_faces=4000)
     try:
         for env in (full, coarse):
             env.begin_episode(0, seed=0)
         assert 0 < coarse.render_faces["faces_after"] < coarse.render_faces["faces_before"] / 2
+        model = coarse.libero_env.sim.model._model
+        assert model.mesh_facenum.max() > 4000  # the model keeps its full meshes
         assert full.render_faces == {}
         default, cheap = images(full), images(coarse)
         assert any(not np.array_equal(default[key], cheap[key]) for key in default)
@@ -174,7 +200,7 @@ def check_coarse_meshes_change_pixels_not_physics(backend: str, image_size: int)
         for env in (full, coarse):
             env.observation(render=True)  # a render between the steps leaves the physics alone
         np.testing.assert_array_equal(full.libero_env.sim.data.qpos, coarse.libero_env.sim.data.qpos)
-        apply_render_options(coarse.libero_env, mesh_cell_mm=None)  # back to the full meshes
+        apply_render_options(coarse.libero_env, mesh_faces=None)  # back to the full meshes
         back, again = images(coarse), images(full)
         for key in again:
             np.testing.assert_array_equal(back[key], again[key], err_msg=key)
