@@ -10,8 +10,8 @@ measures both the time and the pixel difference per task). Multisampling (MuJoCo
 MSAA by default) smooths edges; 0 turns it off. Coarser meshes (envs/render_lod.py) draw fewer of
 those triangles.
 
-All three change the images a policy sees, so both are off by default: a checkpoint trained on LIBERO's
-demonstrations saw reflections and 4x multisampling. Shadows cost nothing here (no LIBERO light casts
+All three change the images a policy sees, so all three are off by default: a checkpoint trained on
+LIBERO's demonstrations saw reflections, 4x multisampling and the full meshes. Shadows cost nothing here (no LIBERO light casts
 one), so they have no option.
 
 Applied to robosuite's offscreen render context once the env exists; robosuite keeps that context
