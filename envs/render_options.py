@@ -11,8 +11,8 @@ MSAA by default) smooths edges; 0 turns it off. Coarser meshes (envs/render_lod.
 those triangles.
 
 All three change the images a policy sees, so all three are off by default: a checkpoint trained on
-LIBERO's demonstrations saw reflections, 4x multisampling and the full meshes. Shadows cost nothing here (no LIBERO light casts
-one), so they have no option.
+LIBERO's demonstrations saw reflections, 4x multisampling and the full meshes. Shadows cost nothing
+here (no LIBERO light casts one), so they have no option.
 
 Applied to robosuite's offscreen render context once the env exists; robosuite keeps that context
 for the env's life with hard_reset=False (the harness's setting), so the options hold across resets.
