@@ -15,6 +15,8 @@ In one run, on the same tasks and init states:
   the engine's work); "no_reflections" runs ours with `env.render_reflections=false` (the opt-in
   render without MuJoCo's reflection passes: other pixels, so other actions and trajectories);
   "culled" / "unculled" with `env.render_culling` true / false (frustum culling: the same pixels);
+  "meshes_4000" with `env.render_mesh_faces=4000` (coarser scenery and arm meshes for the cameras:
+  other pixels, envs/render_lod.py);
 - env alone: the same vector envs (ours' stages, stepped together) without the policy, replaying
   the (random-weight) policy's actions ours executed, so the env work is exactly ours';
 - engine alone: the same engine on the same observation batches ours predicted;
@@ -66,9 +68,11 @@ from rollout.engine import PolicyEngine
 
 register_hydra_schema()
 
-VARIANTS = ("no_pipeline", "disjoint_workers", "other_render_at", "no_reflections", "culled", "unculled")
+VARIANTS = ("no_pipeline", "disjoint_workers", "other_render_at", "no_reflections", "culled", "unculled",
+            "meshes_4000")
 ENV_VARIANTS = {"no_reflections": ("render_reflections", False), "culled": ("render_culling", True),
-                "unculled": ("render_culling", False)}  # name -> (env key, its value in the variant)
+                "unculled": ("render_culling", False),
+                "meshes_4000": ("render_mesh_faces", 4000)}  # name -> (env key, its value in the variant)
 
 
 @dataclass
@@ -242,7 +246,7 @@ def engine_alone(engine: PolicyEngine, collector: RolloutCollector, batch, bench
             "env_steps_per_s": rows * ha / wall, "call_walls_s": walls, "rank_timings_s": per_rank}
 
 
-def resolved_render_setting(env_cfg: EnvConfig, key: str) -> bool:
+def resolved_render_setting(env_cfg: EnvConfig, key: str) -> Any:
     """A render setting as the env workers will apply it (render_culling null: on under OSMesa only)."""
     value = getattr(env_cfg, key)
     if key == "render_culling":

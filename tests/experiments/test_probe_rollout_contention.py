@@ -113,6 +113,9 @@ def test_bench_rollout_no_reflections_variant_changes_only_the_env_render():
     assert variant_env("unculled", culled) == dataclasses.replace(libero, render_culling=False)
     with pytest.raises(ValueError, match="'culled' compares LIBERO renders with env.render_culling=True"):
         variant_env("culled", culled)
+    assert variant_env("meshes_4000", libero) == dataclasses.replace(libero, render_mesh_faces=4000)
+    with pytest.raises(ValueError, match="'meshes_4000' compares LIBERO renders with env.render_mesh_faces=4000"):
+        variant_env("meshes_4000", dataclasses.replace(libero, render_mesh_faces=4000))
 
 
 @pytest.mark.parametrize("backend, refused", [("osmesa", "culled"), ("egl", "unculled")])
