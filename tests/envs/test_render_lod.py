@@ -11,8 +11,10 @@ import pytest
 
 from envs.config import EnvConfig
 from envs.render_lod import (
+    _row_codes,
     cluster_faces,
     cluster_representatives,
+    clustered_once,
     clustered_within_budget,
     coarse_meshes,
     coarsened_mesh_ids,
@@ -100,6 +102,28 @@ def test_the_budget_takes_the_finest_grid_that_meets_it():
         np.testing.assert_array_equal(same.kept, clustered.kept)
         # a grid 1% finer exceeds the budget: the bisection stopped at the edge, not anywhere below it
         assert len(cluster_faces(vertices, faces, clustered.cell * 0.99).kept) > budget
+
+
+def test_row_codes_are_equal_exactly_where_the_rows_are():
+    rows = np.random.default_rng(1).integers(-3, 4, size=(400, 3))
+    codes = _row_codes(rows)
+    same_rows = (rows[:, None, :] == rows[None, :, :]).all(axis=2)
+    np.testing.assert_array_equal(codes[:, None] == codes[None, :], same_rows)
+    _, first_by_code = np.unique(codes, return_index=True)
+    _, first_by_row = np.unique(rows, axis=0, return_index=True)
+    np.testing.assert_array_equal(np.sort(first_by_code), np.sort(first_by_row))
+
+
+def test_a_mesh_is_clustered_once_per_budget():
+    vertices, faces = grid_mesh(21, spacing=0.001)
+    first = clustered_once(vertices, faces, 200)
+    assert clustered_once(vertices.copy(), faces.copy(), 200) is first  # the same contents: remembered
+    expected = clustered_within_budget(vertices, faces, 200)
+    np.testing.assert_array_equal(first.kept, expected.kept)
+    np.testing.assert_array_equal(first.faces, expected.faces)
+    assert clustered_once(vertices, faces, 100) is not first  # another budget: clustered anew
+    moved = clustered_once(vertices + [0.0005, 0, 0], faces, 200)  # other contents: clustered anew
+    assert moved is not first and len(moved.kept) <= 200
 
 
 MESH_XML = """
