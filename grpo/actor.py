@@ -247,6 +247,7 @@ class Actor:
             metrics["train/prefix_cache_rows"] = len(prefixes)
             metrics["train/prefix_cache_gib"] = prefixes.kept_bytes / 2**30
             metrics["train/prefix_cache_spilled_rows"] = prefixes.spilled
+            metrics["train/prefix_cache_spill_wait_s"] = prefixes.spill_wait_s  # the host slots made meanwhile
         metrics["train/rows"] = len(samples)
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]  # what the steps used (not the config)
         return metrics

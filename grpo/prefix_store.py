@@ -21,6 +21,10 @@ the card holds still gains on the rows that fit instead of running out of memory
 (`grpo.prefix_cache_spill_gib`, "device" mode with a budget) keeps the next rows past the budget in pinned host
 memory instead, up to that many bytes: a micro-batch's spilled rows cost a CPU gather and a transfer where they
 would otherwise run vision and the prefix again in every epoch; `gather` puts both parts back in the rows' order.
+The spilled slots (~29 GiB for the recipe's 8 rollout epochs) are made on a background thread from the first `add`
+(`common.host_memory.pinned_empty`: pages touched without CUDA, then registered one tensor at a time, so the
+rollout's own CUDA calls do not wait behind one long cudaHostAlloc), and the first row past the device budget
+waits for them.
 `key_dtype`: the keys are kept in it. The prefix stack leaves its keys in fp32 (RoPE runs in the trainer's fp32) and
 its values in bf16 under autocast, where the expert's attention casts both to bf16 anyway: the actor keeps them in
 bf16 there, a third less memory (a LIBERO row of the full pi0.5 measured 16.2 MiB before) and the same log-probs.
@@ -37,10 +41,14 @@ them through `view(ids)` (a StoreView), so neither the old-log-prob pass nor an 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 from torch import Tensor
 
 from common.devices import to_device
+from common.host_memory import pinned_empty
 from policies.models.pi05 import PrefixCache
 
 
@@ -59,6 +67,8 @@ class RowPrefixes:
         self.spill_bytes = spill_bytes
         self.device_capacity = 0  # slots below it are on the device (or the host in "host" mode), the rest spilled
         self._spill: PrefixCache | None = None  # the spilled slots' buffers (pinned host memory), or None
+        self._spill_job: _Background | None = None  # makes them, from the first add
+        self.spill_wait_s = 0.0  # how long this rollout's rows waited for the spilled slots to be made
         self.where = where
         self.setting = setting or where  # the grpo.prefix_cache value errors name (the engine's store: "engine")
         self.rows = rows
@@ -86,7 +96,9 @@ class RowPrefixes:
 
     def spilled_among(self, rows: Tensor) -> int:
         """How many of `rows` (this store's rows) are kept in the spilled slots."""
-        return int((self._slot[rows] >= self.device_capacity).sum()) if self._spill is not None else 0
+        if (self.capacity or 0) <= self.device_capacity:
+            return 0
+        return int((self._slot[rows] >= self.device_capacity).sum())
 
     def kept(self, rows: Tensor) -> Tensor:
         """(len(rows),) bool: which of `rows` have a kept cache."""
@@ -131,7 +143,7 @@ class RowPrefixes:
             slot[taken:taken + first].copy_(part[:first])
         if fits > first:
             start = taken + first - self.device_capacity
-            for slot, part in zip(_tensors(self._spill), _tensors(cache), strict=True):
+            for slot, part in zip(_tensors(self._spilled_slots()), _tensors(cache), strict=True):
                 slot[start:start + fits - first].copy_(part[first:fits])
         self._slot[rows[:fits]] = torch.arange(taken, taken + fits)
 
@@ -156,6 +168,7 @@ class RowPrefixes:
         self._seen.zero_()
         self._next = 0
         self.generation += 1
+        self.spill_wait_s = 0.0
 
     def view(self, ids: Tensor) -> StoreView:
         """An update's rows 0..len(ids)-1 read from this store: row r is `append`'s id ids[r] (-1: none)."""
@@ -170,17 +183,17 @@ class RowPrefixes:
         slots = self._slot[rows]
         spilled = slots >= self.device_capacity
         if not bool(spilled.any()):
-            return PrefixCache(*_regroup(self._slots, [_read_rows(t, slots, device) for t in _tensors(self._slots)]))
+            return _grouped(len(self._slots.keys), [_read_rows(t, slots, device) for t in _tensors(self._slots)])
         # some rows are in host memory: each part read from its buffers, then put back in the rows' order
         near, far = (~spilled).nonzero().flatten(), spilled.nonzero().flatten()
         near_at, far_at = to_device(near, device), to_device(far, device)
         out = []
-        for slot, spill in zip(_tensors(self._slots), _tensors(self._spill), strict=True):
+        for slot, spill in zip(_tensors(self._slots), _tensors(self._spilled_slots()), strict=True):
             merged = torch.empty((len(rows), *slot.shape[1:]), dtype=slot.dtype, device=device)
             merged.index_copy_(0, near_at, _read_rows(slot, slots[near], device))
             merged.index_copy_(0, far_at, _read_rows(spill, slots[far] - self.device_capacity, device))
             out.append(merged)
-        return PrefixCache(*_regroup(self._slots, out))
+        return _grouped(len(self._slots.keys), out)
 
     def _allocate(self, like: PrefixCache) -> None:
         """Slots for every row, or for as many as the budget holds (maybe none)."""
@@ -201,14 +214,28 @@ class RowPrefixes:
                 f"{need:.2f} GiB ({self.row_bytes / 2**20:.2f} MiB a row) and {device} has no room for them; set "
                 f"grpo.prefix_cache_gib to what fits (the other rows recompute their prefix) or "
                 f"grpo.prefix_cache=off") from error
-        if spill:
+        if spill:  # the device's rows come first: made meanwhile, waited for at the first spilled row
+            shapes = [(spill, *t.shape[1:]) for t in _tensors(like)]  # not `like` itself: the job holds no rows
+            layers = len(like.keys)
+            self._spill_job = _Background(lambda: _grouped(layers, [pinned_empty(shape, dtype)
+                                                                    for shape, dtype in zip(shapes, dtypes)]))
+
+    def _spilled_slots(self) -> PrefixCache:
+        """The spilled slots' buffers, waiting for the background job that makes them the first time."""
+        if self._spill is None:
+            spill = self.capacity - self.device_capacity
+            started = time.perf_counter()
             try:
-                self._spill = _buffers(like, dtypes, spill, torch.device("cpu"), pin=True)
+                self._spill = self._spill_job.result()
             except (RuntimeError, MemoryError) as error:  # pinned host memory: CUDA's or the allocator's refusal
                 raise MemoryError(
                     f"grpo.prefix_cache_spill_gib: {spill} rows past grpo.prefix_cache_gib need "
                     f"{spill * self.row_bytes / 2**30:.2f} GiB of pinned host memory ({self.row_bytes / 2**20:.2f} MiB "
                     f"a row), which the host refused; set grpo.prefix_cache_spill_gib lower") from error
+            finally:
+                self.spill_wait_s += time.perf_counter() - started
+            self._spill_job = None
+        return self._spill
 
 
 class StoreView:
@@ -238,6 +265,10 @@ class StoreView:
     def spilled(self) -> int:
         return self.store.spilled_among(self.ids[self.ids >= 0])
 
+    @property
+    def spill_wait_s(self) -> float:
+        return self.store.spill_wait_s
+
     def kept(self, rows: Tensor) -> Tensor:
         return self.store.kept(self.ids[torch.as_tensor(rows, dtype=torch.long).cpu()])  # -1: never kept
 
@@ -250,9 +281,29 @@ def _buffers(like: PrefixCache, dtypes: list[torch.dtype], capacity: int, device
     """Slots for `capacity` rows of `like`'s tensors on `device` (host memory pinned where `pin` and CUDA is there,
     so reads go to a GPU without blocking)."""
     pin = pin and device.type == "cpu" and torch.cuda.is_available() and capacity > 0
-    return PrefixCache(*_regroup(like, [torch.empty((capacity, *t.shape[1:]), dtype=dtype, device=device,
-                                                    pin_memory=pin)
-                                        for t, dtype in zip(_tensors(like), dtypes, strict=True)]))
+    return _grouped(len(like.keys), [torch.empty((capacity, *t.shape[1:]), dtype=dtype, device=device, pin_memory=pin)
+                                     for t, dtype in zip(_tensors(like), dtypes, strict=True)])
+
+
+class _Background:
+    """`fn()` run on a daemon thread; `result()` waits for it and returns its value or raises its exception."""
+
+    def __init__(self, fn):
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="prefix-spill-buffers", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._value = fn()
+        except BaseException as error:  # handed to the caller of result()
+            self._error = error
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _first_rows(cache: PrefixCache, n: int) -> PrefixCache:
@@ -279,10 +330,9 @@ def _tensors(cache: PrefixCache) -> list[Tensor]:
     return [*cache.keys, *cache.values, cache.pad_mask, cache.offsets]
 
 
-def _regroup(like: PrefixCache, flat: list[Tensor]) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
-    """`flat` (in `_tensors` order) as PrefixCache's fields, with `like`'s layer count."""
-    layers = len(like.keys)
-    return flat[:layers], flat[layers:2 * layers], flat[2 * layers], flat[2 * layers + 1]
+def _grouped(layers: int, flat: list[Tensor]) -> PrefixCache:
+    """A PrefixCache of `layers` layers from `flat` (in `_tensors` order)."""
+    return PrefixCache(flat[:layers], flat[layers:2 * layers], flat[2 * layers], flat[2 * layers + 1])
 
 
 def _read_rows(slot: Tensor, rows: Tensor, device: torch.device) -> Tensor:

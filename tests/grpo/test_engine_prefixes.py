@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from common import host_memory
+from grpo import prefix_store
 from grpo.actor import Actor
 from grpo.config import GRPOConfig
 from grpo.prefix_store import RowPrefixes
@@ -77,17 +81,41 @@ def test_rows_past_the_budget_spill_into_host_memory_and_read_back_in_order():
 
 def test_a_spill_the_host_refuses_names_its_key(monkeypatch):
     store = RowPrefixes("device", rows=8, budget_bytes=0, spill_bytes=2**40, setting="engine")
-    real_empty = torch.empty
 
-    def refusing_empty(shape, **kwargs):
-        if shape[0] > 0:  # the spilled slots (the device ones: none under a budget of 0 bytes)
-            raise RuntimeError("CUDA error: out of memory")  # what a refused cudaHostAlloc raises
-        return real_empty(shape, **kwargs)
+    def refusing_register(ptr, nbytes):
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed")  # what a refused registration raises
 
-    monkeypatch.setattr(torch, "empty", refusing_empty)
+    monkeypatch.setattr(host_memory, "cuda_can_pin", lambda: True)
+    monkeypatch.setattr(host_memory, "_register", refusing_register)
     with pytest.raises(MemoryError, match=r"grpo.prefix_cache_spill_gib: 8 rows past grpo.prefix_cache_gib need .* "
                                           r"GiB of pinned host memory .* set grpo.prefix_cache_spill_gib lower"):
         store.append(cache_of(2))
+
+
+def test_the_spilled_slots_are_made_beside_the_device_rows_and_waited_for_at_the_first_spilled_row(monkeypatch):
+    """The host buffers (~29 GiB for the recipe) are made on a thread from the first add, so the device's rows go in
+    while they are made; the first row past the device budget waits for them, and sees what was written."""
+    one_row = cache_of(1).keys[0][0].numel() * 4 * 4 + 6 + 8
+    release, started = threading.Event(), threading.Event()
+    real = prefix_store.pinned_empty
+
+    def slow_pinned_empty(shape, dtype):
+        started.set()
+        assert release.wait(10)
+        return real(shape, dtype)
+
+    monkeypatch.setattr(prefix_store, "pinned_empty", slow_pinned_empty)
+    store = RowPrefixes("device", rows=8, budget_bytes=2 * one_row, spill_bytes=3 * one_row)
+    assert store.append(cache_of(2)).tolist() == [0, 1]  # the device rows: no wait for the host buffers
+    assert started.wait(10) and store._spill is None
+    threading.Timer(0.2, release.set).start()
+    assert store.append(cache_of(2, fill=10)).tolist() == [2, 3]  # past the budget: waits, then spills
+    assert store.spilled == 2 and store._spill_job is None and store.spill_wait_s > 0.05
+    got = store.gather(torch.tensor([3, 0]), torch.device("cpu"))
+    assert torch.equal(got.keys[1][:, 0, 0, 0], torch.tensor([11.0, 0.0]))
+    store.reset()  # the next rollout: the slots are made, nothing waits
+    assert store.spill_wait_s == 0.0 and store.append(cache_of(3)).tolist() == [8, 9, 10]
+    assert store.spill_wait_s < 0.05 and store.spilled == 1
 
 
 def test_an_engine_store_that_does_not_fit_names_its_setting_and_the_cap(monkeypatch):

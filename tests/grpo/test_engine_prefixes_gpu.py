@@ -66,6 +66,8 @@ def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one(sp
             if name == "engine":
                 assert runs.count("prefix") == 0 and metrics["train/prefix_cache_rows"] == 8
                 assert metrics["train/prefix_cache_spilled_rows"] == spilled
+                if spilled:  # made on a thread as registered pageable memory (common.host_memory): pinned
+                    assert all(t.is_pinned() for t in store._spilled_slots().keys)
             weights[name] = [p.detach().clone() for p in policy.trainable_parameters()]
     for a, b in zip(weights["off"], weights["engine"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # the backward's CUDA atomics

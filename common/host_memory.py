@@ -1,0 +1,72 @@
+"""Page-locked host memory that does not stall the GPU work of other threads while it is made.
+
+`torch.empty(..., pin_memory=True)` is one `cudaHostAlloc`: the driver maps, zeroes and locks every page while
+it holds locks that the process's kernel launches and copies also take, so a large pinned buffer (the GRPO
+prefix store's host spill: ~29 GiB, ~13 s on an H100's host) holds up every other CUDA call for as long as it
+takes (and in other processes on the node too). `pinned_empty` makes the same memory in two phases:
+1. ordinary pageable memory, every page touched (faulted in and zeroed by the kernel, no CUDA lock held) by a
+   few threads of its own (a rollout driver runs torch with one intra-op thread);
+2. `cudaHostRegister` of that memory, which only has to lock pages already there.
+
+A tensor's memory is registered whole (one call: a copy of a range that spans two registrations need not be
+DMA-able as one), so callers that want short lock holds make several tensors (the prefix store's is one per layer).
+The registration is undone (`cudaHostUnregister`) when the last tensor viewing the memory is gone, before the
+memory is freed. Without CUDA it is plain memory (touched), so CPU runs and tests take the same path.
+
+`python -m experiments.probe_host_pinning` measures both ways and how long a thread's CUDA calls wait meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+PAGE = 4096
+TOUCH_THREADS = 4  # page faults are CPU work: a few threads beside the env workers, not every core
+
+
+def cuda_can_pin() -> bool:
+    return torch.cuda.is_available()
+
+
+def _register(ptr: int, nbytes: int) -> None:
+    error = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed: {error!r}")
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def pageable_touched(nbytes: int) -> tuple[np.ndarray, torch.Tensor]:
+    """(owner, flat uint8 tensor of `nbytes`, page-aligned), every page written once. `owner` is the numpy array
+    whose death frees the memory (the tensor and its views keep it alive)."""
+    owner = np.empty(nbytes + PAGE, dtype=np.uint8)
+    start = (-owner.ctypes.data) % PAGE
+    flat = torch.from_numpy(owner[start:start + nbytes])
+    threads = max(1, min(TOUCH_THREADS, os.cpu_count() or 1, nbytes // (64 * 2**20)))
+    bounds = [nbytes * i // threads // PAGE * PAGE for i in range(threads)] + [nbytes]
+    with ThreadPoolExecutor(threads) as pool:  # zero_ lets go of the GIL: the slices fault in side by side
+        list(pool.map(lambda i: flat[bounds[i]:bounds[i + 1]].zero_(), range(threads)))
+    return owner, flat
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
+    """A contiguous CPU tensor of `shape` / `dtype` (zeroed) whose memory is page-locked for the GPU where `pin`
+    and CUDA is available (module docstring: touched first, then registered)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    owner, flat = pageable_touched(nbytes)
+    if pin and cuda_can_pin():
+        ptr = flat.data_ptr()
+        _register(ptr, nbytes)
+        # runs as the owner array dies, i.e. after the last tensor on its memory, and before numpy frees it
+        weakref.finalize(owner, _unregister, ptr)
+    del owner  # the tensor's storage holds it now
+    return flat.view(dtype).view(shape)

@@ -1,0 +1,27 @@
+"""experiments.probe_host_pinning's pure parts (its timings need a GPU: the probe refuses without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experiments import probe_host_pinning as probe
+
+
+def test_percentiles_of_call_times():
+    got = probe._percentiles([0.001 * i for i in range(1, 101)])
+    assert got["calls"] == 100 and got["p50_ms"] == pytest.approx(51.0) and got["max_ms"] == pytest.approx(100.0)
+    assert got["p99_ms"] == pytest.approx(100.0) and probe._percentiles([]) == {"calls": 0}
+
+
+def test_the_touch_way_makes_zeroed_pageable_memory_and_an_unknown_way_is_named():
+    keep, flat = probe._make("touch", 3 * 4096 + 5)
+    assert flat.numel() == 3 * 4096 + 5 and bool((flat == 0).all()) and not flat.is_pinned()
+    with pytest.raises(ValueError, match="--way must be one of .* got 'mmap'"):
+        probe._make("mmap", 16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_the_probe_refuses_without_cuda():
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        probe.main(["--gib", "0.01"])
