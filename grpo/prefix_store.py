@@ -286,11 +286,13 @@ def _buffers(like: PrefixCache, dtypes: list[torch.dtype], capacity: int, device
 
 
 class _Background:
-    """`fn()` run on a daemon thread; `result()` waits for it and returns its value or raises its exception."""
+    """`fn()` run on a thread; `result()` waits for it and returns its value or raises its exception. Not a daemon:
+    a run that ends before its first spilled row waits for the pinning at exit instead of tearing CUDA down under
+    a thread still inside cudaHostRegister."""
 
     def __init__(self, fn):
         self._value, self._error = None, None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="prefix-spill-buffers", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="prefix-spill-buffers")
         self._thread.start()
 
     def _run(self, fn) -> None:
