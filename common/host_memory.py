@@ -6,7 +6,8 @@ prefix store's host spill: ~29 GiB, ~13 s on an H100's host) holds up every othe
 takes (and in other processes on the node too). `pinned_empty` makes the same memory in two phases:
 1. ordinary pageable memory, every page touched (faulted in and zeroed by the kernel, no CUDA lock held) by a
    few threads of its own (a rollout driver runs torch with one intra-op thread);
-2. `cudaHostRegister` of that memory, which only has to lock pages already there.
+2. `cudaHostRegister` of that memory, which only has to lock pages already there, called through ctypes on the
+   runtime torch loaded so the calling thread lets go of the GIL (torch's binding keeps it).
 
 A tensor's memory is registered whole (one call: a copy of a range that spans two registrations need not be
 DMA-able as one), so callers that want short lock holds make several tensors (the prefix store's is one per layer).
@@ -18,6 +19,8 @@ memory is freed. Without CUDA it is plain memory (touched), so CPU runs and test
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -33,14 +36,43 @@ def cuda_can_pin() -> bool:
     return torch.cuda.is_available()
 
 
+@functools.cache
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch loaded, through ctypes (whose calls let go of the GIL: torch's own
+    `cudart().cudaHostRegister` binding keeps it, so a thread registering gigabytes would stop every other Python
+    thread meanwhile). None where it cannot be found (then torch's binding is used)."""
+    torch.cuda.init()
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)  # already loaded: the same library, not a second copy
+            lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+            lib.cudaHostRegister.restype = ctypes.c_int
+            lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+            lib.cudaHostUnregister.restype = ctypes.c_int
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
 def _register(ptr: int, nbytes: int) -> None:
-    error = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    if int(error) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed: {error!r}")
+    lib = _loaded_cudart()
+    error = lib.cudaHostRegister(ptr, nbytes, 0) if lib else int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+    if error != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed: CUDA error {error}")
 
 
 def _unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    lib = _loaded_cudart()
+    if lib:
+        lib.cudaHostUnregister(ptr)
+    else:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def pageable_touched(nbytes: int) -> tuple[np.ndarray, torch.Tensor]:
