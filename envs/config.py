@@ -22,7 +22,6 @@ from common.config import (
     reject_unknown_keys,
     to_container,
 )
-from envs.render_priority import check_priority
 from envs.suites import DEFAULT_MAX_EPISODE_STEPS, SUITES
 
 # Camera names in the config (and in observation keys "<name>_image") -> robosuite cameras.
@@ -71,9 +70,6 @@ class EnvConfig:
     # fewer triangles. None: on under OSMesa (CPU rasterisation: 10-20% faster), off under EGL (no GPU
     # time saved on the H100, ~0.3 ms of Python a camera). env_type libero only (the others ignore it)
     render_culling: bool | None = None
-    # the EGL render contexts' GPU scheduling priority (envs/render_priority.py: high / medium / low; the same
-    # pixels). None: robosuite's context, the driver's default. env_type libero under EGL only
-    render_priority: str | None = None
     step_mode: str = "lean"  # envs.lean.LeanStepper (bit-identical to robosuite's step), or "robosuite"
     seed: int = 0
     restart_on_crash: bool = False
@@ -147,16 +143,11 @@ class EnvConfig:
             check_nonnegative_int("env.render_multisamples", self.render_multisamples)
         if self.render_mesh_faces is not None:
             check_positive_int("env.render_mesh_faces", self.render_mesh_faces)
-        check_priority("env.render_priority", self.render_priority)
-        if self.render_priority is not None and self.render_backend == "osmesa":
-            raise ValueError(f"env.render_priority={self.render_priority!r} sets an EGL context's GPU priority; "
-                             "env.render_backend=osmesa renders on the CPU (use egl, or auto on a GPU machine)")
         cheaper = (not self.render_reflections or self.render_multisamples is not None
-                   or self.render_mesh_faces is not None or self.render_priority is not None)
+                   or self.render_mesh_faces is not None)
         if cheaper and self.env_type != "libero":
             raise ValueError(
-                f"env.render_reflections / env.render_multisamples / env.render_mesh_faces / env.render_priority "
-                f"apply to env_type "
+                f"env.render_reflections / env.render_multisamples / env.render_mesh_faces apply to env_type "
                 f"'libero' only, got "
                 f"env_type {self.env_type!r} (reach renders its own cheap scene; countdown and worldmodel "
                 "have no MuJoCo cameras)")

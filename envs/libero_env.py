@@ -145,7 +145,6 @@ class LiberoEnv(gym.Env):
         render_multisamples: int | None = None,
         render_culling: bool | None = None,
         render_mesh_faces: int | None = None,
-        render_priority: str | None = None,
     ):
         self.task = task
         # Given by the parent of a worker process (loaded there once): reading them here would
@@ -161,8 +160,6 @@ class LiberoEnv(gym.Env):
         self.render_multisamples = render_multisamples
         self.render_culling = render_culling  # None: on under OSMesa only (envs/config.py says why)
         self.render_mesh_faces = render_mesh_faces
-        self.render_priority = render_priority  # None: robosuite's EGL context (envs/render_priority.py)
-        self.render_priority_given: str | None = None  # what the driver gave
         self.render_faces: dict[str, int] = {}  # the drawn meshes' faces before / after (coarse meshes only)
         self._base_seed = int(seed)
         self._env: Any = None  # LIBERO OffScreenRenderEnv, created lazily
@@ -197,7 +194,6 @@ class LiberoEnv(gym.Env):
             render_multisamples=cfg.render_multisamples,
             render_culling=cfg.render_culling,
             render_mesh_faces=cfg.render_mesh_faces,
-            render_priority=cfg.render_priority,
         )
 
     # ----------------------------------------------------------------- low-level episode API
@@ -230,8 +226,7 @@ class LiberoEnv(gym.Env):
         if self._env is not None:
             return
         from envs.render_culling import culling_enabled, set_frustum_culling
-        from envs.render_options import apply_render_options, render_context
-        from envs.render_priority import prioritised_context
+        from envs.render_options import apply_render_options
         from envs.rendering import configure_gl
         from envs.steppers import make_stepper
         from envs.suites import make_robosuite_env
@@ -247,8 +242,6 @@ class LiberoEnv(gym.Env):
             )
         try:
             if self.cameras:
-                if self.render_priority is not None:  # first: the options below rebuild on its context
-                    self.render_priority_given = prioritised_context(render_context(env), self.render_priority)
                 self.render_faces = apply_render_options(env, self.render_reflections, self.render_multisamples,
                                                          self.render_mesh_faces)
                 set_frustum_culling(env, culling_enabled(self.render_culling, backend))

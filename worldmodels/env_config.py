@@ -200,7 +200,7 @@ class WorldModelEnvConfig:
 # EnvConfig keys that mean nothing for the world model (dropped when building from an EnvConfig)
 _ENV_ONLY = {"num_settle_steps", "render_backend", "step_mode", "restart_on_crash", "worker_timeout_s",
              "create_timeout_s", "start_method", "worker_nice", "render_reflections", "render_multisamples",
-             "render_culling", "render_mesh_faces", "render_priority"}
+             "render_culling", "render_mesh_faces"}
 
 
 @contextlib.contextmanager

@@ -52,30 +52,6 @@ def test_egl_deferred_render_equals_the_chunk_end_render():
                 np.testing.assert_array_equal(rendered["obs"][key], expected.obs[key], err_msg=key)
 
 
-@pytest.mark.parametrize("mesh_faces", [None, 4000])
-def test_egl_context_at_low_priority_renders_the_same_pixels(mesh_faces):
-    """env.render_priority=low swaps robosuite's EGL context for one asked for a low GPU priority: the same
-    pixels (with coarse meshes too: the swap rebuilds MuJoCo's context with the meshes it was drawn with)."""
-    from envs.libero_env import LiberoEnv
-    from envs.render_priority import LEVELS
-    from envs.suites import get_task
-
-    envs = [LiberoEnv(get_task("libero_10", 2), image_size=224, step_mode="lean", render_backend="egl",
-                      render_mesh_faces=mesh_faces, render_priority=priority) for priority in (None, "low")]
-    try:
-        shots = []
-        for env in envs:
-            env.begin_episode(0, seed=0)
-            shots.append({k: v for k, v in env.observation(render=True).items() if k.endswith("_image")})
-        for key in shots[0]:
-            np.testing.assert_array_equal(shots[0][key], shots[1][key], err_msg=key)
-        assert envs[1].render_priority_given in LEVELS and envs[0].render_priority_given is None
-        assert shots[1]["agentview_image"].std() > 5
-    finally:
-        for env in envs:
-            env.close()
-
-
 def test_egl_reflections_off_equals_zero_reflectance():
     """env.render_reflections=false under EGL: the pixels of the scene with no reflective material."""
     from tests.envs.test_render_options import check_reflections_off_equals_zero_reflectance

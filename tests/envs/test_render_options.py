@@ -26,32 +26,6 @@ def test_render_options_are_checked_by_name():
     assert EnvConfig(render_reflections=False, render_multisamples=0).render_multisamples == 0
 
 
-def test_the_render_priority_is_checked_by_name():
-    with pytest.raises(ValueError, match=r"env.render_priority must be one of \['high', 'low', 'medium'\] or null"):
-        EnvConfig(render_priority="lowest")
-    with pytest.raises(ValueError, match="env.render_priority.* apply to env_type 'libero' only"):
-        EnvConfig(env_type="reach", render_priority="low")
-    with pytest.raises(ValueError, match="env.render_priority='low' sets an EGL context's GPU priority.*osmesa"):
-        EnvConfig(render_priority="low", render_backend="osmesa")
-    assert EnvConfig(render_priority="low").render_priority == "low"
-
-
-@pytest.mark.libero
-def test_a_render_priority_on_a_cpu_renderer_names_the_key():
-    """Under OSMesa (what `auto` picks without a GPU) there is no EGL context to prioritise: the env says so."""
-    from envs.libero_env import LiberoEnv
-    from envs.suites import get_task
-
-    if os.environ.get("MUJOCO_GL", "osmesa") != "osmesa":
-        pytest.skip("this process renders through EGL")
-    env = LiberoEnv(get_task("libero_10", 8), image_size=32, step_mode="lean", render_priority="low")
-    try:
-        with pytest.raises(ValueError, match="env.render_priority='low' needs EGL rendering"):
-            env.begin_episode(0, seed=0)
-    finally:
-        env.close()
-
-
 def images(env) -> dict[str, np.ndarray]:
     return {key: value for key, value in env.observation(render=True).items() if key.endswith("_image")}
 
