@@ -217,8 +217,8 @@ class RowPrefixes:
         if spill:  # the device's rows come first: made meanwhile, waited for at the first spilled row
             shapes = [(spill, *t.shape[1:]) for t in _tensors(like)]  # not `like` itself: the job holds no rows
             layers = len(like.keys)
-            self._spill_job = _Background(lambda: _grouped(layers, [pinned_empty(shape, dtype)
-                                                                    for shape, dtype in zip(shapes, dtypes)]))
+            pairs = list(zip(shapes, dtypes, strict=True))
+            self._spill_job = _Background(lambda: _grouped(layers, [pinned_empty(*pair) for pair in pairs]))
 
     def _spilled_slots(self) -> PrefixCache:
         """The spilled slots' buffers, waiting for the background job that makes them the first time."""
