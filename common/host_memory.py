@@ -75,12 +75,17 @@ def _unregister(ptr: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def pageable_touched(nbytes: int) -> tuple[np.ndarray, torch.Tensor]:
-    """(owner, flat uint8 tensor of `nbytes`, page-aligned), every page written once. `owner` is the numpy array
-    whose death frees the memory (the tensor and its views keep it alive)."""
+def pageable(nbytes: int) -> tuple[np.ndarray, torch.Tensor]:
+    """(owner, flat uint8 tensor of `nbytes`, page-aligned), not yet touched. `owner` is the numpy array whose
+    death frees the memory (the tensor and its views keep it alive)."""
     owner = np.empty(nbytes + PAGE, dtype=np.uint8)
     start = (-owner.ctypes.data) % PAGE
-    flat = torch.from_numpy(owner[start:start + nbytes])
+    return owner, torch.from_numpy(owner[start:start + nbytes])
+
+
+def pageable_touched(nbytes: int) -> tuple[np.ndarray, torch.Tensor]:
+    """`pageable(nbytes)` with every page written once."""
+    owner, flat = pageable(nbytes)
     threads = max(1, min(TOUCH_THREADS, os.cpu_count() or 1, nbytes // (64 * 2**20)))
     bounds = [nbytes * i // threads // PAGE * PAGE for i in range(threads)] + [nbytes]
     with ThreadPoolExecutor(threads) as pool:  # zero_ lets go of the GIL: the slices fault in side by side

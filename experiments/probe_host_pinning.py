@@ -36,7 +36,6 @@ def _percentiles(times: list[float]) -> dict:
 
 def _make(way: str, nbytes: int):
     """One piece of `nbytes` made `way`; returns what keeps it alive and its flat uint8 tensor."""
-    import numpy as np
     import torch
 
     from common import host_memory
@@ -50,9 +49,7 @@ def _make(way: str, nbytes: int):
         t = host_memory.pinned_empty((nbytes,), torch.uint8)
         return t, t
     if way == "register_untouched":
-        owner = np.empty(nbytes + host_memory.PAGE, dtype=np.uint8)
-        start = (-owner.ctypes.data) % host_memory.PAGE
-        flat = torch.from_numpy(owner[start:start + nbytes])
+        owner, flat = host_memory.pageable(nbytes)
         host_memory._register(flat.data_ptr(), nbytes)
         return (owner, flat), flat
     raise ValueError(f"--way must be one of {WAYS}, got {way!r}")

@@ -55,7 +55,7 @@ register_hydra_schema()
 # name -> (reflections, multisamples, frustum culling, faces per mesh); multisamples None: the scene's own
 # count; faces None: the full meshes. The coarse-mesh variants leave culling off (it saves nothing
 # under EGL, where they are meant to run) and keep LIBERO's reflections unless named
-VARIANTS: dict[str, tuple[bool, int | None, bool, float | None]] = {
+VARIANTS: dict[str, tuple[bool, int | None, bool, int | None]] = {
     "default": (True, None, False, None), "culled": (True, None, True, None),
     "no_reflections": (False, None, True, None), "multisamples0": (True, 0, True, None),
     "cheapest": (False, 0, True, None),
