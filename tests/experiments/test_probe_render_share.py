@@ -1,0 +1,69 @@
+"""experiments/probe_render_share.py: its config checks, and a smoke run on a real scene (OSMesa here) with
+one spawned renderer beside the CPU matmul workload."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"renderers": []}, r"probe\.renderers must list at least one count"),
+    ({"renderers": [0, -1]}, "probe.renderers entries"),
+    ({"calls": 0}, "probe.calls"),
+    ({"window_s": 0}, r"probe\.window_s must be a number > 0, got 0"),
+    ({"settle_s": "x"}, r"probe\.settle_s must be a number > 0, got 'x'"),
+    ({"device": "tpu"}, "probe.device"),
+])
+def test_probe_config_names_the_bad_value(overrides, message):
+    from experiments.probe_render_share import RenderShareConfig
+
+    with pytest.raises(ValueError, match=message):
+        RenderShareConfig(**overrides)
+
+
+def test_summary_compares_each_count_with_the_workload_alone():
+    from experiments.probe_render_share import summarize
+
+    rates = {"renders_per_s": 10.0}
+    payload = {"settings": [
+        {"renderers": 0, "median_call_ms": 10.0},
+        {"renderers": 2, "median_call_ms": 30.0, "renders_alone": rates, "renders_beside": {"renders_per_s": 4.0}},
+        {"renderers": 0, "median_call_ms": 12.0},
+    ]}
+    summary = summarize(payload)
+    assert summary["workload_alone_ms"] == 11.0
+    assert summary["r2_slowdown"] == pytest.approx(30 / 11)
+    assert summary["r2_renders_per_s_alone"] == 10.0 and summary["r2_renders_per_s_beside"] == 4.0
+
+
+def test_render_rates_per_render_costs():
+    from experiments.probe_render_share import render_rates
+
+    rates = render_rates((0.0, 10, 1.0), (2.0, 30, 3.0), k=2)
+    assert rates == {"renders": 20, "renders_per_s": 10.0, "wall_ms_per_render": 200.0, "cpu_ms_per_render": 100.0}
+    assert render_rates((0.0, 5, 0.0), (1.0, 5, 0.0), k=1)["wall_ms_per_render"] is None
+
+
+@pytest.mark.libero
+@pytest.mark.slow
+def test_one_renderer_beside_the_workload():
+    from envs.config import EnvConfig
+    from experiments.probe_render_share import RenderShareConfig, run
+
+    env_cfg = EnvConfig(suite="libero_10", num_envs=1, num_workers=1, image_size=32, show_progress=False)
+    probe = RenderShareConfig(renderers=[0, 1], task_id=8, window_s=1.0, settle_s=0.2, warmup_calls=1, calls=3,
+                              layers=2, weight_sets=1, rows=16, width=32, device="cpu")
+    payload = run(env_cfg, probe)
+    alone, beside = payload["settings"]
+    assert (alone["renderers"], beside["renderers"]) == (0, 1)
+    assert "renders_alone" not in alone and len(alone["call_ms"]) == 3
+    assert beside["renders_alone"]["renders"] > 0 and beside["renders_alone"]["cpu_ms_per_render"] > 0
+    assert beside["median_call_ms"] > 0
+
+
+def test_a_bad_task_fails_before_any_renderer_starts():
+    from envs.config import EnvConfig
+    from experiments.probe_render_share import RenderShareConfig, run
+
+    with pytest.raises(ValueError, match="99"):
+        run(EnvConfig(suite="libero_10", show_progress=False), RenderShareConfig(renderers=[1], task_id=99))
