@@ -69,17 +69,23 @@ def test_rendering_before_predict_fills_the_same_batch(stages, in_process):
         assert (d.env_steps, d.predict_rows, d.chunks) == (e.env_steps, e.predict_rows, e.chunks)
 
 
-def test_render_spans_are_keyed_by_the_env_chunk_and_the_report_builds(tmp_path):
+def traced_epochs(tmp_path, render_at: str, steps: int) -> tuple[Timeline, list[Timeline]]:
+    """`steps` epochs of 2 stages, each in a profiler step, traced: the driver's and the stages' timelines."""
     driver = Timeline(tmp_path, worker="driver", keep_in_memory=True)
     lanes = [Timeline(tmp_path, worker=f"env_stage{s}", keep_in_memory=True) for s in range(2)]
-    cfg = CollectorConfig(stages=2, in_process=True, render_at="before_predict")
+    cfg = CollectorConfig(stages=2, in_process=True, render_at=render_at)
     with RolloutCollector(countdown_env(), make_engine(tiny_policy()), cfg, timeline=driver,
                           stage_timelines=lanes) as collector:
-        for step in range(2):
+        for step in range(steps):
             with driver.span("step", step=step), driver.span("rollout"):
                 collector.collect(GROUP_INIT_STATES, seed=3, step=step)
     for timeline in (driver, *lanes):
         timeline.close()
+    return driver, lanes
+
+
+def test_render_spans_are_keyed_by_the_env_chunk_and_the_report_builds(tmp_path):
+    driver, lanes = traced_epochs(tmp_path, "before_predict", steps=2)
     spans = [s for t in (driver, *lanes) for s in t.spans]
     renders = {(a["step"], a["stage"], a["chunk"]): (start, end) for name, start, end, a in spans
                if name == "rollout/render"}
@@ -177,15 +183,7 @@ def test_rendering_after_physics_fills_the_same_batch(stages, in_process, worker
 
 
 def test_rendering_after_physics_stays_inside_the_stage_env_step_span(tmp_path):
-    driver = Timeline(tmp_path, worker="driver", keep_in_memory=True)
-    lanes = [Timeline(tmp_path, worker=f"env_stage{s}", keep_in_memory=True) for s in range(2)]
-    cfg = CollectorConfig(stages=2, in_process=True, render_at="after_physics")
-    with RolloutCollector(countdown_env(), make_engine(tiny_policy()), cfg, timeline=driver,
-                          stage_timelines=lanes) as collector:
-        with driver.span("step", step=0), driver.span("rollout"):
-            collector.collect(GROUP_INIT_STATES, seed=3, step=0)
-    for timeline in (driver, *lanes):
-        timeline.close()
+    driver, lanes = traced_epochs(tmp_path, "after_physics", steps=1)
     names = {name for t in (driver, *lanes) for name, *_ in t.spans}
     assert "rollout/env_step" in names and "rollout/render" not in names
 
