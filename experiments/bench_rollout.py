@@ -16,9 +16,7 @@ In one run, on the same tasks and init states:
   render without MuJoCo's reflection passes: other pixels, so other actions and trajectories);
   "culled" / "unculled" with `env.render_culling` true / false (frustum culling: the same pixels);
   "meshes_4000" with `env.render_mesh_faces=4000` (coarser scenery and arm meshes for the cameras:
-  other pixels, envs/render_lod.py); "after_physics" / "after_physics_w<k>" (k = 1, 2, 4) with
-  `render_at: after_physics` (each stage's thread renders its chunk after the physics, beside the
-  other stage's predict, all workers or k at a time: fewer GL contexts busy at once; the same pixels);
+  other pixels, envs/render_lod.py);
 - env alone: the same vector envs (ours' stages, stepped together) without the policy, replaying
   the (random-weight) policy's actions ours executed, so the env work is exactly ours';
 - engine alone: the same engine on the same observation batches ours predicted;
@@ -70,10 +68,8 @@ from rollout.engine import PolicyEngine
 
 register_hydra_schema()
 
-AFTER_PHYSICS = {"after_physics": None, "after_physics_w1": 1, "after_physics_w2": 2,
-                 "after_physics_w4": 4}  # name -> rollout.collector.render_workers_at_once
 VARIANTS = ("no_pipeline", "disjoint_workers", "other_render_at", "no_reflections", "culled", "unculled",
-            "meshes_4000", *AFTER_PHYSICS)
+            "meshes_4000")
 ENV_VARIANTS = {"no_reflections": ("render_reflections", False), "culled": ("render_culling", True),
                 "unculled": ("render_culling", False),
                 "meshes_4000": ("render_mesh_faces", 4000)}  # name -> (env key, its value in the variant)
@@ -282,8 +278,6 @@ def variant_config(name: str, base: CollectorConfig, env_cfg: EnvConfig) -> Coll
         if base.render_at == "before_predict":  # waves apply to deferred renders only
             return dataclasses.replace(base, render_at="env_step", render_workers_at_once=None)
         return dataclasses.replace(base, render_at="before_predict")
-    if name in AFTER_PHYSICS:
-        return dataclasses.replace(base, render_at="after_physics", render_workers_at_once=AFTER_PHYSICS[name])
     return dataclasses.replace(base, workers_per_stage=max(1, env_cfg.num_workers // base.stages))
 
 
@@ -324,12 +318,12 @@ def run(env_cfg: EnvConfig, policy_cfg: PolicyConfig, rollout: RolloutConfig, be
     coll_cfg = dataclasses.replace(rollout.collector or CollectorConfig(), max_chunks=bench.chunks)
     for name in bench.variants:  # a variant that cannot apply fails here, not after ours' measured epoch
         variant_env(name, env_cfg)
-        if name == "other_render_at" or name in AFTER_PHYSICS:  # deferred renders need chunk-end renders
+        if name == "other_render_at":  # before_predict needs env.render_every chunk_end and a renderer
             other = variant_config(name, coll_cfg, env_cfg)
             try:
                 other.check_against_env(env_cfg)
             except ValueError as exc:
-                raise ValueError(f"bench.variants entry {name!r} runs rollout.collector.render_at="
+                raise ValueError(f"bench.variants entry 'other_render_at' runs rollout.collector.render_at="
                                  f"{other.render_at!r}, which this env cannot: {exc}") from exc
     if bench.predict_only and not coll_cfg.record_images:  # engine alone replays the observations ours recorded
         raise ValueError("bench.predict_only=true needs rollout.collector.record_images=true (the engine-alone "

@@ -113,8 +113,7 @@ class RolloutCollector:
                 lane = stage_timelines[s] if stage_timelines is not None else timeline
                 self.stages.append(Stage(s, s * stage_cfg.num_envs, stage_cfg, self.cfg.in_process, lane,
                                          defer_render=self.cfg.render_at == "before_predict",
-                                         render_workers_at_once=self.cfg.render_workers_at_once,
-                                         render_after_physics=self.cfg.render_at == "after_physics"))
+                                         render_workers_at_once=self.cfg.render_workers_at_once))
         except BaseException:
             self.close()
             raise

@@ -24,8 +24,7 @@ from common.config import (
 from envs.config import EnvConfig, mixed_group
 
 PREFIX = "rollout.collector"
-RENDER_AT = ("env_step", "before_predict", "after_physics")
-DEFERRED_RENDER = ("before_predict", "after_physics")  # the workers' chunks run physics only
+RENDER_AT = ("env_step", "before_predict")
 
 
 @dataclass
@@ -55,14 +54,10 @@ class CollectorConfig:
         chunk, while the engine predicts the next stage (EGL rendering then shares the GPU with
         that predict). "before_predict": the workers run only the chunk's physics; the driver
         renders the stage (`vec.render()`, span rollout/render) after the previous stage's predict
-        has returned, just before predicting this one. "after_physics": the workers run the chunk's
-        physics, then the stage's own thread renders it (`vec.render()` in waves, inside its
-        rollout/env_step span), beside the other stage's predict as with env_step, but with
-        render_workers_at_once workers rendering at a time. Same batch in every mode, bit for bit;
-        only when rendering happens moves. The last two need env.render_every="chunk_end".
-    render_workers_at_once: with before_predict or after_physics, how many of a stage's workers
-        render at the same time (waves; None: all): each worker's GL contexts time-slice the GPU with
-        the others' and the engine's.
+        has returned, just before predicting this one. Same batch either way, bit for bit; only
+        when rendering happens moves. Needs env.render_every="chunk_end".
+    render_workers_at_once: with before_predict, how many of a stage's workers render at the same
+        time (waves; None: all): each worker's GL contexts time-slice the GPU with the others'.
     driver_torch_threads: torch's intra-op threads in the driver while an epoch runs (restored after
         it): an inproc engine predicts there beside the busy env workers (one thread measured ~7% more
         env steps/s on an H100). None leaves the process's setting.
@@ -92,10 +87,10 @@ class CollectorConfig:
         for key in ("in_process", "predict_done_envs", "record_images"):
             check_bool(f"{PREFIX}.{key}", getattr(self, key))
         check_choice(f"{PREFIX}.render_at", self.render_at, RENDER_AT)
-        if self.render_workers_at_once is not None and self.render_at not in DEFERRED_RENDER:
+        if self.render_workers_at_once is not None and self.render_at != "before_predict":
             raise ValueError(f"{PREFIX}.render_workers_at_once ({self.render_workers_at_once}) applies to "
-                             f'render_at "before_predict" or "after_physics" only (render_at is {self.render_at!r}: '
-                             "the workers render at their chunk's end); set it to null or change render_at")
+                             f'render_at="before_predict" only (render_at is {self.render_at!r}: the workers '
+                             "render at their chunk's end); set it to null or render_at to before_predict")
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None = None, key: str = PREFIX, **overrides: Any
@@ -132,12 +127,12 @@ class CollectorConfig:
 
     def check_against_env(self, env_cfg: EnvConfig) -> None:
         """Stages must split the envs evenly, and no GRPO group may straddle two stages; render_at
-        before_predict and after_physics defer the chunk-end render, which per-sub-step rendering does not have."""
-        if self.render_at in DEFERRED_RENDER and env_cfg.render_every != "chunk_end":
-            raise ValueError(f'{PREFIX}.render_at="{self.render_at}" defers the chunk-end render: it needs '
+        before_predict defers the chunk-end render, which per-sub-step rendering does not have."""
+        if self.render_at == "before_predict" and env_cfg.render_every != "chunk_end":
+            raise ValueError(f'{PREFIX}.render_at="before_predict" defers the chunk-end render: it needs '
                              f'env.render_every="chunk_end", got {env_cfg.render_every!r}')
-        if self.render_at in DEFERRED_RENDER and env_cfg.env_type == "worldmodel":  # refused here, not at chunk 0
-            raise ValueError(f'{PREFIX}.render_at="{self.render_at}" defers the chunk-end render, but env_type '
+        if self.render_at == "before_predict" and env_cfg.env_type == "worldmodel":  # refused here, not at chunk 0
+            raise ValueError(f'{PREFIX}.render_at="before_predict" defers the chunk-end render, but env_type '
                              '"worldmodel" has no renderer (its frames are the model\'s output): use "env_step"')
         n, s = env_cfg.num_envs, self.stages
         if n % s:

@@ -3,9 +3,7 @@
 A stage is one vector env over its own envs [start, stop) of the collector's N envs, with its
 own worker processes, its own profiler lane, and the state of its current episode (last
 observation, done / lost masks, the env chunk in flight). With `defer_render` (render_at
-before_predict) its chunks run physics only and `render` renders them on the caller's thread; with
-`render_after_physics` (render_at after_physics) `step` renders each chunk after its physics, in waves
-of `render_workers_at_once` workers, on the stage's own thread.
+before_predict) its chunks run physics only and `render` renders them on the caller's thread.
 """
 
 from __future__ import annotations
@@ -100,17 +98,12 @@ class Stage:
     """One pipeline stage: a vector env over envs [start, stop) and its episode state."""
 
     def __init__(self, index: int, start: int, env_cfg: EnvConfig, in_process: bool, lane: Any,
-                 defer_render: bool = False, render_workers_at_once: int | None = None,
-                 render_after_physics: bool = False):
-        if defer_render and render_after_physics:
-            raise ValueError("a stage renders either before its predict (defer_render) or after its physics "
-                             "(render_after_physics), not both")
+                 defer_render: bool = False, render_workers_at_once: int | None = None):
         self.index = index
         self.start = start
         self.stop = start + env_cfg.num_envs
         self.lane = lane
         self.defer_render = defer_render
-        self.render_after_physics = render_after_physics
         self.render_workers_at_once = render_workers_at_once
         with self.numbering_note():
             self.vec: VectorEnvBase = make_vector_env(env_cfg, in_process=in_process)
@@ -147,14 +140,7 @@ class Stage:
         if step is not None:
             attrs["step"] = step
         with self.lane.span("rollout/env_step", **attrs), self.numbering_note():
-            result = self.vec.step_chunk(actions, render=not (self.defer_render or self.render_after_physics))
-            if self.render_after_physics:
-                rendered = self.vec.render(self.render_workers_at_once)
-                self._take_render(result, rendered)
-                timing = result.info.get("timing")
-                if timing is not None:  # the env side's time of the chunk includes its render here
-                    timing["render_wall_s"] = rendered["timing"]["wall_s"]
-                    timing["wall_s"] = timing.get("wall_s", 0.0) + rendered["timing"]["wall_s"]
+            result = self.vec.step_chunk(actions, render=not self.defer_render)
         finished_at.append(time.perf_counter())
         return result
 
@@ -165,15 +151,11 @@ class Stage:
         any env lost meanwhile. Returns the render's wall seconds."""
         start = time.perf_counter()
         with timeline.span("rollout/render", **attrs), self.numbering_note():
-            self._take_render(result, self.vec.render(self.render_workers_at_once))
-        return time.perf_counter() - start
-
-    @staticmethod
-    def _take_render(result: ChunkResult, rendered: dict[str, Any]) -> None:
-        """The chunk's result gets the rendered observations and any env lost while rendering."""
+            rendered = self.vec.render(self.render_workers_at_once)
         result.obs = rendered["obs"]
         result.lost = result.lost | rendered["lost"]  # a worker lost while rendering (restart_on_crash)
         result.done = result.done | rendered["done"]
+        return time.perf_counter() - start
 
     @contextlib.contextmanager
     def numbering_note(self) -> Iterator[None]:

@@ -98,18 +98,6 @@ def test_bench_rollout_variant_runs_the_other_render_schedule():
     assert flipped.render_at == "env_step" and flipped.render_workers_at_once is None
 
 
-@pytest.mark.parametrize("name, at_once", [("after_physics", None), ("after_physics_w1", 1), ("after_physics_w2", 2),
-                                           ("after_physics_w4", 4)])
-def test_bench_rollout_after_physics_variants_render_in_waves(name, at_once):
-    from experiments.bench_rollout import BenchRolloutConfig, variant_config
-    from rollout.collector_config import CollectorConfig
-
-    env_cfg = countdown_env(num_envs=4, group_size=2)
-    cfg = variant_config(name, CollectorConfig(stages=2), env_cfg)
-    assert (cfg.render_at, cfg.render_workers_at_once, cfg.stages) == ("after_physics", at_once, 2)
-    assert BenchRolloutConfig(variants=[name]).variants == [name]
-
-
 def test_bench_rollout_no_reflections_variant_changes_only_the_env_render():
     from experiments.bench_rollout import variant_config, variant_env
     from rollout.collector_config import CollectorConfig

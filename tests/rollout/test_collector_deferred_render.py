@@ -1,8 +1,7 @@
 """rollout.collector.render_at: "before_predict" (stage chunks run physics only; the driver renders each
-stage just before predicting it) and "after_physics" (the stage's thread renders each chunk after its
-physics, in waves of workers) must fill the RolloutBatch exactly as "env_step" does, since only when
-the cameras render moves; their render time and profiler spans; the config key; a worker lost while
-rendering."""
+stage just before predicting it) must fill the RolloutBatch exactly as "env_step" does, since only
+when the cameras render moves; its render time and profiler spans; the config key; a worker lost
+while rendering."""
 
 from __future__ import annotations
 
@@ -69,23 +68,17 @@ def test_rendering_before_predict_fills_the_same_batch(stages, in_process):
         assert (d.env_steps, d.predict_rows, d.chunks) == (e.env_steps, e.predict_rows, e.chunks)
 
 
-def traced_epochs(tmp_path, render_at: str, steps: int) -> tuple[Timeline, list[Timeline]]:
-    """`steps` epochs of 2 stages, each in a profiler step, traced: the driver's and the stages' timelines."""
+def test_render_spans_are_keyed_by_the_env_chunk_and_the_report_builds(tmp_path):
     driver = Timeline(tmp_path, worker="driver", keep_in_memory=True)
     lanes = [Timeline(tmp_path, worker=f"env_stage{s}", keep_in_memory=True) for s in range(2)]
-    cfg = CollectorConfig(stages=2, in_process=True, render_at=render_at)
+    cfg = CollectorConfig(stages=2, in_process=True, render_at="before_predict")
     with RolloutCollector(countdown_env(), make_engine(tiny_policy()), cfg, timeline=driver,
                           stage_timelines=lanes) as collector:
-        for step in range(steps):
+        for step in range(2):
             with driver.span("step", step=step), driver.span("rollout"):
                 collector.collect(GROUP_INIT_STATES, seed=3, step=step)
     for timeline in (driver, *lanes):
         timeline.close()
-    return driver, lanes
-
-
-def test_render_spans_are_keyed_by_the_env_chunk_and_the_report_builds(tmp_path):
-    driver, lanes = traced_epochs(tmp_path, "before_predict", steps=2)
     spans = [s for t in (driver, *lanes) for s in t.spans]
     renders = {(a["step"], a["stage"], a["chunk"]): (start, end) for name, start, end, a in spans
                if name == "rollout/render"}
@@ -127,7 +120,7 @@ def test_a_worker_lost_while_rendering_loses_its_trajectories():
 
 def test_render_at_is_validated_and_round_trips():
     with pytest.raises(ValueError, match=r"rollout\.collector\.render_at must be one of \['env_step', "
-                                         r"'before_predict', 'after_physics'\], got 'later'"):
+                                         r"'before_predict'\], got 'later'"):
         CollectorConfig(render_at="later")
     with pytest.raises(ValueError, match=r"grpo\.collector\.render_at must be one of"):
         CollectorConfig.from_mapping({"render_at": "never"}, key="grpo.collector")
@@ -148,48 +141,19 @@ def test_rendering_in_waves_of_workers_fills_the_same_batch():
         CollectorConfig(render_workers_at_once=0)
 
 
-@pytest.mark.parametrize("render_at", ["before_predict", "after_physics"])
-def test_deferred_renders_are_refused_up_front_for_the_world_model_env(render_at):
+def test_render_before_predict_is_refused_up_front_for_the_world_model_env():
     # the world-model vector env refuses step_chunk(render=False): without this check the collector
     # would build (the model too), reset and predict, then fail in its first env chunk
     from worldmodels.env_config import WorldModelEnvConfig
 
     env_cfg = WorldModelEnvConfig(num_envs=2, group_size=2, image_size=32, chunk_size=8, max_episode_steps=20)
-    with pytest.raises(ValueError, match=rf'render_at="{render_at}" .* env_type "worldmodel" has no renderer'):
-        CollectorConfig(stages=1, render_at=render_at).check_against_env(env_cfg)
+    with pytest.raises(ValueError, match=r'render_at="before_predict" .* env_type "worldmodel" has no renderer'):
+        CollectorConfig(stages=1, render_at="before_predict").check_against_env(env_cfg)
     CollectorConfig(stages=1).check_against_env(env_cfg)  # env_step is fine
 
 
 def test_render_waves_without_deferred_renders_are_refused_by_name():
     with pytest.raises(ValueError, match=r"rollout\.collector\.render_workers_at_once \(4\) applies to "
-                                         r'render_at "before_predict" or "after_physics" only'):
+                                         r'render_at="before_predict" only'):
         CollectorConfig(render_workers_at_once=4)
     assert CollectorConfig(render_at="before_predict", render_workers_at_once=4).render_workers_at_once == 4
-    assert CollectorConfig(render_at="after_physics", render_workers_at_once=4).render_workers_at_once == 4
-
-
-@pytest.mark.parametrize("stages, in_process, workers, at_once", [(2, True, 1, None), (2, False, 2, 1),
-                                                                   (1, False, 2, None)])
-def test_rendering_after_physics_fills_the_same_batch(stages, in_process, workers, at_once):
-    after, after_stats = collect("after_physics", stages, in_process, workers=workers,
-                                 render_workers_at_once=at_once)
-    eager, eager_stats = collect("env_step", stages, in_process, workers=workers)
-    for a, b in zip(after, eager, strict=True):
-        assert_batches_equal(a, b)
-        assert a.images["agentview_image"][a.chunk_valid].std() > 0
-    for a, e in zip(after_stats, eager_stats, strict=True):
-        assert a.render_s == 0.0  # the stage's thread renders: no driver time in vec.render()
-        assert (a.env_steps, a.predict_rows, a.chunks) == (e.env_steps, e.predict_rows, e.chunks)
-
-
-def test_rendering_after_physics_stays_inside_the_stage_env_step_span(tmp_path):
-    driver, lanes = traced_epochs(tmp_path, "after_physics", steps=1)
-    names = {name for t in (driver, *lanes) for name, *_ in t.spans}
-    assert "rollout/env_step" in names and "rollout/render" not in names
-
-
-def test_a_stage_renders_before_predict_or_after_physics_not_both():
-    from rollout.collector_stages import Stage
-
-    with pytest.raises(ValueError, match="not both"):
-        Stage(0, 0, countdown_env(), True, None, defer_render=True, render_after_physics=True)
