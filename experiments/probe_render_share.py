@@ -257,7 +257,9 @@ def _rate(record: dict, key: str) -> str:
 
 def summarize(payload: dict[str, Any]) -> dict[str, Any]:
     """Per renderer count (the last setting of a repeated count): the workload's median, its slowdown
-    against the median of the workload-alone settings, and renders per second alone and beside."""
+    against the median of the workload-alone settings, renders per second alone and beside, and the
+    GPU ms a render took beside the workload: the share of the GPU the workload lost (1 - alone /
+    beside, its kernels being all it runs) over the renders per second that took it."""
     alone = [s["median_call_ms"] for s in payload["settings"] if s["renderers"] == 0]
     base = statistics.median(alone) if alone else None
     summary: dict[str, Any] = {"workload_alone_ms": base}
@@ -266,10 +268,13 @@ def summarize(payload: dict[str, Any]) -> dict[str, Any]:
         if not k:
             continue
         summary[f"r{k}_workload_ms"] = s["median_call_ms"]
+        beside = s["renders_beside"]["renders_per_s"]
         if base:
             summary[f"r{k}_slowdown"] = s["median_call_ms"] / base
+            if beside:
+                summary[f"r{k}_gpu_ms_per_render"] = 1e3 * (1 - base / s["median_call_ms"]) / beside
         summary[f"r{k}_renders_per_s_alone"] = s["renders_alone"]["renders_per_s"]
-        summary[f"r{k}_renders_per_s_beside"] = s["renders_beside"]["renders_per_s"]
+        summary[f"r{k}_renders_per_s_beside"] = beside
     return summary
 
 

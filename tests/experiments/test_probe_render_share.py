@@ -33,6 +33,8 @@ def test_summary_compares_each_count_with_the_workload_alone():
     summary = summarize(payload)
     assert summary["workload_alone_ms"] == 11.0
     assert summary["r2_slowdown"] == pytest.approx(30 / 11)
+    # the workload kept 11/30 of the GPU: the 4 renders a second took the other 19/30, 158.3 ms each
+    assert summary["r2_gpu_ms_per_render"] == pytest.approx(1e3 * (19 / 30) / 4)
     assert summary["r2_renders_per_s_alone"] == 10.0 and summary["r2_renders_per_s_beside"] == 4.0
 
 
