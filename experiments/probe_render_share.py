@@ -120,8 +120,16 @@ class RenderPool:
         self.timeout_s = probe.start_timeout_s
 
     def __enter__(self) -> RenderPool:
-        for proc in self.procs:
-            proc.start()
+        try:  # a renderer that fails or hangs at start stops them all: __exit__ does not run for a failed __enter__
+            for proc in self.procs:
+                proc.start()
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
         ready, deadline = 0, time.monotonic() + self.timeout_s
         while ready < self.n:
             try:
@@ -132,11 +140,12 @@ class RenderPool:
             if kind == "error":
                 raise RuntimeError(f"renderer {index} failed:\n{detail}")
             ready += 1
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.shared["stop"].set()
         for proc in self.procs:
+            if proc.pid is None:  # never started
+                continue
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.terminate()

@@ -69,3 +69,20 @@ def test_a_bad_task_fails_before_any_renderer_starts():
 
     with pytest.raises(ValueError, match="99"):
         run(EnvConfig(suite="libero_10", show_progress=False), RenderShareConfig(renderers=[1], task_id=99))
+
+
+@pytest.mark.libero
+def test_a_renderer_that_fails_at_start_is_named_and_the_others_stop():
+    import multiprocessing as mp
+
+    from envs.config import EnvConfig
+    from experiments.probe_render_share import RenderPool, RenderShareConfig
+
+    # camera "nowhere" does not exist in the scene: each renderer fails building its env
+    env_cfg = EnvConfig(suite="libero_10", num_envs=1, num_workers=1, image_size=32, cameras=["nowhere"],
+                        show_progress=False)
+    pool = RenderPool(env_cfg, RenderShareConfig(renderers=[2], task_id=8), 2)
+    with pytest.raises(RuntimeError, match=r"(?s)renderer \d failed:\n.*env.cameras entry .nowhere."), pool:
+        pass
+    assert not any(proc.is_alive() for proc in pool.procs)
+    assert not mp.active_children()
