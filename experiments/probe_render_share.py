@@ -33,7 +33,13 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from common.config import check_choice, check_nonnegative_int, check_positive_int, reject_unknown_keys
+from common.config import (
+    check_choice,
+    check_nonnegative_int,
+    check_positive_finite,
+    check_positive_int,
+    reject_unknown_keys,
+)
 from envs.config import EnvConfig, register_hydra_schema
 from experiments.results import write_result
 
@@ -68,9 +74,7 @@ class RenderShareConfig:
         for key in ("calls", "layers", "weight_sets", "rows", "width"):
             check_positive_int(f"probe.{key}", getattr(self, key))
         for key in ("window_s", "settle_s", "start_timeout_s"):
-            value = getattr(self, key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"probe.{key} must be a number > 0, got {value!r}")
+            check_positive_finite(f"probe.{key}", getattr(self, key))
         check_choice("probe.device", self.device, ("auto", "cpu", "cuda"))
 
 
@@ -179,7 +183,7 @@ class GemmWorkload:
     def __init__(self, probe: RenderShareConfig, device: Any):
         import torch
 
-        self.torch, self.device = torch, device
+        self.torch = torch
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         make = lambda *shape: torch.randn(*shape, device=device, dtype=dtype) / shape[0] ** 0.5  # noqa: E731
         self.x = make(probe.rows, probe.width)

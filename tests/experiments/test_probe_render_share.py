@@ -10,8 +10,9 @@ import pytest
     ({"renderers": []}, r"probe\.renderers must list at least one count"),
     ({"renderers": [0, -1]}, "probe.renderers entries"),
     ({"calls": 0}, "probe.calls"),
-    ({"window_s": 0}, r"probe\.window_s must be a number > 0, got 0"),
-    ({"settle_s": "x"}, r"probe\.settle_s must be a number > 0, got 'x'"),
+    ({"window_s": 0}, r"probe\.window_s must be a positive finite number, got 0"),
+    ({"settle_s": "x"}, r"probe\.settle_s must be a positive finite number, got 'x'"),
+    ({"start_timeout_s": float("inf")}, r"probe\.start_timeout_s must be a positive finite number, got inf"),
     ({"device": "tpu"}, "probe.device"),
 ])
 def test_probe_config_names_the_bad_value(overrides, message):
