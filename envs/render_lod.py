@@ -9,9 +9,12 @@ time-slice the GPU with the policy's predict beside them (README, "Cheaper rende
 `env.render_mesh_faces=N` draws every mesh with more than N faces with at most N; smaller meshes and
 every mesh of a free-moving body (the task's objects, which the wrist camera sees close up: a frying pan
 has 9.3k faces) stay whole. The cut is vertex clustering: a mesh's vertices are
-binned on a grid (the mesh's own frame), each bin's vertices merge into the bin's vertex closest to the
-bin's mean (an existing vertex, so no new positions are made), faces that collapse or repeat are
-dropped, and the grid is the finest that meets the budget (bisection on its cell size). Each kept face
+binned on a grid (the mesh's own frame), each bin's vertices merge into one of them (an existing vertex, so
+no new positions are made), faces that collapse or repeat are dropped, and the grid is the finest that meets
+the budget (bisection on its cell size). The bin keeps the vertex that lies best on the planes of the bin's
+faces (the smallest error of the bin's summed quadric, Garland & Heckbert's area-weighted plane quadrics, as
+in Lindstrom's out-of-core clustering), so corners and creases stay where they were; on a flat bin that is
+the vertex nearest the bin's mean. Each kept face
 keeps its corners' own normals and texture coordinates, so textures do not smear across seams.
 
 Only the render context's copy of the meshes changes: MuJoCo uploads a mesh's faces when the context is
@@ -47,18 +50,59 @@ class ClusteredFaces:
     cell: float  # the grid's cell size, metres
 
 
-def cluster_representatives(vertices: np.ndarray, cell: float) -> np.ndarray:
-    """For each vertex, the index of its bin's representative (the bin's vertex nearest the bin's mean)."""
-    if cell <= 0:
-        raise ValueError(f"cell must be positive (metres), got {cell}")
+# the 10 distinct entries (i, j), i <= j, of a symmetric 4 x 4 quadric, in the order of its (n, 10) arrays
+_QUADRIC_ENTRIES = [(i, j) for i in range(4) for j in range(i, 4)]
+# a bin's area times a vertex's squared distance to the bin's mean, added to its plane error: on a flat bin
+# (every error ~0, up to rounding) the vertex nearest the mean wins, elsewhere the planes decide
+_MEAN_PULL = 1e-6
+
+
+def vertex_quadrics(vertices: np.ndarray, faces: np.ndarray) -> np.ndarray:
+    """(n, 10): each vertex's error quadric, the sum over its faces of area * p p^T with p = (unit normal,
+    offset) the face's plane, so [x, 1] Q [x, 1]^T is the area-weighted squared distance of x to those
+    planes. A face without area adds nothing."""
     vertices = np.asarray(vertices, dtype=np.float64)
-    _, bins = np.unique(_row_codes(np.floor(vertices / cell).astype(np.int64)), return_inverse=True)
+    faces = np.asarray(faces, dtype=np.int64).reshape(-1, 3)
+    a, b, c = (vertices[faces[:, corner]] for corner in range(3))
+    normal = np.cross(b - a, c - a)
+    twice_area = np.linalg.norm(normal, axis=1)
+    unit = np.divide(normal, twice_area[:, None], out=np.zeros_like(normal), where=twice_area[:, None] > 0)
+    plane = np.concatenate([unit, -np.sum(unit * a, axis=1, keepdims=True)], axis=1)
+    corners = faces.ravel()
+    quadrics = np.empty((len(vertices), len(_QUADRIC_ENTRIES)))
+    for column, (i, j) in enumerate(_QUADRIC_ENTRIES):
+        per_face = 0.5 * twice_area * plane[:, i] * plane[:, j]
+        quadrics[:, column] = np.bincount(corners, weights=np.repeat(per_face, 3), minlength=len(vertices))
+    return quadrics
+
+
+def quadric_error(quadrics: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """[x, 1] Q [x, 1]^T per row: (n, 10) quadrics at (n, 3) points."""
+    homogeneous = np.concatenate([points, np.ones((len(points), 1))], axis=1)
+    error = np.zeros(len(points))
+    for column, (i, j) in enumerate(_QUADRIC_ENTRIES):
+        error += (1.0 if i == j else 2.0) * quadrics[:, column] * homogeneous[:, i] * homogeneous[:, j]
+    return error
+
+
+def cluster_representatives(vertices: np.ndarray, cell: float, quadrics: np.ndarray | None = None) -> np.ndarray:
+    """For each vertex, the index of its bin's representative: the bin's vertex with the smallest error under
+    the sum of the bin's vertex quadrics (`vertex_quadrics`), plus a pull toward the bin's mean that decides
+    on flat bins; without quadrics (or on a bin whose faces have no area), the vertex nearest the mean."""
+    vertices = np.asarray(vertices, dtype=np.float64)
+    bins = _grid_bins(vertices, cell)
     count = np.bincount(bins)
     means = np.stack([np.bincount(bins, weights=vertices[:, axis]) for axis in range(3)], axis=1)
     means /= count[:, None]
     distance = np.sum((vertices - means[bins]) ** 2, axis=1)
-    # nearest per bin: sort by (bin, distance, index) and take each bin's first
-    order = np.lexsort((np.arange(len(vertices)), distance, bins))
+    score = np.zeros(len(vertices))
+    if quadrics is not None:
+        summed = np.stack([np.bincount(bins, weights=quadrics[:, k], minlength=len(count))
+                           for k in range(quadrics.shape[1])], axis=1)[bins]
+        area = summed[:, 0] + summed[:, 4] + summed[:, 7]  # the trace of the normals' block: the faces' area
+        score = np.maximum(quadric_error(summed, vertices), 0.0) + _MEAN_PULL * area * distance
+    # best per bin: sort by (bin, score, distance, index) and take each bin's first
+    order = np.lexsort((np.arange(len(vertices)), distance, score, bins))
     first = np.ones(len(order), dtype=bool)
     first[1:] = bins[order[1:]] != bins[order[:-1]]
     representative_of_bin = np.empty(len(count), dtype=np.int64)
@@ -66,19 +110,38 @@ def cluster_representatives(vertices: np.ndarray, cell: float) -> np.ndarray:
     return representative_of_bin[bins]
 
 
-def cluster_faces(vertices: np.ndarray, faces: np.ndarray, cell: float) -> ClusteredFaces:
-    """The faces left after merging vertices on a grid of `cell` metres (degenerate and repeated dropped)."""
+def cluster_faces(vertices: np.ndarray, faces: np.ndarray, cell: float,
+                  quadrics: np.ndarray | None = None) -> ClusteredFaces:
+    """The faces left after merging vertices on a grid of `cell` metres (degenerate and repeated dropped).
+    `quadrics`: the mesh's `vertex_quadrics`, computed here when not given."""
     faces = np.asarray(faces, dtype=np.int64).reshape(-1, 3)
-    merged = cluster_representatives(vertices, cell)[faces]
-    distinct = ((merged[:, 0] != merged[:, 1]) & (merged[:, 1] != merged[:, 2])
-                & (merged[:, 0] != merged[:, 2]))
+    if quadrics is None:
+        quadrics = vertex_quadrics(vertices, faces)
+    kept = _surviving_faces(_grid_bins(vertices, cell)[faces])
+    merged = cluster_representatives(vertices, cell, quadrics)[faces[kept]]
+    return ClusteredFaces(kept=kept, faces=merged.astype(np.int32), cell=cell)
+
+
+def _grid_bins(vertices: np.ndarray, cell: float) -> np.ndarray:
+    """Each vertex's bin on a grid of `cell` metres, as dense ids."""
+    if cell <= 0:
+        raise ValueError(f"cell must be positive (metres), got {cell}")
+    codes = _row_codes(np.floor(np.asarray(vertices, dtype=np.float64) / cell).astype(np.int64))
+    return np.unique(codes, return_inverse=True)[1]
+
+
+def _surviving_faces(corner_bins: np.ndarray) -> np.ndarray:
+    """Indices (ascending) of the faces whose three corners lie in three bins, the first of those with the same
+    bins in the same cyclic order. Which vertex a bin keeps does not change which faces survive, so the
+    budget's bisection counts these without choosing representatives."""
+    distinct = ((corner_bins[:, 0] != corner_bins[:, 1]) & (corner_bins[:, 1] != corner_bins[:, 2])
+                & (corner_bins[:, 0] != corner_bins[:, 2]))
     candidates = np.flatnonzero(distinct)
     # a triangle and its reversed twin are different faces (they face opposite ways): keep both,
     # but only the first of faces with the same corners in the same cyclic order
-    rolled = _canonical_rotation(merged[candidates])
+    rolled = _canonical_rotation(corner_bins[candidates])
     _, first = np.unique(_row_codes(rolled), return_index=True)
-    kept = candidates[np.sort(first)]
-    return ClusteredFaces(kept=kept, faces=merged[kept].astype(np.int32), cell=cell)
+    return candidates[np.sort(first)]
 
 
 def _row_codes(rows: np.ndarray) -> np.ndarray:
@@ -168,14 +231,14 @@ def clustered_within_budget(vertices: np.ndarray, faces: np.ndarray, budget: int
     best = None
     for _ in range(iterations):
         cell = float(np.sqrt(fine * coarse))
-        clustered = cluster_faces(vertices, faces, cell)
-        if len(clustered.kept) > budget:
+        surviving = len(_surviving_faces(_grid_bins(vertices, cell)[faces]))
+        if surviving > budget:
             fine = cell
         else:
             coarse = cell
-            if len(clustered.kept):
-                best = clustered
-    return best
+            if surviving:
+                best = cell
+    return None if best is None else cluster_faces(vertices, faces, best)
 
 
 def swap_in_clustered_faces(model: Any, mesh_ids: list[int], budget: int) -> tuple[_FaceArrays, dict[str, int]]:
