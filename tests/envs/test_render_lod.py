@@ -35,13 +35,18 @@ def grid_mesh(n: int, spacing: float) -> tuple[np.ndarray, np.ndarray]:
     return vertices, np.array(faces)
 
 
-def reference_representatives(vertices: np.ndarray, cell: float) -> np.ndarray:
-    """One vertex at a time: the bin's vertex nearest the bin's mean, the lowest index on ties."""
+def reference_bins(vertices: np.ndarray, cell: float) -> list[list[int]]:
+    """The vertices of each occupied grid bin, one vertex at a time."""
     bins: dict[tuple, list[int]] = {}
     for index, vertex in enumerate(vertices):
         bins.setdefault(tuple(np.floor(vertex / cell).astype(int)), []).append(index)
+    return list(bins.values())
+
+
+def reference_representatives(vertices: np.ndarray, cell: float) -> np.ndarray:
+    """One vertex at a time: the bin's vertex nearest the bin's mean, the lowest index on ties."""
     out = np.empty(len(vertices), dtype=np.int64)
-    for members in bins.values():
+    for members in reference_bins(vertices, cell):
         mean = vertices[members].mean(axis=0)
         best = min(members, key=lambda i: (float(np.sum((vertices[i] - mean) ** 2)), i))
         out[members] = best
@@ -117,11 +122,8 @@ def reference_quadric_representatives(vertices: np.ndarray, faces: np.ndarray, c
     """One bin at a time: the bin's summed 4 x 4 quadric, each member's error plus the mean pull, the
     smallest score, then the nearest the mean, then the lowest index."""
     matrices = reference_quadrics(vertices, faces)
-    bins: dict[tuple, list[int]] = {}
-    for index, vertex in enumerate(vertices):
-        bins.setdefault(tuple(np.floor(vertex / cell).astype(int)), []).append(index)
     out = np.empty(len(vertices), dtype=np.int64)
-    for members in bins.values():
+    for members in reference_bins(vertices, cell):
         summed = matrices[members].sum(axis=0)
         area = np.trace(summed[:3, :3])
         mean = vertices[members].mean(axis=0)
