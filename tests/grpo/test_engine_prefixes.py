@@ -16,7 +16,7 @@ from grpo.prefix_store import RowPrefixes
 from policies.models.pi05 import PrefixCache
 from rollout.config import EngineConfig
 from rollout.engine import PolicyEngine
-from tests.grpo.helpers import raw_obs, record_stages, sampled_rows, tiny_policy
+from tests.grpo.helpers import assert_same_update_to_rounding, raw_obs, record_stages, sampled_rows, tiny_policy
 from tests.grpo.test_review_fixes import PINNED
 from tests.grpo.test_trainer import countdown_config, run
 
@@ -232,8 +232,7 @@ def test_rows_the_engine_did_not_keep_recompute_their_prefix():
         results[name] = [p.detach().clone() for p in policy.trainable_parameters()]
         if name == "engine":  # kept rows 0-4 in micro-batches of 3 and 2, the other 3 rows in one of their own
             assert runs.count("prefix") == 1 + 2 and metrics["train/prefix_cache_rows"] == 5
-    for a, b in zip(results["off"], results["engine"], strict=True):  # other micro-batches: fp32 rounding
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_same_update_to_rounding(results["engine"], results["off"], lr=1e-2)  # other micro-batches
 
 
 def test_an_actor_without_the_engines_store_says_so():

@@ -11,7 +11,7 @@ from grpo.config import GRPOConfig
 from grpo.observations import observation_from_rows
 from grpo.prefix_store import RowPrefixes, row_bytes
 from policies.models.pi05 import PrefixCache
-from tests.grpo.helpers import record_stages, sampled_rows, tiny_policy
+from tests.grpo.helpers import assert_same_update_to_rounding, record_stages, sampled_rows, tiny_policy
 
 
 def rows_inputs(policy, rows):
@@ -210,9 +210,11 @@ def test_the_update_with_kept_prefixes_equals_the_recomputing_one(settings):
     assert results["kept"][1]["train/prefix_cache_spilled_rows"] == spill_rows
     # under a budget the micro-batches hold other rows (kept ones first), so the sums round differently (in fp32:
     # under bf16 autocast the GEMMs of other batch compositions differ by far more than the cache could show)
-    tolerance = {"rtol": 1e-5, "atol": 1e-7} if kept_rows == 8 else {"rtol": 1e-4, "atol": 1e-6}
-    for a, b in zip(results["off"][0], results["kept"][0], strict=True):
-        torch.testing.assert_close(a, b, **tolerance)
+    if kept_rows == 8:
+        for a, b in zip(results["off"][0], results["kept"][0], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    else:
+        assert_same_update_to_rounding(results["kept"][0], results["off"][0], lr=1e-2)
     assert results["kept"][1]["train/optimizer_steps"] == results["off"][1]["train/optimizer_steps"]
 
 
