@@ -89,8 +89,11 @@ def cluster_representatives(vertices: np.ndarray, cell: float, quadrics: np.ndar
     """For each vertex, the index of its bin's representative: the bin's vertex with the smallest error under
     the sum of the bin's vertex quadrics (`vertex_quadrics`), plus a pull toward the bin's mean that decides
     on flat bins; without quadrics (or on a bin whose faces have no area), the vertex nearest the mean."""
-    vertices = np.asarray(vertices, dtype=np.float64)
-    bins = _grid_bins(vertices, cell)
+    return _bin_representatives(np.asarray(vertices, dtype=np.float64), _grid_bins(vertices, cell), quadrics)
+
+
+def _bin_representatives(vertices: np.ndarray, bins: np.ndarray, quadrics: np.ndarray | None) -> np.ndarray:
+    """`cluster_representatives` for vertices already binned (`_grid_bins`)."""
     count = np.bincount(bins)
     means = np.stack([np.bincount(bins, weights=vertices[:, axis]) for axis in range(3)], axis=1)
     means /= count[:, None]
@@ -117,8 +120,10 @@ def cluster_faces(vertices: np.ndarray, faces: np.ndarray, cell: float,
     faces = np.asarray(faces, dtype=np.int64).reshape(-1, 3)
     if quadrics is None:
         quadrics = vertex_quadrics(vertices, faces)
-    kept = _surviving_faces(_grid_bins(vertices, cell)[faces])
-    merged = cluster_representatives(vertices, cell, quadrics)[faces[kept]]
+    vertices = np.asarray(vertices, dtype=np.float64)
+    bins = _grid_bins(vertices, cell)
+    kept = _surviving_faces(bins[faces])
+    merged = _bin_representatives(vertices, bins, quadrics)[faces[kept]]
     return ClusteredFaces(kept=kept, faces=merged.astype(np.int32), cell=cell)
 
 
