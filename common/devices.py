@@ -74,6 +74,18 @@ def device_context(device: torch.device | str):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def graph_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None):
+    """torch.cuda.graph on `stream`, restricting only this thread's CUDA calls while it captures.
+
+    torch's default capture mode ("global") also makes a potentially unsafe CUDA call from *another* thread fail
+    and invalidates the capture: the GRPO prefix store registers its host spill (`cudaHostRegister`,
+    common/host_memory.py) on a thread of its own while the in-process engine captures its first graphs, and the
+    8-epoch spill run died with cudaErrorStreamCaptureInvalidated in its first predict (round 59). "thread_local"
+    keeps the check for the capturing thread's own calls; the other threads in a process here touch only their own
+    memory or streams, never the capture's."""
+    return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
+
+
 def on_own_device(method):
     """Run a method with its object's `device` current (device_context)."""
     @functools.wraps(method)

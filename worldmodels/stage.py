@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from common.devices import device_context
+from common.devices import device_context, graph_capture
 from worldmodels.kvpool import DISCARD, SENTINEL, KVPool
 from worldmodels.model import CausalWanDiT
 
@@ -139,7 +139,7 @@ class StageRunner:
         graph = torch.cuda.CUDAGraph()
         # on this runner's own stream: torch.cuda.graph's default capture stream is made once per process, on
         # whichever device was current then (cuda:0), and a capture there of cuda:1's kernels fails
-        with torch.cuda.graph(graph, pool=self._pool_handle, stream=side):
+        with graph_capture(graph, side, pool=self._pool_handle):
             out = self.forward(static)
         return graph, out
 

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from common.devices import graph_capture
+
 BACKENDS = ("sdpa", "flashinfer", "triton")
 
 
@@ -277,7 +279,7 @@ def cycled_graph_ms(fn, calls: int, replays: int = 10) -> float:
             fn(i % calls)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):  # the current device's stream (common/devices.py)
+    with graph_capture(graph, stream):  # the current device's stream (common/devices.py)
         for i in range(calls):
             fn(i)
     graph.replay()

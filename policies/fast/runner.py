@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from common.devices import on_own_device
+from common.devices import graph_capture, on_own_device
 from policies import flow
 from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, gemm_search, overlap, pdl, skinny, tuning
 from policies.fast import kernels as K
@@ -277,7 +277,7 @@ class FastSampler:
             fn(bucket)  # warm-up on a side stream (allocator, cuBLAS handles, Triton compile)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()  # captured on this device's stream (common/devices.py)
-        with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
+        with graph_capture(graph, stream, pool=self.graph_pool):
             fn(bucket)
         bucket.graphs[stage] = graph
         graph.replay()

@@ -3,6 +3,8 @@ and the world-model server's ServeConfig.check_visible both use it), every refus
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -57,3 +59,15 @@ def test_an_index_torch_does_not_spell_is_refused_by_key_and_value(name):
         visible_cuda_index("run.device", name, 8)
     with pytest.raises(ValueError, match=rf"rollout\.engine\.devices must be a device name .*, got {name!r}"):
         resolve_device("rollout.engine.devices", name, 8)
+
+
+def test_every_library_graph_capture_goes_through_graph_capture():
+    """A capture in torch's default "global" mode fails when another thread makes an unsafe CUDA call meanwhile
+    (round 59: the prefix store's spill registration during the engine's first capture). The library's captures
+    all go through common.devices.graph_capture; experiments' probes may capture as they like."""
+    root = Path(__file__).resolve().parents[2]
+    offenders = [f"{path.relative_to(root)}:{number}"
+                 for folder in ("common", "envs", "grpo", "policies", "profiler", "rollout", "worldmodels")
+                 for path in sorted((root / folder).rglob("*.py")) if path.name != "devices.py"
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if "torch.cuda.graph(" in line]
+    assert offenders == []

@@ -4,11 +4,17 @@ last tensor on it is gone. CUDA's two calls are stood in for here (their GPU run
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from common import host_memory
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -69,3 +75,21 @@ def test_registered_memory_is_pinned_and_copies_both_ways():
     back = t.to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(back, src)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_memory_registered_on_another_thread_leaves_a_graph_capture_intact():
+    """Round 59: the prefix store's spill job registered host memory on its own thread while the engine captured
+    its first graphs, and the capture failed (torch's "global" mode: another thread's unsafe call invalidates it).
+    common.devices.graph_capture ("thread_local") must let both succeed; the global case shows the probe can tell."""
+    def probe(mode: str) -> dict:
+        done = subprocess.run([sys.executable, "-m", "tests.common.register_during_capture", mode], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    kept = probe("thread_local")
+    assert kept == {"mode": "thread_local", "registered": True, "replay_right": True}, kept
+    broken = probe("global")
+    assert "capture_error" in broken or "register_error" in broken, broken
