@@ -16,7 +16,7 @@ from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
 from rollout.config import EngineConfig
 from rollout.engine import PolicyEngine
-from tests.grpo.helpers import raw_obs, record_stages
+from tests.grpo.helpers import assert_same_update_to_rounding, raw_obs, record_stages
 from tests.grpo.test_prefix_cache_gpu import CONSISTENT, WIDE
 
 pytestmark = pytest.mark.gpu
@@ -69,5 +69,7 @@ def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one(sp
                 if spilled:  # made on a thread as registered pageable memory (common.host_memory): pinned
                     assert all(t.is_pinned() for t in store._spilled_slots().keys)
             weights[name] = [p.detach().clone() for p in policy.trainable_parameters()]
-    for a, b in zip(weights["off"], weights["engine"], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # the backward's CUDA atomics
+    # the backward's CUDA atomics round the gradients differently from run to run, and AdamW can turn that into a
+    # rounding-sized share of a step (round 59, an H200: 1 weight of 524288 off by 1.2e-6 at lr 1e-2; the H100 had
+    # passed at 1e-6 twice); a wrong prefix moves weights by whole steps
+    assert_same_update_to_rounding(weights["engine"], weights["off"], lr=1e-2)

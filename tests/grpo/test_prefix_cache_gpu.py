@@ -16,7 +16,7 @@ from grpo.actor import Actor
 from grpo.config import GRPOConfig
 from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
-from tests.grpo.helpers import sampled_rows
+from tests.grpo.helpers import assert_same_update_to_rounding, sampled_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -47,6 +47,6 @@ def test_the_cuda_update_with_kept_prefixes_equals_the_recomputing_one(where, co
         if name != "off":
             assert metrics["train/prefix_cache_rows"] == 8
         weights[name] = [p.detach().clone() for p in policy.trainable_parameters()]
-    for a, b in zip(weights["off"], weights[where], strict=True):
-        # the kept K/V are the recomputed ones bit for bit; the backward's CUDA kernels need not be deterministic
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # the kept K/V are the recomputed ones bit for bit; the backward's CUDA kernels need not be deterministic, and
+    # AdamW can make their rounding a rounding-sized share of a step (test_engine_prefixes_gpu, round 59)
+    assert_same_update_to_rounding(weights[where], weights["off"], lr=1e-2)
