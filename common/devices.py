@@ -81,8 +81,8 @@ def graph_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=N
     and invalidates the capture: the GRPO prefix store registers its host spill (`cudaHostRegister`,
     common/host_memory.py) on a thread of its own while the in-process engine captures its first graphs, and the
     8-epoch spill run died with cudaErrorStreamCaptureInvalidated in its first predict (round 59). "thread_local"
-    keeps the check for the capturing thread's own calls; the other threads in a process here touch only their own
-    memory or streams, never the capture's."""
+    keeps the check for the capturing thread's own calls, whose stream is what the graph records; work another
+    thread queues on its own streams is not recorded either way (tests/common/register_during_capture.py)."""
     return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
 
 
