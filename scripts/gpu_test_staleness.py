@@ -3,10 +3,11 @@
 CI has no GPU, so a change to GPU code counts as verified only through a `scripts/gpu_tests.py` record
 from the device machine (issue 12, part 1). This report answers, per GPU test file: the oldest of
 its collected tests' newest recorded passes (tests may pass in different runs: flashinfer's only where
-it was carried), and the commits since that run's sha which touched the test file, a `conftest.py`
-above it, or a repository module it imports, directly or through other repository modules (a static
-`import` graph at HEAD; files the code opens without importing them, such as CUDA sources or YAML
-configs, are not followed).
+it was carried), and the commits since that run's sha which changed the code of the test file, a
+`conftest.py` above it, or a repository module it imports, directly or through other repository modules
+(a static `import` graph at HEAD; files the code opens without importing them, such as CUDA sources or
+YAML configs, are not followed). A commit that changed only comments or docstrings there is left out
+(the files' syntax trees are compared); `--any-change` counts it too.
 
     python scripts/gpu_test_staleness.py                 # table, stalest first
     python scripts/gpu_test_staleness.py --json out.json # the same as JSON
@@ -177,8 +178,39 @@ def git(*args: str, cwd: Path = ROOT) -> str:
     return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
 
 
-def commits_touching(since: str, files: list[str], cwd: Path = ROOT) -> list[tuple[str, str, list[str]]]:
-    """(short sha, subject, the given files it touched) for each commit in since..HEAD, newest first."""
+def code_of(source: str | None) -> str | None:
+    """What a Python source runs: its syntax tree without comments and docstrings (None: no file, or no Python)."""
+    if source is None:
+        return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def source_at(rev: str, path: str, cwd: Path = ROOT) -> str | None:
+    done = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=cwd, capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+def changes_code(sha: str, path: str, cwd: Path = ROOT) -> bool:
+    """Whether commit `sha` changed what `path` runs (a .py file), not only its comments or docstrings."""
+    if not path.endswith(".py"):
+        return True
+    return code_of(source_at(f"{sha}^", path, cwd)) != code_of(source_at(sha, path, cwd))
+
+
+def commits_touching(since: str, files: list[str], cwd: Path = ROOT,
+                     code_only: bool = True) -> list[tuple[str, str, list[str]]]:
+    """(short sha, subject, the given files it touched) for each commit in since..HEAD, newest first; with
+    `code_only`, only the files whose code it changed (`changes_code`), and only commits that changed some."""
     if not files:
         return []
     out = git("log", "--format=\x01%h %s", "--name-only", f"{since}..HEAD", "--", *files, cwd=cwd)
@@ -186,18 +218,21 @@ def commits_touching(since: str, files: list[str], cwd: Path = ROOT) -> list[tup
     for block in out.split("\x01")[1:]:
         head, *names = [line for line in block.splitlines() if line.strip()]
         sha, _, subject = head.partition(" ")
-        commits.append((sha, subject, names))
+        if code_only:
+            names = [name for name in names if changes_code(sha, name, cwd)]
+        if names:
+            commits.append((sha, subject, names))
     return commits
 
 
-def file_status(test_file: str, node_ids: list[str], records: list[Record]) -> FileStatus:
+def file_status(test_file: str, node_ids: list[str], records: list[Record], code_only: bool = True) -> FileStatus:
     record, never = weakest_pass(records, [junit_id(n) for n in node_ids])
     status = FileStatus(test_file, len(node_ids), record.sha[:10] if record else None, record.path if record else None,
                         never_passed=[node_ids[k] for k in never])
     if record is None:
         return status
     deps = sorted(str(p.relative_to(ROOT)) for p in dependency_files(ROOT / test_file))
-    commits = commits_touching(record.sha, deps)
+    commits = commits_touching(record.sha, deps, code_only=code_only)
     status.commits_since = [f"{sha} {subject}" for sha, subject, _ in commits]
     status.changed = sorted({name for _, _, names in commits for name in names})
     return status
@@ -224,12 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of gpu_tests_*.json records")
     parser.add_argument("--json", type=Path, default=None, help="also write the statuses here")
     parser.add_argument("--stale-only", action="store_true")
+    parser.add_argument("--any-change", action="store_true", help="count comment- and docstring-only commits too")
     parser.add_argument("pytest_args", nargs="*", help="after --: the selection (default: -m gpu tests)")
     args = parser.parse_args(argv)
     known = set(git("rev-list", "HEAD").split())
     records, unanchored = load_records(args.results, known)
     by_file = collect_gpu_tests(args.pytest_args or ["-m", "gpu", "tests"])
-    statuses = [file_status(f, ids, records) for f, ids in sorted(by_file.items())]
+    statuses = [file_status(f, ids, records, code_only=not args.any_change) for f, ids in sorted(by_file.items())]
     statuses.sort(key=lambda s: (s.passed_at is not None, -len(s.commits_since), s.test_file))
     if args.stale_only:
         statuses = [s for s in statuses if s.stale]

@@ -107,7 +107,23 @@ def test_commits_touching_lists_only_commits_on_the_given_files(tmp_path):
     write(tmp_path, "a.py", "2")
     write(tmp_path, "b.py", "3")
     git("commit", "-qam", "a and b")
+    write(tmp_path, "a.py", '"""a docstring"""\n2  # and a comment\n')
+    git("commit", "-qam", "a's words only")
     commits = staleness.commits_touching(base, ["a.py"], cwd=tmp_path)
     assert [(subject, names) for _, subject, names in commits] == [("a and b", ["a.py"])]
     assert [s for _, s, _ in staleness.commits_touching(base, ["a.py", "b.py"], cwd=tmp_path)] == ["a and b", "only b"]
+    every = staleness.commits_touching(base, ["a.py"], cwd=tmp_path, code_only=False)
+    assert [s for _, s, _ in every] == ["a's words only", "a and b"]
     assert staleness.commits_touching(base, [], cwd=tmp_path) == []
+
+
+@pytest.mark.parametrize("before, after, same", [
+    ('def f():\n    """old words"""\n    return 1  # old\n',
+     'def f():\n    """new words"""\n    return 1  # new\n', True),
+    ('class C:\n    """words"""\n', 'class C:\n    pass\n', True),
+    ('x = 1\n', 'x = 2\n', False),
+    ('def f():\n    return "a"\n', 'def f():\n    return "b"\n', False),  # a string that is no docstring
+    ('x = 1\n', None, False),  # the file went away
+])
+def test_code_of_ignores_comments_and_docstrings_only(before, after, same):
+    assert (staleness.code_of(before) == staleness.code_of(after)) is same
