@@ -231,7 +231,8 @@ class RowPrefixes:
                 raise MemoryError(
                     f"grpo.prefix_cache_spill_gib: {spill} rows past grpo.prefix_cache_gib need "
                     f"{spill * self.row_bytes / 2**30:.2f} GiB of pinned host memory ({self.row_bytes / 2**20:.2f} MiB "
-                    f"a row), which the host refused; set grpo.prefix_cache_spill_gib lower") from error
+                    f"a row), and making it failed ({error}); if the host is short of memory, set "
+                    f"grpo.prefix_cache_spill_gib lower") from error
             finally:
                 self.spill_wait_s += time.perf_counter() - started
             self._spill_job = None
