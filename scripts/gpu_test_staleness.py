@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import subprocess
 import sys
@@ -128,35 +129,32 @@ def module_file(module: str, root: Path = ROOT) -> Path | None:
     return None
 
 
-def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
+@functools.cache  # every test file's graph walks the same modules
+def imported_modules(path: Path, root: Path = ROOT) -> frozenset[str]:
     """Dotted names this file imports (absolute and relative), resolved as far as the source says."""
-    package = ".".join(path.relative_to(root).with_suffix("").parts)
+    package = list(path.relative_to(root).with_suffix("").parts)
     if path.name != "__init__.py":
-        package = package.rpartition(".")[0]
+        package = package[:-1]
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                parent = package.split(".")[: len(package.split(".")) - node.level + 1] if package else []
-                base = ".".join([*parent, base]) if base else ".".join(parent)
+            if node.level:  # `from .. import x` in package a.b.c: relative to a.b
+                base = ".".join([*package[:len(package) - node.level + 1], *([base] if base else [])])
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
-    return {n for n in names if n}
+    return frozenset(n for n in names if n)
 
 
 def dependency_files(test_file: Path, root: Path = ROOT) -> set[Path]:
     """The test file, the conftest.py files above it, and every repository module reachable by imports
     (each package's __init__.py on the way included: importing `a.b` runs `a/__init__.py`)."""
     seen: set[Path] = set()
-    todo = [test_file]
-    parent = test_file.parent
-    while parent != root.parent and root in (parent, *parent.parents):
-        if (parent / "conftest.py").is_file():
-            todo.append(parent / "conftest.py")
-        parent = parent.parent
+    above = test_file.parent.relative_to(root)
+    todo = [test_file, *(root / folder / "conftest.py" for folder in (above, *above.parents)
+                         if (root / folder / "conftest.py").is_file())]
     while todo:
         path = todo.pop()
         if path in seen:
@@ -200,6 +198,7 @@ def source_at(rev: str, path: str, cwd: Path = ROOT) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+@functools.cache  # test files share most of their imports, so the same (commit, file) comes up for many
 def changes_code(sha: str, path: str, cwd: Path = ROOT) -> bool:
     """Whether commit `sha` changed what `path` runs (a .py file), not only its comments or docstrings."""
     if not path.endswith(".py"):
