@@ -52,6 +52,7 @@ class ClusteredFaces:
 
 # the 10 distinct entries (i, j), i <= j, of a symmetric 4 x 4 quadric, in the order of its (n, 10) arrays
 _QUADRIC_ENTRIES = [(i, j) for i in range(4) for j in range(i, 4)]
+_NORMAL_DIAGONAL = [_QUADRIC_ENTRIES.index((k, k)) for k in range(3)]  # its trace is the faces' summed area
 # a bin's area times a vertex's squared distance to the bin's mean, added to its plane error: on a flat bin
 # (every error ~0, up to rounding) the vertex nearest the mean wins, elsewhere the planes decide
 _MEAN_PULL = 1e-6
@@ -102,7 +103,7 @@ def _bin_representatives(vertices: np.ndarray, bins: np.ndarray, quadrics: np.nd
     if quadrics is not None:
         summed = np.stack([np.bincount(bins, weights=quadrics[:, k], minlength=len(count))
                            for k in range(quadrics.shape[1])], axis=1)[bins]
-        area = summed[:, 0] + summed[:, 4] + summed[:, 7]  # the trace of the normals' block: the faces' area
+        area = summed[:, _NORMAL_DIAGONAL].sum(axis=1)
         score = np.maximum(quadric_error(summed, vertices), 0.0) + _MEAN_PULL * area * distance
     # best per bin: sort by (bin, score, distance, index) and take each bin's first
     order = np.lexsort((np.arange(len(vertices)), distance, score, bins))
