@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--any-change", action="store_true", help="count comment- and docstring-only commits too")
     parser.add_argument("pytest_args", nargs="*", help="after --: the selection (default: -m gpu tests)")
     args = parser.parse_args(argv)
+    if not args.results.is_dir():
+        raise SystemExit(f"--results {args.results}: no such folder (it holds the gpu_tests_*.json records)")
     known = set(git("rev-list", "HEAD").split())
     records, unanchored = load_records(args.results, known)
     by_file = collect_gpu_tests(args.pytest_args or ["-m", "gpu", "tests"])

@@ -127,3 +127,8 @@ def test_commits_touching_lists_only_commits_on_the_given_files(tmp_path):
 ])
 def test_code_of_ignores_comments_and_docstrings_only(before, after, same):
     assert (staleness.code_of(before) == staleness.code_of(after)) is same
+
+
+def test_a_missing_results_folder_is_named(tmp_path):
+    with pytest.raises(SystemExit, match=r"--results .*nowhere: no such folder"):
+        staleness.main(["--results", str(tmp_path / "nowhere")])
