@@ -3,6 +3,8 @@
 
     python -m experiments.probe_render_share                      # CPU smoke (OSMesa, renderers 0 and 1)
     python -m experiments.probe_render_share env.image_size=224 'probe.renderers=[0,1,2,4,8,16,0]'  # GPU box
+    python -m experiments.probe_render_share env.image_size=224 'probe.renderers=[0,2,0]' \
+        'probe.env_settings={libero:{},no_reflections:{render_reflections:false}}'  # settings side by side
 
 Round 38 (README, "End-to-end") found a 32-row predict at ~160 ms alone and ~300 ms beside 16 env
 workers rendering, each worker with its own EGL context. Neither a low EGL priority (round 56) nor
@@ -15,7 +17,9 @@ the same state each time) while the main process replays a CUDA graph of bf16 GE
 matmuls eagerly, a smoke run). Per entry of probe.renderers, in order (0: the workload alone): renders
 per second with nothing else running, then the workload's calls beside the renders (median ms) and
 the renders per second during them, and each renderer's CPU seconds per render (CPU- or GPU-bound).
-One JSON (experiments/results.py).
+With probe.env_settings (name -> env keys set on top of `env`), every named setting runs that list in
+turn with its own renderers beside the same workload, so render settings compare in one run and one
+JSON (experiments/results.py); summary keys then start with the setting's name.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from common.config import (
     check_positive_finite,
     check_positive_int,
     reject_unknown_keys,
+    to_container,
 )
 from envs.config import EnvConfig, register_hydra_schema
 from experiments.results import write_result
@@ -62,9 +67,19 @@ class RenderShareConfig:
     device: str = "auto"
     out_dir: str | None = None
     commit: bool = False
+    # name -> env keys set on top of `env` (e.g. {"no_reflections": {"render_reflections": False}}); each
+    # named setting runs `renderers` in turn. Empty: the env as configured, summary keys unprefixed.
+    env_settings: dict[str, dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         self.renderers = list(self.renderers)
+        self.env_settings = to_container(self.env_settings) if self.env_settings is not None else {}
+        for name, overrides in self.env_settings.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"probe.env_settings names must be identifiers (they prefix summary keys), "
+                                 f"got {name!r}")
+            if not isinstance(overrides, dict):
+                raise ValueError(f"probe.env_settings.{name} must map env keys to values, got {overrides!r}")
         if not self.renderers:
             raise ValueError("probe.renderers must list at least one count, got []")
         for n in self.renderers:
@@ -238,30 +253,56 @@ def probe_setting(pool: RenderPool | None, workload: GemmWorkload, probe: Render
     return record
 
 
+def env_variants(env_cfg: EnvConfig, probe: RenderShareConfig) -> dict[str | None, EnvConfig]:
+    """Each named env setting built (and checked) before any process starts; {None: env} without any."""
+    if not probe.env_settings:
+        return {None: env_cfg}
+    variants = {}
+    for name, overrides in probe.env_settings.items():
+        try:
+            variants[name] = EnvConfig.from_mapping(env_cfg.to_dict(), **overrides)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"probe.env_settings.{name}: {error}") from error
+    return variants
+
+
 def run(env_cfg: EnvConfig, probe: RenderShareConfig) -> dict[str, Any]:
     from common.devices import auto_device
     from envs.rendering import configure_gl
     from envs.suites import get_task
 
-    if env_cfg.env_type != "libero":
-        raise ValueError(f"probe_render_share renders LIBERO scenes: env.env_type must be 'libero', got "
-                         f"{env_cfg.env_type!r}")
-    get_task(env_cfg.suite, probe.task_id)  # a bad task fails before any process starts
+    variants = env_variants(env_cfg, probe)
+    for variant in variants.values():
+        if variant.env_type != "libero":
+            raise ValueError(f"probe_render_share renders LIBERO scenes: env.env_type must be 'libero', got "
+                             f"{variant.env_type!r}")
+        get_task(variant.suite, probe.task_id)  # a bad task fails before any process starts
     backend = configure_gl(env_cfg.render_backend)  # the spawned renderers inherit the choice
     device = auto_device(probe.device)
     workload = GemmWorkload(probe, device)
+    settings = []
+    for name, variant in variants.items():
+        settings += probe_variant(variant, name, workload, probe, device, backend)
+    return {"gl_backend": backend, "settings": settings,
+            "config": {"env": env_cfg.to_dict(), "probe": dataclasses.asdict(probe)}}
+
+
+def probe_variant(env_cfg: EnvConfig, name: str | None, workload: GemmWorkload, probe: RenderShareConfig,
+                  device: Any, backend: str) -> list[dict[str, Any]]:
+    """probe.renderers in turn, with renderers of one env setting (their own processes)."""
     n = max(probe.renderers)
-    log(f"device {device}, GL {backend}; {n} renderers of {env_cfg.suite} task {probe.task_id} at "
+    label = f"setting {name}: " if name else ""
+    log(f"{label}device {device}, GL {backend}; {n} renderers of {env_cfg.suite} task {probe.task_id} at "
         f"{env_cfg.image_size} px, cameras {env_cfg.cameras}")
     settings = []
     pool = RenderPool(env_cfg, probe, n) if n else None
     with pool if pool is not None else contextlib.nullcontext():
         for k in probe.renderers:
-            settings.append(probe_setting(pool, workload, probe, k))
-            log(f"{k} renderers: workload {settings[-1]['median_call_ms']:.2f} ms; renders/s alone "
-                f"{_rate(settings[-1], 'renders_alone')}, beside {_rate(settings[-1], 'renders_beside')}")
-    return {"gl_backend": backend, "settings": settings,
-            "config": {"env": env_cfg.to_dict(), "probe": dataclasses.asdict(probe)}}
+            record = probe_setting(pool, workload, probe, k)
+            settings.append({"env_setting": name, **record} if name else record)
+            log(f"{label}{k} renderers: workload {record['median_call_ms']:.2f} ms; renders/s alone "
+                f"{_rate(record, 'renders_alone')}, beside {_rate(record, 'renders_beside')}")
+    return settings
 
 
 def _rate(record: dict, key: str) -> str:
@@ -269,25 +310,37 @@ def _rate(record: dict, key: str) -> str:
 
 
 def summarize(payload: dict[str, Any]) -> dict[str, Any]:
-    """Per renderer count (the last setting of a repeated count): the workload's median, its slowdown
-    against the median of the workload-alone settings, renders per second alone and beside, and the
-    GPU ms a render took beside the workload: the share of the GPU the workload lost (1 - alone /
-    beside, its kernels being all it runs) over the renders per second that took it."""
-    alone = [s["median_call_ms"] for s in payload["settings"] if s["renderers"] == 0]
-    base = statistics.median(alone) if alone else None
-    summary: dict[str, Any] = {"workload_alone_ms": base}
+    """Per env setting (keys prefixed `name_`; none without probe.env_settings), per renderer count (the
+    last run of a repeated count): the workload's median, its slowdown against the median of that
+    setting's workload-alone runs, renders per second alone and beside, and the GPU ms a render took
+    beside the workload: the share of the GPU the workload lost (1 - alone / beside, its kernels being
+    all it runs) over the renders per second that took it."""
+    groups: dict[str | None, list[dict]] = {}
     for s in payload["settings"]:
+        groups.setdefault(s.get("env_setting"), []).append(s)
+    summary: dict[str, Any] = {}
+    for name, settings in groups.items():
+        summary.update(summarize_setting(settings, f"{name}_" if name else ""))
+    return summary
+
+
+def summarize_setting(settings: list[dict], prefix: str) -> dict[str, Any]:
+    alone = [s["median_call_ms"] for s in settings if s["renderers"] == 0]
+    base = statistics.median(alone) if alone else None
+    summary: dict[str, Any] = {f"{prefix}workload_alone_ms": base}
+    for s in settings:
         k = s["renderers"]
         if not k:
             continue
-        summary[f"r{k}_workload_ms"] = s["median_call_ms"]
+        key = f"{prefix}r{k}_"
+        summary[f"{key}workload_ms"] = s["median_call_ms"]
         beside = s["renders_beside"]["renders_per_s"]
         if base:
-            summary[f"r{k}_slowdown"] = s["median_call_ms"] / base
+            summary[f"{key}slowdown"] = s["median_call_ms"] / base
             if beside:
-                summary[f"r{k}_gpu_ms_per_render"] = 1e3 * (1 - base / s["median_call_ms"]) / beside
-        summary[f"r{k}_renders_per_s_alone"] = s["renders_alone"]["renders_per_s"]
-        summary[f"r{k}_renders_per_s_beside"] = beside
+                summary[f"{key}gpu_ms_per_render"] = 1e3 * (1 - base / s["median_call_ms"]) / beside
+        summary[f"{key}renders_per_s_alone"] = s["renders_alone"]["renders_per_s"]
+        summary[f"{key}renders_per_s_beside"] = beside
     return summary
 
 
