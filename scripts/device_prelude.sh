@@ -8,6 +8,11 @@ if [ -d .carry/whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .carry/whl/*.whl || return 1
 fi
+# wheels too big to carry as they are travel repacked (scripts/pack_offline.py: xz, some paths left out)
+for f in .carry/pkg/*.tar.xz; do
+    [ -f "$f" ] || continue
+    mkdir -p /tmp/site && tar -xJf "$f" -C /tmp/site || return 1
+done
 if [ -f .carry/env/libero.tar.gz ]; then
     mkdir -p /tmp/site && tar -xzf .carry/env/libero.tar.gz -C /tmp/site
 fi

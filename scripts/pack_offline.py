@@ -15,13 +15,20 @@ transformers 5.17 and tokenizers 0.23 (/work/.library/device/KINDS.md). Profiles
               5.5.4 and tokenizers 0.22.2 (the machine's 5.17 breaks lerobot) and their small deps
   flashinfer  flashinfer-python 0.6.13 (a JIT package: kernels compile on the machine; its
               cache can be carried back in .carry/jit) + apache-tvm-ffi
+  rlinf       what the RLinf GPU tests import and the machine lacks: rlinf 0.3.0, ray 2.60.0
+              (its wheel is 76 MiB: it travels repacked, below), pydantic, jsonschema and their
+              small deps, hydra-core / omegaconf; alone with the tree it fits (the env profile
+              does not fit beside it)
+A wheel with `drop` paths travels repacked: unzipped, those paths left out (ray's Java jars, 33 MB
+unpacked, a Java worker's), and xz-compressed into .carry/pkg/<name>-<version>-py<python>.tar.xz
+(ray: 27 MiB against the wheel's 76); the prelude untars it into the same site folder pip fills.
 Every wheel is pinned and fetched for the target (`pip download --only-binary :all:` with the
 target's Python version and manylinux platform tags); a pure-Python sdist is built into a wheel
 here (`pip wheel --no-deps`). Wheels of an earlier selection are removed, so the machine installs
 exactly this set (two versions of a package stop the install).
 
-Outputs, all git-ignored: .carry/whl/*.whl, .carry/env/libero.tar.gz (+ .tasks, the tasks it
-holds), .gl/*.deb, .carry/GIT_SHA (the commit; "dirty" on a second line when the tree differs).
+Outputs, all git-ignored: .carry/whl/*.whl, .carry/pkg/*.tar.xz, .carry/env/libero.tar.gz (+ .tasks,
+the tasks it holds), .gl/*.deb, .carry/GIT_SHA (the commit; "dirty" on a second line when the tree differs).
 Sizes are printed per part and the total (the working tree that travels + .carry + .gl) is
 checked against the 64 MiB a device call may carry. On the machine, first thing in the command:
     source scripts/device_prelude.sh      # with carry [".carry", ".gl"]
@@ -34,7 +41,9 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +52,7 @@ for _path in (str(ROOT), str(ROOT / "scripts")):  # envs.* and pack_libero_carry
     if _path not in sys.path:
         sys.path.append(_path)
 CARRY, WHEELS, LIBERO_TAR, GL_DIR = Path(".carry"), Path(".carry/whl"), Path(".carry/env/libero.tar.gz"), Path(".gl")
+REPACKED = Path(".carry/pkg")
 GIT_SHA = Path(".carry/GIT_SHA")
 BUDGET_MIB = 64.0  # a device call carries the working tree + carried paths up to 64 MiB
 GL_DEBS = ("libvulkan1", "libegl1", "libglvnd0", "libopengl0", "libgl1", "libglx0", "libgles2")
@@ -56,6 +66,7 @@ class Wheel:
     name: str
     version: str
     source_only: bool = False  # PyPI has only an sdist: built here (must be pure Python)
+    drop: tuple[str, ...] = ()  # paths in the wheel left out; then it travels repacked (.carry/pkg)
 
     @property
     def key(self) -> str:
@@ -64,6 +75,9 @@ class Wheel:
     @property
     def requirement(self) -> str:
         return f"{self.name}=={self.version}"
+
+    def repacked_name(self, python: str) -> str:
+        return f"{self.key}-{self.version}-py{python}.tar.xz"
 
 
 @dataclass(frozen=True)
@@ -91,6 +105,16 @@ PROFILES = {
     # flashinfer's other requirements (cuda-tile, nvidia-cudnn-frontend, nvidia-cutlass-dsl) are
     # not needed by the paged-prefill path the fast path uses (it ran without them on the H200).
     "flashinfer": Profile(wheels=(Wheel("flashinfer-python", "0.6.13"), Wheel("apache-tvm-ffi", "0.1.15.post2"))),
+    # The machine has click, msgpack, protobuf, attrs, requests, filelock and pyyaml (KINDS.md).
+    "rlinf": Profile(wheels=(
+        Wheel("rlinf", "0.3.0"), Wheel("ray", "2.60.0", drop=("ray/jars",)),
+        Wheel("jsonschema", "4.26.0"), Wheel("jsonschema-specifications", "2025.9.1"),
+        Wheel("referencing", "0.37.0"), Wheel("rpds-py", "2026.9.1"), Wheel("googleapis-common-protos", "1.76.0"),
+        Wheel("pydantic", "2.14.4"), Wheel("pydantic-core", "2.50.5"), Wheel("annotated-types", "0.8.0"),
+        Wheel("typing-inspection", "0.4.5"),
+        Wheel("hydra-core", "1.3.8"), Wheel("omegaconf", "2.3.1"),
+        Wheel("antlr4-python3-runtime", "4.9.3", source_only=True),
+    )),
 }
 
 
@@ -179,26 +203,70 @@ def fits_python(path: Path, python: str) -> bool:
 
 
 def sync_wheels(plan: Plan, root: Path) -> None:
-    """Fetch missing wheels into .carry/whl; remove wheels the plan does not list."""
-    folder = root / WHEELS
+    """Fetch missing wheels into .carry/whl (repacked ones into .carry/pkg); remove what the plan does not
+    list."""
+    folder, repacked = root / WHEELS, root / REPACKED
     folder.mkdir(parents=True, exist_ok=True)
-    present = list(folder.glob("*.whl"))
-    for path in present:
-        if not any(wheel_matches(path, w, plan.python) for w in plan.wheels):
+    repacked.mkdir(parents=True, exist_ok=True)
+    plain = [w for w in plan.wheels if not w.drop]
+    for path in folder.glob("*.whl"):
+        if not any(wheel_matches(path, w, plan.python) for w in plain):
             print(f"removing {path.name} (not in this plan for Python {plan.python})")
             path.unlink()
+    wanted = {w.repacked_name(plan.python) for w in plan.wheels if w.drop}
+    for path in repacked.glob("*"):
+        if path.name not in wanted:
+            print(f"removing {REPACKED / path.name} (not in this plan for Python {plan.python})")
+            path.unlink()
     for wheel in plan.wheels:
-        if any(wheel_matches(p, wheel, plan.python) for p in folder.glob("*.whl")):
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            run(plan.download_command(wheel, Path(tmp)), f"fetch {wheel.requirement}")
-            built = list(Path(tmp).glob("*.whl"))
-            if len(built) != 1 or not wheel_matches(built[0], wheel, plan.python):
-                raise SystemExit(f"{wheel.requirement}: expected one matching wheel, got {[p.name for p in built]}")
-            if wheel.source_only and not built[0].name.endswith("-none-any.whl"):
-                raise SystemExit(f"{built[0].name}: built from source but not pure Python; it would not run there")
-            shutil.move(str(built[0]), folder / built[0].name)
-            print(f"  {built[0].name} ({size_mib(folder / built[0].name):.2f} MiB)")
+        if wheel.drop:
+            if not (repacked / wheel.repacked_name(plan.python)).exists():
+                repack_wheel(plan, wheel, repacked)
+        elif not any(wheel_matches(p, wheel, plan.python) for p in folder.glob("*.whl")):
+            path = fetch_wheel(plan, wheel, folder)
+            print(f"  {path.name} ({size_mib(path):.2f} MiB)")
+
+
+def fetch_wheel(plan: Plan, wheel: Wheel, folder: Path) -> Path:
+    """Download (or build) `wheel` for the target into `folder`; its path."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run(plan.download_command(wheel, Path(tmp)), f"fetch {wheel.requirement}")
+        built = list(Path(tmp).glob("*.whl"))
+        if len(built) != 1 or not wheel_matches(built[0], wheel, plan.python):
+            raise SystemExit(f"{wheel.requirement}: expected one matching wheel, got {[p.name for p in built]}")
+        if wheel.source_only and not built[0].name.endswith("-none-any.whl"):
+            raise SystemExit(f"{built[0].name}: built from source but not pure Python; it would not run there")
+        return Path(shutil.move(str(built[0]), folder / built[0].name))
+
+
+def repack_wheel(plan: Plan, wheel: Wheel, folder: Path) -> Path:
+    """The wheel's files less `wheel.drop`, as an xz tarball to untar into the site folder (a wheel is a
+    zip of the installed files; the dist-info's RECORD still lists the dropped ones, which only pip's
+    uninstall reads)."""
+    out = folder / wheel.repacked_name(plan.python)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = fetch_wheel(plan, wheel, Path(tmp))
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+            for dropped in wheel.drop:
+                if not any(n == dropped or n.startswith(dropped.rstrip("/") + "/") for n in names):
+                    raise SystemExit(f"{path.name} has no {dropped!r} to drop: its Wheel(drop=...) needs updating")
+            kept = [n for n in names if not any(n == d or n.startswith(d.rstrip("/") + "/") for d in wheel.drop)]
+            unpacked = Path(tmp) / "files"
+            archive.extractall(unpacked, members=kept)
+            for info in archive.infolist():  # zip keeps the unix mode (ray's executables) in external_attr
+                mode = info.external_attr >> 16
+                if mode and info.filename in kept and not info.is_dir():
+                    (unpacked / info.filename).chmod(mode & 0o7777)
+        print(f"repack {path.name} ({size_mib(path):.1f} MiB) less {list(wheel.drop)} -> {REPACKED / out.name} "
+              f"(xz, a minute or two) ...", flush=True)
+        partial = out.with_name(out.name + ".partial")  # an interrupted repack leaves no file that looks done
+        with tarfile.open(partial, "w:xz", preset=9) as tar:
+            for child in sorted(unpacked.iterdir()):
+                tar.add(child, arcname=child.name)
+        partial.rename(out)
+    print(f"  {out.name} ({size_mib(out):.2f} MiB)")
+    return out
 
 
 def pack_libero(plan: Plan, root: Path) -> None:
@@ -263,8 +331,9 @@ def tree_mib(root: Path) -> float:
 def sizes(root: Path) -> dict[str, float]:
     """MiB per part that travels."""
     parts = {"working tree": tree_mib(root), "wheels (.carry/whl)": size_mib(root / WHEELS),
+             "repacked wheels (.carry/pkg)": size_mib(root / REPACKED),
              "LIBERO tasks (.carry/env)": size_mib(root / LIBERO_TAR.parent), "GL debs (.gl)": size_mib(root / GL_DIR)}
-    other = size_mib(root / CARRY) - sum(size_mib(root / p) for p in (WHEELS, LIBERO_TAR.parent))
+    other = size_mib(root / CARRY) - sum(size_mib(root / p) for p in (WHEELS, REPACKED, LIBERO_TAR.parent))
     parts["rest of .carry (GIT_SHA, jit cache)"] = other
     return parts
 
@@ -275,7 +344,8 @@ def profile_sizes(plan: Plan, root: Path) -> dict[str, float]:
     out = {}
     for name in plan.profiles:
         profile = PROFILES[name]
-        mib = sum(size_mib(f) for f in files if any(wheel_matches(f, w) for w in profile.wheels))
+        mib = sum(size_mib(f) for f in files if any(wheel_matches(f, w) for w in profile.wheels if not w.drop))
+        mib += sum(size_mib(root / REPACKED / w.repacked_name(plan.python)) for w in profile.wheels if w.drop)
         if profile.libero:
             mib += size_mib(root / LIBERO_TAR)
         if profile.gl:
@@ -302,7 +372,10 @@ def run(command: list[str], what: str, cwd: Path | None = None) -> None:
 def print_plan(plan: Plan) -> None:
     print(f"profiles {plan.profiles} for Python {plan.python} (manylinux x86_64)")
     for wheel in plan.wheels:
-        print(f"  wheel {wheel.requirement}" + (" (built here from its sdist)" if wheel.source_only else ""))
+        how = " (built here from its sdist)" if wheel.source_only else ""
+        if wheel.drop:
+            how = f" (repacked less {list(wheel.drop)} -> {REPACKED / wheel.repacked_name(plan.python)})"
+        print(f"  wheel {wheel.requirement}{how}")
     if plan.libero:
         print(f"  LIBERO tasks {[f'{s}:{t}' for s, t in plan.tasks]} -> {LIBERO_TAR}")
     if plan.gl:
