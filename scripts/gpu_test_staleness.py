@@ -12,6 +12,8 @@ YAML configs, are not followed). A commit that changed only comments or docstrin
     python scripts/gpu_test_staleness.py                 # table, stalest first
     python scripts/gpu_test_staleness.py --json out.json # the same as JSON
     python scripts/gpu_test_staleness.py --stale-only    # just the files that need a device run
+    python scripts/gpu_tests.py --name stale -- -m gpu $(python scripts/gpu_test_staleness.py --paths)
+                                                         # (--paths: the stale files, one line, no table)
 
 A record's sha that is not in this history (a `-dirty` tree, a hand-typed sha) cannot anchor a
 pass: such records are skipped and counted in the header line.
@@ -258,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of gpu_tests_*.json records")
     parser.add_argument("--json", type=Path, default=None, help="also write the statuses here")
     parser.add_argument("--stale-only", action="store_true")
+    parser.add_argument("--paths", action="store_true",
+                        help="print only the stale test files, space-separated (a device call's selection)")
     parser.add_argument("--any-change", action="store_true", help="count comment- and docstring-only commits too")
     parser.add_argument("pytest_args", nargs="*", help="after --: the selection (default: -m gpu tests)")
     args = parser.parse_args(argv)
@@ -268,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     by_file = collect_gpu_tests(args.pytest_args or ["-m", "gpu", "tests"])
     statuses = [file_status(f, ids, records, code_only=not args.any_change) for f, ids in sorted(by_file.items())]
     statuses.sort(key=lambda s: (s.passed_at is not None, -len(s.commits_since), s.test_file))
-    if args.stale_only:
+    if args.stale_only or args.paths:
         statuses = [s for s in statuses if s.stale]
-    print(report(statuses, unanchored, len(records)))
+    print(" ".join(s.test_file for s in statuses) if args.paths else report(statuses, unanchored, len(records)))
     if args.json is not None:
         args.json.write_text(json.dumps([{**asdict(s), "stale": s.stale} for s in statuses], indent=1))
     return 0

@@ -129,6 +129,19 @@ def test_code_of_ignores_comments_and_docstrings_only(before, after, same):
     assert (staleness.code_of(before) == staleness.code_of(after)) is same
 
 
+def test_paths_prints_only_the_stale_files_on_one_line(tmp_path, monkeypatch, capsys):
+    by_file = {"tests/a_gpu.py": ["tests/a_gpu.py::t"], "tests/b_gpu.py": ["tests/b_gpu.py::t"],
+               "tests/c_gpu.py": ["tests/c_gpu.py::t"]}
+    statuses = {"tests/a_gpu.py": staleness.FileStatus("tests/a_gpu.py", 1, "abc", "r.json"),  # passed, unchanged
+                "tests/b_gpu.py": staleness.FileStatus("tests/b_gpu.py", 1, None, None),  # never passed
+                "tests/c_gpu.py": staleness.FileStatus("tests/c_gpu.py", 1, "abc", "r.json", commits_since=["d x"])}
+    monkeypatch.setattr(staleness, "load_records", lambda folder, known: ([], 0))
+    monkeypatch.setattr(staleness, "collect_gpu_tests", lambda args: by_file)
+    monkeypatch.setattr(staleness, "file_status", lambda f, ids, records, code_only=True: statuses[f])
+    assert staleness.main(["--results", str(tmp_path), "--paths"]) == 0
+    assert capsys.readouterr().out == "tests/b_gpu.py tests/c_gpu.py\n"
+
+
 def test_a_missing_results_folder_is_named(tmp_path):
     with pytest.raises(SystemExit, match=r"--results .*nowhere: no such folder"):
         staleness.main(["--results", str(tmp_path / "nowhere")])
