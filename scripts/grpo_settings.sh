@@ -13,6 +13,7 @@
 # Each run leaves two files: past four runs a device call (8 files back) needs them packed into one tar.
 set -u
 out=$1; budget=$2; shift 2
+mkdir -p "$out" || exit 2  # a missing OUT_DIR had every run fail at once on its log's redirect
 repeats=${GRPO_REPEATS:-1}
 case $repeats in ''|*[!0-9]*|0) echo "GRPO_REPEATS must be a positive integer, got '$repeats'" >&2; exit 2;; esac
 deadline=$(( $(date +%s) + budget ))
