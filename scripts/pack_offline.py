@@ -21,7 +21,7 @@ transformers 5.17 and tokenizers 0.23 (/work/.library/device/KINDS.md). Profiles
               does not fit beside it)
 A wheel with `drop` paths travels repacked: unzipped, those paths left out (ray's Java jars, 33 MB
 unpacked, a Java worker's), and xz-compressed into .carry/pkg/<name>-<version>-py<python>.tar.xz
-(ray: 27 MiB against the wheel's 76); the prelude untars it into the same site folder pip fills.
+(ray: 23.9 MiB against the wheel's 76); the prelude untars it into the same site folder pip fills.
 Every wheel is pinned and fetched for the target (`pip download --only-binary :all:` with the
 target's Python version and manylinux platform tags); a pure-Python sdist is built into a wheel
 here (`pip wheel --no-deps`). Wheels of an earlier selection are removed, so the machine installs
@@ -227,6 +227,11 @@ def sync_wheels(plan: Plan, root: Path) -> None:
             print(f"  {path.name} ({size_mib(path):.2f} MiB)")
 
 
+def _within(name: str, path: str) -> bool:
+    """Archive member `name` is `path` or inside the folder `path`."""
+    return name == path or name.startswith(path.rstrip("/") + "/")
+
+
 def fetch_wheel(plan: Plan, wheel: Wheel, folder: Path) -> Path:
     """Download (or build) `wheel` for the target into `folder`; its path."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -249,11 +254,11 @@ def repack_wheel(plan: Plan, wheel: Wheel, folder: Path) -> Path:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
             for dropped in wheel.drop:
-                if not any(n == dropped or n.startswith(dropped.rstrip("/") + "/") for n in names):
+                if not any(_within(n, dropped) for n in names):
                     raise SystemExit(f"{path.name} has no {dropped!r} to drop: its Wheel(drop=...) needs updating")
-            kept = [n for n in names if not any(n == d or n.startswith(d.rstrip("/") + "/") for d in wheel.drop)]
+            kept = {n for n in names if not any(_within(n, d) for d in wheel.drop)}
             unpacked = Path(tmp) / "files"
-            archive.extractall(unpacked, members=kept)
+            archive.extractall(unpacked, members=sorted(kept))
             for info in archive.infolist():  # zip keeps the unix mode (ray's executables) in external_attr
                 mode = info.external_attr >> 16
                 if mode and info.filename in kept and not info.is_dir():
