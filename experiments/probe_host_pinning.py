@@ -11,7 +11,9 @@ loop of small CUDA calls (a kernel, a pinned host-to-device copy, a synchronize)
 - `touch_register`: `common.host_memory.pinned_empty` (pages touched without CUDA, then cudaHostRegister);
 - `register_untouched`: cudaHostRegister of pageable memory never touched.
 Per way: the job's wall time, its slowest piece, the loop's median / p99 / max call before and during the job,
-the calls' summed wait past the median (`stalled_s`), and copy rates into / out of the memory it made. One JSON.
+the calls' summed wait past the median (`stalled_s`), copy rates into / out of the memory it made, and the rate
+of the GRPO actor's read of spilled rows from it (`gather_gbs`: `grpo.prefix_store._read_rows`, a CPU gather of
+half the rows in random order into a pinned staging buffer, then the copy to the GPU). One JSON.
 """
 
 from __future__ import annotations
@@ -75,6 +77,32 @@ def _copy_rates(flat, nbytes: int) -> dict:
     return rates
 
 
+GATHER_ROW_BYTES = 256 * 2**10  # ~one layer's keys or values of a spilled LIBERO prefix row
+
+
+def _gather_rate(flat, nbytes: int, device: str = "cuda") -> float:
+    """GB/s of rows read through the prefix store's spilled-row path from this memory to `device` (median of 3)."""
+    import torch
+
+    from grpo.prefix_store import _read_rows
+
+    n_rows = min(nbytes, 512 * 2**20) // GATHER_ROW_BYTES
+    if n_rows < 2:
+        raise ValueError(f"the gather needs at least 2 rows of {GATHER_ROW_BYTES} bytes, got {nbytes} bytes")
+    slot = flat[:n_rows * GATHER_ROW_BYTES].view(n_rows, GATHER_ROW_BYTES)
+    rows = torch.randperm(n_rows, generator=torch.Generator().manual_seed(0))[: n_rows // 2]
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        out = _read_rows(slot, rows, torch.device(device))
+        sync()
+        times.append(time.perf_counter() - t0)
+    assert out.shape == (len(rows), GATHER_ROW_BYTES)
+    return len(rows) * GATHER_ROW_BYTES / sorted(times)[1] / 1e9
+
+
 def run_way(way: str, gib: float, chunk_mib: int) -> dict:
     """In this process: the loop alone for 1 s, then beside the job on a thread; the copy rates after."""
     import torch
@@ -126,6 +154,7 @@ def run_way(way: str, gib: float, chunk_mib: int) -> dict:
            "stalled_s": sum(max(0.0, t - base["p50_ms"] / 1e3) for t in during)}
     if kept and not error:
         row.update(_copy_rates(kept[0][1], min(chunk, total)))
+        row["gather_gbs"] = _gather_rate(kept[0][1], min(chunk, total))
     return row
 
 
@@ -164,6 +193,7 @@ def main(argv=None) -> None:
                 summary[key + "_s"] = round(row["job_s"], 3)
                 summary[key + "_stalled_s"] = round(row["stalled_s"], 3)
                 summary[key + "_max_call_ms"] = round(row["during"].get("max_ms", 0.0), 1)
+                summary[key + "_gather_gbs"] = round(row["gather_gbs"], 2) if "gather_gbs" in row else None
     write_result("probe_host_pinning", {"args": vars(args), "rows": rows}, summary, out_dir=args.out_dir)
 
 

@@ -25,3 +25,10 @@ def test_the_touch_way_makes_zeroed_pageable_memory_and_an_unknown_way_is_named(
 def test_the_probe_refuses_without_cuda():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         probe.main(["--gib", "0.01"])
+
+
+def test_the_gather_rate_reads_half_the_rows_through_the_prefix_store_path():
+    keep, flat = probe._make("touch", 8 * probe.GATHER_ROW_BYTES + 100)
+    assert probe._gather_rate(flat, flat.numel(), device="cpu") > 0  # 4 of 8 rows, through _read_rows
+    with pytest.raises(ValueError, match=r"at least 2 rows of 262144 bytes, got 262144 bytes"):
+        probe._gather_rate(flat, probe.GATHER_ROW_BYTES, device="cpu")
