@@ -11,9 +11,20 @@
 # GRPO_REPEATS=k runs the settings in turn k times (NAME.r1 .. NAME.rk: a setting's runs spread over the call);
 # `python -m experiments.compare_grpo_runs OUT_DIR` tabulates the runs and each setting's mean, min and max.
 # Each run leaves two files: past four runs a device call (8 files back) needs them packed into one tar.
+# NAME@TREE="overrides" runs that setting in another source tree, e.g. an older commit for a same-card baseline:
+#   git archive 3b25dc9 --prefix=base/ | tar -x -C .carry && echo 3b25dc9... > .carry/base/GIT_SHA   (here)
+#   bash scripts/grpo_settings.sh $OUT 540 old@.carry/base="..." new="..."                          (there)
+# TREE/GIT_SHA names its commit in the run's results (required: the results would otherwise claim HEAD's).
 set -u
 out=$1; budget=$2; shift 2
 mkdir -p "$out" || exit 2  # a missing OUT_DIR had every run fail at once on its log's redirect
+out=$(cd "$out" && pwd)  # absolute: a run in another tree starts from there
+for setting in "$@"; do  # every tree checked before the first run: a typo must not cost a device call's runs
+    label=${setting%%=*}
+    case $label in *@*) tree=${label#*@}
+        if [ ! -f "$tree/GIT_SHA" ]; then echo "setting ${label%%@*}: $tree/GIT_SHA not found (a tree needs one)" >&2; exit 2; fi;;
+    esac
+done
 repeats=${GRPO_REPEATS:-1}
 case $repeats in ''|*[!0-9]*|0) echo "GRPO_REPEATS must be a positive integer, got '$repeats'" >&2; exit 2;; esac
 deadline=$(( $(date +%s) + budget ))
@@ -21,14 +32,17 @@ base="+experiment=libero10_pi05 env.task_ids=[2,8,2,8,2,8,2,8] env.max_episode_s
 base="$base grpo.rollout_epochs=1 grpo.filter_groups=false grpo.micro_batch=${GRPO_MICRO_BATCH:-32} logger=none"
 base="$base profiler.exports=[json] run.checkpoint_every=0 eval.every=0"
 for repeat in $(seq 1 "$repeats"); do for setting in "$@"; do
-    name=${setting%%=*}; overrides=${setting#*=}
+    name=${setting%%=*}; overrides=${setting#*=}; tree=$PWD; sha=; where=
+    case $name in *@*) tree=$(cd "${name#*@}" && pwd); sha=$(head -1 "$tree/GIT_SHA"); where=" in ${name#*@}"
+                       name=${name%%@*};; esac
     if [ "$repeats" -gt 1 ]; then name="$name.r$repeat"; fi
     left=$(( deadline - $(date +%s) ))
     if [ "$left" -lt 60 ]; then echo "SKIPPED $name: ${left} s of the budget left"; continue; fi
     dir=$out/grpo_$name
     # shellcheck disable=SC2086  # the overrides are words on purpose
-    timeout "$left" python -m experiments.grpo $base $overrides run.dir="$dir" > "$out/grpo_$name.log" 2>&1
-    echo "RUN $name (rc $?): $overrides"
+    (cd "$tree" && export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" && if [ -n "$sha" ]; then export VLA_GIT_SHA=$sha; fi &&
+        timeout "$left" python -m experiments.grpo $base $overrides run.dir="$dir") > "$out/grpo_$name.log" 2>&1
+    echo "RUN $name (rc $?)$where: $overrides"
     tr '\r' '\n' < "$out/grpo_$name.log" | grep -aE '^step [0-9]+/[0-9]+ ' | tail -2
     grep -aE 'Error|out of memory' "$out/grpo_$name.log" | tail -2
     [ -f "$dir/report.json" ] && cp "$dir/report.json" "$out/grpo_${name}_report.json"

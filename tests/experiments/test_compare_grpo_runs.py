@@ -95,3 +95,39 @@ def test_the_cli_prints_the_table(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "solo (1 run): step 3.00 [3.00, 3.00] (+0.00) rollout 2.00" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1].startswith("RESULT ")
+
+
+TREE_PYTHON = r"""#!/usr/bin/env bash
+for arg in "$@"; do case $arg in run.dir=*) dir=${arg#run.dir=};; esac; done
+mkdir -p "$dir"
+echo "$PWD|${VLA_GIT_SHA:-unset}|${PYTHONPATH%%:*}" >> "$CALLS"
+"""
+
+
+def test_a_setting_runs_in_its_own_tree_under_that_trees_commit(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(TREE_PYTHON)
+    (bin_dir / "python").chmod(0o755)
+    tree = tmp_path / "base"
+    tree.mkdir()
+    (tree / "GIT_SHA").write_text("3b25dc9\n")
+    out = tmp_path / "not" / "yet"  # made by the script
+    env = {k: v for k, v in os.environ.items() if k != "VLA_GIT_SHA"}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", CALLS=str(tmp_path / "calls"))
+    proc = subprocess.run(["bash", "scripts/grpo_settings.sh", str(out), "600", f"old@{tree}=x=1", "new="], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"RUN old (rc 0) in {tree}: x=1" in proc.stdout and "RUN new (rc 0): " in proc.stdout
+    old, new = (tmp_path / "calls").read_text().splitlines()
+    assert old == f"{tree}|3b25dc9|{tree}"  # its modules first, its commit in the results
+    assert new == f"{ROOT}|unset|{ROOT}"
+    assert sorted(p.name for p in out.iterdir()) == ["grpo_new.tgz", "grpo_old.tgz"]
+
+
+def test_a_tree_without_its_commit_is_refused_before_any_run(tmp_path):
+    env = {**os.environ, "CALLS": str(tmp_path / "calls")}
+    proc = subprocess.run(["bash", "scripts/grpo_settings.sh", str(tmp_path / "out"), "600", "new=",
+                           f"old@{tmp_path}=x=1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"setting old: {tmp_path}/GIT_SHA not found" in proc.stderr
+    assert "RUN" not in proc.stdout
