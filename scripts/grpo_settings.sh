@@ -12,7 +12,8 @@
 # `python -m experiments.compare_grpo_runs OUT_DIR` tabulates the runs and each setting's mean, min and max.
 # Each run leaves two files: past four runs a device call (8 files back) needs them packed into one tar.
 # NAME@TREE="overrides" runs that setting in another source tree, e.g. an older commit for a same-card baseline:
-#   git archive 3b25dc9 --prefix=base/ | tar -x -C .carry && echo 3b25dc9... > .carry/base/GIT_SHA   (here)
+#   git archive 3b25dc9 --prefix=base/ -- . ':(exclude)benchmarks/results' | tar -x -C .carry   (here, 4.5 MiB)
+#   git rev-parse 3b25dc9 > .carry/base/GIT_SHA
 #   bash scripts/grpo_settings.sh $OUT 540 old@.carry/base="..." new="..."                          (there)
 # TREE/GIT_SHA names its commit in the run's results (required: the results would otherwise claim HEAD's).
 set -u
