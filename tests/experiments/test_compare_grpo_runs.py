@@ -34,11 +34,17 @@ printf 'step 2/2 | fake\n'
 """
 
 
-def test_repeats_alternate_the_settings_and_the_comparison_groups_them(tmp_path):
+def fake_python_on_path(tmp_path: Path, script: str) -> str:
+    """A folder holding `script` as an executable `python`, for the front of PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python").write_text(FAKE_PYTHON)
+    (bin_dir / "python").write_text(script)
     (bin_dir / "python").chmod(0o755)
+    return str(bin_dir)
+
+
+def test_repeats_alternate_the_settings_and_the_comparison_groups_them(tmp_path):
+    bin_dir = fake_python_on_path(tmp_path, FAKE_PYTHON)
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GRPO_REPEATS": "2",
@@ -105,10 +111,7 @@ echo "$PWD|${VLA_GIT_SHA:-unset}|${PYTHONPATH%%:*}" >> "$CALLS"
 
 
 def test_a_setting_runs_in_its_own_tree_under_that_trees_commit(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python").write_text(TREE_PYTHON)
-    (bin_dir / "python").chmod(0o755)
+    bin_dir = fake_python_on_path(tmp_path, TREE_PYTHON)
     tree = tmp_path / "base"
     tree.mkdir()
     (tree / "GIT_SHA").write_text("3b25dc9\n")
