@@ -4,10 +4,39 @@ process group whose other members may never leave."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+
+@contextlib.contextmanager
+def terminate_as_exit() -> Iterator[None]:
+    """SIGTERM (`timeout`'s or a scheduler's stop) raised in this process's main thread as SystemExit(143), so the
+    `finally` blocks run: worker processes are closed and shared memory unlinked, the trace flushed, instead of the
+    process vanishing mid-step. A second SIGTERM during that cleanup kills as before. A process forked meanwhile
+    inherits the handler but keeps the default: it re-sends the signal to itself under SIG_DFL. Outside the main
+    thread (where Python cannot set handlers) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if os.getpid() != owner:  # a forked worker: die as it would have
+            os.kill(os.getpid(), signum)
+            return
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def send_quietly(conn: Any, message: tuple) -> bool:

@@ -182,7 +182,10 @@ def run(cfg: DictConfig, force_mode: str | None = None) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="grpo_main")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    from common.processes import terminate_as_exit
+
+    with terminate_as_exit():  # a `timeout` or scheduler stop closes the envs' workers and keeps the trace
+        run(cfg)
 
 
 if __name__ == "__main__":

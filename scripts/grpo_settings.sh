@@ -7,7 +7,8 @@
 # plus the setting's overrides. Each
 # keeps OUT_DIR/grpo_NAME_report.json (the profiler's step report) and its log and metrics in
 # OUT_DIR/grpo_NAME.tgz, so few files come back from the machine. Runs share BUDGET_S seconds: each
-# is stopped (timeout) at the budget's end, later settings are then skipped (named in the output).
+# is stopped (timeout: SIGTERM, on which a run closes its processes, and SIGKILL 60 s later) at the budget's end,
+# later settings are then skipped (named in the output).
 # GRPO_REPEATS=k runs the settings in turn k times (NAME.r1 .. NAME.rk: a setting's runs spread over the call);
 # `python -m experiments.compare_grpo_runs OUT_DIR` tabulates the runs and each setting's mean, min and max.
 # Each run leaves two files: past four runs a device call (8 files back) needs them packed into one tar.
@@ -42,7 +43,7 @@ for repeat in $(seq 1 "$repeats"); do for setting in "$@"; do
     dir=$out/grpo_$name
     # shellcheck disable=SC2086  # the overrides are words on purpose
     (cd "$tree" && export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" && if [ -n "$sha" ]; then export VLA_GIT_SHA=$sha; fi &&
-        timeout "$left" python -m experiments.grpo $base $overrides run.dir="$dir") > "$out/grpo_$name.log" 2>&1
+        timeout -k 60 "$left" python -m experiments.grpo $base $overrides run.dir="$dir") > "$out/grpo_$name.log" 2>&1
     echo "RUN $name (rc $?)$where: $overrides"
     tr '\r' '\n' < "$out/grpo_$name.log" | grep -aE '^step [0-9]+/[0-9]+ ' | tail -2
     grep -aE 'Error|out of memory' "$out/grpo_$name.log" | tail -2

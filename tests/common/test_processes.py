@@ -1,9 +1,15 @@
-"""common/processes.py: a call that may never return, waited for a bounded time."""
+"""common/processes.py: a call that may never return, waited for a bounded time; SIGTERM as an exit that cleans up."""
 
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
-from common.processes import finish_within
+from common.processes import finish_within, terminate_as_exit
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_finish_within_waits_for_a_call_that_returns_and_gives_up_on_one_that_does_not():
@@ -14,3 +20,44 @@ def test_finish_within_waits_for_a_call_that_returns_and_gives_up_on_one_that_do
     assert not finish_within(release.wait, 0.2, "blocks")  # e.g. a group destroy waiting for a member that never comes
     assert 0.2 <= time.monotonic() - start < 2.0
     release.set()  # the thread left running ends once its call returns
+
+
+SIGTERM_SCRIPT = r"""
+import multiprocessing as mp, pathlib, sys, time
+from common.processes import terminate_as_exit
+
+def sleep_long():
+    time.sleep(60)
+
+out = pathlib.Path(sys.argv[1])
+with terminate_as_exit():
+    child = mp.get_context("fork").Process(target=sleep_long)  # forked under the handler
+    child.start()
+    child.terminate()
+    child.join(10)
+    try:
+        print(f"child {child.exitcode}", flush=True)
+        time.sleep(60)
+    finally:
+        out.write_text("cleaned up")
+"""
+
+
+def test_sigterm_runs_the_finally_blocks_and_exits_143_while_forked_children_die_as_before(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path / "out")], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+    finally:
+        proc.kill()
+    assert line == f"child {-signal.SIGTERM}"  # killed by the signal, not an exit of its own
+    assert (tmp_path / "out").read_text() == "cleaned up"
+
+
+def test_terminate_as_exit_restores_the_previous_handler():
+    before = signal.getsignal(signal.SIGTERM)
+    with terminate_as_exit():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
