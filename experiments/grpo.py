@@ -139,6 +139,15 @@ def check_checkpoint_run_config(exp, limit: int = 8) -> None:
 
 
 def run(cfg: DictConfig, force_mode: str | None = None) -> dict:
+    """Train (or evaluate, mode=eval) as `cfg` says. SIGTERM (`timeout`, a scheduler) ends it as an error would:
+    workers, engine and trace closed, exit code 143."""
+    from common.processes import terminate_as_exit
+
+    with terminate_as_exit():
+        return _run(cfg, force_mode)
+
+
+def _run(cfg: DictConfig, force_mode: str | None) -> dict:
     from common.config import to_container
     from grpo.run_config import ExperimentConfig
     from grpo.runs import check_checkpoints, check_devices, make_run_dir, run_evaluation, write_config
@@ -182,10 +191,7 @@ def run(cfg: DictConfig, force_mode: str | None = None) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="grpo_main")
 def main(cfg: DictConfig) -> None:
-    from common.processes import terminate_as_exit
-
-    with terminate_as_exit():  # a `timeout` or scheduler stop closes the envs' workers and keeps the trace
-        run(cfg)
+    run(cfg)
 
 
 if __name__ == "__main__":
