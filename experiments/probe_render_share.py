@@ -282,14 +282,18 @@ def run(env_cfg: EnvConfig, probe: RenderShareConfig) -> dict[str, Any]:
     workload = GemmWorkload(probe, device)
     settings = []
     for name, variant in variants.items():
-        settings += probe_variant(variant, name, workload, probe, device, backend)
+        settings += probe_variant(variant, name, workload, probe, device)
     return {"gl_backend": backend, "settings": settings,
             "config": {"env": env_cfg.to_dict(), "probe": dataclasses.asdict(probe)}}
 
 
 def probe_variant(env_cfg: EnvConfig, name: str | None, workload: GemmWorkload, probe: RenderShareConfig,
-                  device: Any, backend: str) -> list[dict[str, Any]]:
-    """probe.renderers in turn, with renderers of one env setting (their own processes)."""
+                  device: Any) -> list[dict[str, Any]]:
+    """probe.renderers in turn, with renderers of one env setting (their own processes). A named setting's records
+    carry the GL backend its renderers pick: each configures its own from its env (render_loop)."""
+    from envs.rendering import chosen_backend
+
+    backend = chosen_backend(env_cfg.render_backend)
     n = max(probe.renderers)
     label = f"setting {name}: " if name else ""
     log(f"{label}device {device}, GL {backend}; {n} renderers of {env_cfg.suite} task {probe.task_id} at "
@@ -299,7 +303,7 @@ def probe_variant(env_cfg: EnvConfig, name: str | None, workload: GemmWorkload, 
     with pool if pool is not None else contextlib.nullcontext():
         for k in probe.renderers:
             record = probe_setting(pool, workload, probe, k)
-            settings.append({"env_setting": name, **record} if name else record)
+            settings.append({"env_setting": name, "gl_backend": backend, **record} if name else record)
             log(f"{label}{k} renderers: workload {record['median_call_ms']:.2f} ms; renders/s alone "
                 f"{_rate(record, 'renders_alone')}, beside {_rate(record, 'renders_beside')}")
     return settings

@@ -96,6 +96,7 @@ def test_one_renderer_beside_the_workload_per_env_setting():
     payload = run(env_cfg, probe)
     assert [(s["env_setting"], s["renderers"]) for s in payload["settings"]] == [
         ("full", 0), ("full", 1), ("lean", 0), ("lean", 1)]
+    assert {s["gl_backend"] for s in payload["settings"]} == {payload["gl_backend"]}  # neither setting changes it
     for alone, beside in (payload["settings"][:2], payload["settings"][2:]):
         assert "renders_alone" not in alone and len(alone["call_ms"]) == 3
         assert beside["renders_alone"]["renders"] > 0 and beside["renders_alone"]["cpu_ms_per_render"] > 0
