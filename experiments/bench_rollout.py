@@ -16,7 +16,7 @@ In one run, on the same tasks and init states:
   render without MuJoCo's reflection passes: other pixels, so other actions and trajectories);
   "culled" / "unculled" with `env.render_culling` true / false (frustum culling: the same pixels);
   "meshes_4000" with `env.render_mesh_faces=4000` (coarser scenery and arm meshes for the cameras:
-  other pixels, envs/render_lod.py);
+  other pixels, envs/render_lod.py); "no_reflections_meshes_4000" with both opt-ins;
 - env alone: the same vector envs (ours' stages, stepped together) without the policy, replaying
   the (random-weight) policy's actions ours executed, so the env work is exactly ours';
 - engine alone: the same engine on the same observation batches ours predicted;
@@ -69,10 +69,11 @@ from rollout.engine import PolicyEngine
 register_hydra_schema()
 
 VARIANTS = ("no_pipeline", "disjoint_workers", "other_render_at", "no_reflections", "culled", "unculled",
-            "meshes_4000")
-ENV_VARIANTS = {"no_reflections": ("render_reflections", False), "culled": ("render_culling", True),
-                "unculled": ("render_culling", False),
-                "meshes_4000": ("render_mesh_faces", 4000)}  # name -> (env key, its value in the variant)
+            "meshes_4000", "no_reflections_meshes_4000")
+ENV_VARIANTS = {  # name -> the env keys the variant sets, with their values
+    "no_reflections": {"render_reflections": False}, "culled": {"render_culling": True},
+    "unculled": {"render_culling": False}, "meshes_4000": {"render_mesh_faces": 4000},
+    "no_reflections_meshes_4000": {"render_reflections": False, "render_mesh_faces": 4000}}
 
 
 @dataclass
@@ -260,12 +261,14 @@ def resolved_render_setting(env_cfg: EnvConfig, key: str) -> Any:
 def variant_env(name: str, env_cfg: EnvConfig) -> EnvConfig:
     """The env config of a variant: the bench's own but for the render variants (ENV_VARIANTS)."""
     if name in ENV_VARIANTS:
-        key, value = ENV_VARIANTS[name]
-        if env_cfg.env_type != "libero" or resolved_render_setting(env_cfg, key) == value:
-            raise ValueError(f"bench.variants entry {name!r} compares LIBERO renders with env.{key}={value} "
-                             f"against the bench's own; env_type is {env_cfg.env_type!r}, env.{key} "
-                             f"{getattr(env_cfg, key)} (as applied: {resolved_render_setting(env_cfg, key)})")
-        return dataclasses.replace(env_cfg, **{key: value})
+        settings = ENV_VARIANTS[name]
+        applied = {key: resolved_render_setting(env_cfg, key) for key in settings}
+        if env_cfg.env_type != "libero" or applied == settings:
+            wanted = " ".join(f"env.{key}={value}" for key, value in settings.items())
+            own = ", ".join(f"env.{key} {getattr(env_cfg, key)} (as applied: {applied[key]})" for key in settings)
+            raise ValueError(f"bench.variants entry {name!r} compares LIBERO renders with {wanted} "
+                             f"against the bench's own; env_type is {env_cfg.env_type!r}, {own}")
+        return dataclasses.replace(env_cfg, **settings)
     return env_cfg
 
 

@@ -116,6 +116,13 @@ def test_bench_rollout_no_reflections_variant_changes_only_the_env_render():
     assert variant_env("meshes_4000", libero) == dataclasses.replace(libero, render_mesh_faces=4000)
     with pytest.raises(ValueError, match="'meshes_4000' compares LIBERO renders with env.render_mesh_faces=4000"):
         variant_env("meshes_4000", dataclasses.replace(libero, render_mesh_faces=4000))
+    both = dataclasses.replace(libero, render_reflections=False, render_mesh_faces=4000)
+    assert variant_env("no_reflections_meshes_4000", libero) == both
+    # one of the two keys already set: the variant still differs from the bench's own
+    assert variant_env("no_reflections_meshes_4000", dataclasses.replace(libero, render_mesh_faces=4000)) == both
+    with pytest.raises(ValueError, match="'no_reflections_meshes_4000' compares LIBERO renders with "
+                                         "env.render_reflections=False env.render_mesh_faces=4000"):
+        variant_env("no_reflections_meshes_4000", both)
 
 
 @pytest.mark.parametrize("backend, refused", [("osmesa", "culled"), ("egl", "unculled")])
