@@ -18,6 +18,11 @@ K/V of every row come from the old-log-prob pass (1.) in every update epoch (grp
 policy.fast.consistent_recompute they are the fast path's, restored into its buckets (the same bits); with
 grpo.prefix_cache=engine they come from the engine's rollout (`engine_prefixes`), so the pass skips them too.
 Data-parallel over several GPUs (grpo.actor_parallel): grpo/actor_group.py, same interface.
+Spans (the process's profiler timeline, inside the trainer's actor_train): actor_train/old_logprob (1.), and per
+micro-batch actor_train/prefix_gather, actor_train/micro_batch and, inside it, actor_train/micro_batch_issue (until
+backward() returned: the host's share), then actor_train/optimizer per global batch. Under profiler.gpu_timing=sync
+the GPU-timed ones wait for the card at both ends, so micro_batch - micro_batch_issue is the GPU work left after the
+host finished issuing: near 0, the host bounds the update (its speed, not the card's, sets the actor's time).
 train/entropy reports the Gaussian entropy of the rows' stochastic SDE steps; it is not in the
 loss (the std is not learned: see GRPOConfig.entropy_coef).
 """
@@ -43,6 +48,7 @@ from grpo.prefix_store import RowPrefixes, StoreView
 from grpo.samples import Samples
 from policies import flow
 from policies.models.pi05 import PrefixCache
+from profiler import get_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -210,8 +216,10 @@ class Actor:
             prefixes = RowPrefixes(cfg.prefix_cache, rows=len(samples), budget_bytes=cfg.prefix_cache_bytes,
                                    spill_bytes=cfg.prefix_cache_spill_bytes,
                                    key_dtype=None if consistent else self.autocast_dtype())
+        timeline = get_timeline()
         started = time.perf_counter()
-        old = self.recompute(samples, keep=prefixes)
+        with timeline.span("actor_train/old_logprob", gpu=True):
+            old = self.recompute(samples, keep=prefixes)
         metrics, is_weight = old_pass_metrics(old, samples.rollout_logprob, cfg, started)
         ref = self.recompute(samples, self.reference) if self.reference is not None else None
         raw_weights = losses.row_weights(samples.trajectory_length, cfg.loss_agg)
@@ -230,17 +238,20 @@ class Actor:
                     offset += len(micro)
                     prefix = None
                     if prefixes is not None and bool(prefixes.kept(micro).all()):
-                        prefix = prefixes.gather(micro, self.device)
-                    with self._out_of_memory_advice(len(micro)):
-                        terms = self._micro_step(samples.select(micro), old[micro], w, micro,
-                                                 is_weight, ref, prefix)
+                        with timeline.span("actor_train/prefix_gather", gpu=True):
+                            prefix = prefixes.gather(micro, self.device)
+                    with self._out_of_memory_advice(len(micro)), timeline.span("actor_train/micro_batch", gpu=True):
+                        with timeline.span("actor_train/micro_batch_issue"):
+                            terms = self._micro_step(samples.select(micro), old[micro], w, micro,
+                                                     is_weight, ref, prefix)
                     acc.add(terms, w)
                     if first:
                         acc.first_clip_frac = terms.ratio_outside.float().mean()
                         first = False
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
-                acc.grad_norms.append(grad_norm.detach())
-                self.optimizer.step()
+                with timeline.span("actor_train/optimizer", gpu=True):
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+                    acc.grad_norms.append(grad_norm.detach())
+                    self.optimizer.step()
                 self.updates += 1
         metrics.update(acc.metrics(cfg.update_epochs))
         if prefixes is not None:

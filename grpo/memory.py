@@ -1,4 +1,5 @@
-"""GPU memory of an RL step: the per-step memory/* metrics, and what an actor's out-of-memory error says.
+"""GPU memory of an RL step: the per-step memory/* metrics, the card's clock after the rollout and the actor
+(gpu/*), and what an actor's out-of-memory error says.
 
 An 80 GB H100 ran the libero10_pi05 recipe at micro-batch 128 (consistent recompute, the engine's kept prefix) with
 under 1 GiB to spare (README, "Round 51"): beside this process's 61 GiB at its peak, other processes (the env workers'
@@ -8,11 +9,20 @@ one does not fit.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
 
+log = logging.getLogger(__name__)
+
 GIB = float(2**30)
+
+
+def _cuda_indices(devices: Iterable[torch.device | str]) -> list[int]:
+    """The CUDA device indices among `devices`, ordered and unique ("cuda" and "cuda:0" are one device)."""
+    cuda = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
+    return list(dict.fromkeys(d.index if d.index is not None else torch.cuda.current_device() for d in cuda))
 
 
 def memory_metrics(devices: Iterable[torch.device | str]) -> dict[str, float]:
@@ -22,9 +32,7 @@ def memory_metrics(devices: Iterable[torch.device | str]) -> dict[str, float]:
     allocator keeps what it reserved, so this is about the step's high-water mark plus the env workers'
     EGL contexts and any other process). Named memory/cuda0/peak_allocated_gib etc.; {} without CUDA."""
     out: dict[str, float] = {}
-    cuda = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
-    indices = [d.index if d.index is not None else torch.cuda.current_device() for d in cuda]
-    for index in dict.fromkeys(indices):  # ordered, unique ("cuda" and "cuda:0" are one device)
+    for index in _cuda_indices(devices):
         device, name = torch.device("cuda", index), f"memory/cuda{index}"
         free, total = torch.cuda.mem_get_info(device)
         out[f"{name}/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
@@ -62,3 +70,29 @@ def actor_levers(micro_batch: int, train_expert_only: bool, frozen_dtype: str | 
     if prefix_cache in ("device", "engine"):
         levers.append("grpo.prefix_cache_gib=GiB (fewer kept prefixes on the card; the others recompute theirs)")
     return levers
+
+
+_NVML_WARNED: set[str] = set()
+
+
+def card_state_metrics(devices: Iterable[torch.device | str], after: str) -> dict[str, float]:
+    """The card's SM clock (MHz), temperature (C) and power draw (W) as NVML last sampled them, right `after` a
+    phase, per CUDA device: gpu/cuda0/sm_clock_mhz_after_actor etc. Round 61 saw one H100's actor take 22 s and,
+    same code and host 20 min later, 34 s while the CUDA-graph predict held 33 s: a clock that fell under load
+    shows here. {} without CUDA or NVML (nvidia-ml-py), said once per reason."""
+    out: dict[str, float] = {}
+    for index in _cuda_indices(devices):
+        try:
+            clock, temperature = torch.cuda.clock_rate(index), torch.cuda.temperature(index)
+            power_mw = torch.cuda.power_draw(index)
+        except Exception as error:  # noqa: BLE001 -- NVML's errors have no common base torch exposes; metrics only
+            reason = f"{type(error).__name__}: {error}"
+            if reason not in _NVML_WARNED:
+                _NVML_WARNED.add(reason)
+                log.warning("GPU clocks not recorded (gpu/cuda%d/*): NVML query failed with %s", index, reason)
+            return {}
+        name = f"gpu/cuda{index}"
+        out[f"{name}/sm_clock_mhz_after_{after}"] = float(clock)
+        out[f"{name}/temperature_c_after_{after}"] = float(temperature)
+        out[f"{name}/power_w_after_{after}"] = power_mw / 1000.0
+    return out

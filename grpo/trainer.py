@@ -40,7 +40,7 @@ from grpo import checkpoint
 from grpo.actor_group import build_actor, plan_actor_for_run
 from grpo.artifacts import write_profile
 from grpo.evaluate import Evaluator
-from grpo.memory import memory_metrics
+from grpo.memory import card_state_metrics, memory_metrics
 from grpo.prefix_store import RowPrefixes
 from grpo.reporting import MetricsLog, WandbRun, console_line, phase_metrics, plot_success_curve
 from grpo.run_config import ExperimentConfig
@@ -220,12 +220,14 @@ class Trainer:
                     batch = self.collector.collect(seed=cfg.run.seed, mode="train", step=step)
                     epochs.append(EpochRows.from_batch(batch))
                     predict_s += self.collector.last_stats.predict_s
+            card = card_state_metrics(self.memory_devices, after="rollout")
             with phase(tl, "advantages", step, times):
                 data = assemble(epochs, self.collector.group_size, cfg.grpo)
             with phase(tl, "actor_train", step, times):
                 train_metrics = self.actor.train(data.samples)
+            card.update(card_state_metrics(self.memory_devices, after="actor"))
         metrics = {"kind": "train", "step": step, **rollout_metrics(data), **train_metrics,
-                   **phase_metrics(times, predict_s), **memory_metrics(self.memory_devices),
+                   **phase_metrics(times, predict_s), **memory_metrics(self.memory_devices), **card,
                    "rollout/stale_rows": int((data.samples.versions != step).sum())}
         if push is not None and push.send_s is not None:  # broadcast: the trainer's send until every rank wrote
             metrics["step_time/weight_send"] = push.send_s

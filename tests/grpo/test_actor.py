@@ -86,3 +86,30 @@ def test_kl_to_reference_runs_and_entropy_is_reported():
     rows = sampled_rows(policy, 4)
     metrics = Actor(policy, GRPOConfig(micro_batch=2, lr=1e-3, kl_coef=0.1, update_epochs=2)).train(rows)
     assert metrics["train/kl_ref"] >= 0.0 and metrics["train/entropy"] != 0.0
+
+
+def test_the_update_is_spanned_per_micro_batch_on_the_process_timeline(tmp_path):
+    """actor_train/* spans: the old-log-prob pass once, per micro-batch its prefix gather, its forward/backward and,
+    inside that, the host's issuing of it, per global batch the optimiser step."""
+    from collections import Counter
+
+    from profiler import Timeline, set_timeline
+
+    policy = tiny_policy()
+    rows = sampled_rows(policy, 6)
+    actor = Actor(policy, GRPOConfig(micro_batch=2, update_epochs=2, global_batch=None, prefix_cache="device"),
+                  show_progress=False)
+    timeline = Timeline(tmp_path, keep_in_memory=True)
+    previous = set_timeline(timeline)
+    try:
+        actor.train(rows)
+    finally:
+        set_timeline(previous)
+    timeline.close()
+    assert Counter(s[0] for s in timeline.spans) == {
+        "actor_train/old_logprob": 1, "actor_train/prefix_gather": 6, "actor_train/micro_batch": 6,
+        "actor_train/micro_batch_issue": 6, "actor_train/optimizer": 2}
+    issues, micros = ([s for s in timeline.spans if s[0] == name]
+                      for name in ("actor_train/micro_batch_issue", "actor_train/micro_batch"))
+    for issue, micro in zip(issues, micros, strict=True):  # (name, start_ns, end_ns, ...): issuing lies inside
+        assert micro[1] <= issue[1] <= issue[2] <= micro[2]

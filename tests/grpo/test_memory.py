@@ -1,4 +1,5 @@
-"""What an actor's out-of-memory error says (grpo/memory.py); the memory/* metrics are tested in test_reporting."""
+"""What an actor's out-of-memory error says and the gpu/* card-state metrics (grpo/memory.py); the memory/* metrics
+are tested in test_reporting."""
 
 from __future__ import annotations
 
@@ -46,3 +47,32 @@ def test_an_out_of_memory_micro_batch_says_which_settings_make_room(monkeypatch)
     for key in ("grpo.micro_batch (e.g. 2,", "policy.frozen_dtype=bfloat16", "grpo.prefix_cache_gib=GiB"):
         assert key in message, key
     assert caught.value.__cause__ is original  # torch's own message stays in the chain
+
+
+def test_card_state_metrics_read_nvml_per_cuda_device_and_skip_others(monkeypatch):
+    from grpo.memory import card_state_metrics
+
+    assert card_state_metrics(["cpu"], after="actor") == {}
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda index: 1980 - index)
+    monkeypatch.setattr(torch.cuda, "temperature", lambda index: 61)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda index: 512_250)  # mW, as NVML reports it
+    got = card_state_metrics(["cpu", "cuda:1", torch.device("cuda", 1), "cuda:0"], after="rollout")
+    assert got == {"gpu/cuda1/sm_clock_mhz_after_rollout": 1979.0, "gpu/cuda1/temperature_c_after_rollout": 61.0,
+                   "gpu/cuda1/power_w_after_rollout": 512.25, "gpu/cuda0/sm_clock_mhz_after_rollout": 1980.0,
+                   "gpu/cuda0/temperature_c_after_rollout": 61.0, "gpu/cuda0/power_w_after_rollout": 512.25}
+
+
+def test_card_state_metrics_without_nvml_are_empty_and_said_once(monkeypatch, caplog):
+    from grpo import memory
+
+    def no_nvml(index):
+        raise ModuleNotFoundError("pynvml does not seem to be installed")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", no_nvml)
+    monkeypatch.setattr(memory, "_NVML_WARNED", set())
+    with caplog.at_level("WARNING", logger="grpo.memory"):
+        assert memory.card_state_metrics(["cuda:0"], after="actor") == {}
+        assert memory.card_state_metrics(["cuda:0"], after="rollout") == {}
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == ["GPU clocks not recorded (gpu/cuda0/*): NVML query failed with ModuleNotFoundError: "
+                      "pynvml does not seem to be installed"]
