@@ -14,6 +14,9 @@ DMA-able as one), so callers that want short lock holds make several tensors (th
 The registration is undone (`cudaHostUnregister`) when the last tensor viewing the memory is gone, before the
 memory is freed. Without CUDA it is plain memory (touched), so CPU runs and tests take the same path.
 
+`mapped_on_device(host, device)` is a CUDA tensor over the same page-locked bytes (the device pointer CUDA maps
+them at): kernels on it read the host memory across PCIe, with no copy on the host first.
+
 `python -m experiments.probe_host_pinning` measures both ways and how long a thread's CUDA calls wait meanwhile.
 """
 
@@ -54,6 +57,8 @@ def _loaded_cudart() -> ctypes.CDLL | None:
             lib.cudaHostRegister.restype = ctypes.c_int
             lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
             lib.cudaHostUnregister.restype = ctypes.c_int
+            lib.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint]
+            lib.cudaHostGetDevicePointer.restype = ctypes.c_int
             return lib
         except (OSError, AttributeError):
             continue
@@ -107,3 +112,38 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = True) -
         weakref.finalize(owner, _unregister, ptr)
     del owner  # the tensor's storage holds it now
     return flat.view(dtype).view(shape)
+
+
+class _CudaArray:
+    """A CUDA array interface over `nbytes` bytes at device pointer `ptr`, holding `host` (the memory's owner):
+    torch keeps this object, so the page-locked memory, alive as long as a tensor over it."""
+
+    def __init__(self, host: torch.Tensor, ptr: int, nbytes: int):
+        self.host = host
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+def mapped_on_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A tensor on CUDA `device` viewing the same bytes as `host`, a contiguous page-locked CPU tensor (registered by
+    `pinned_empty` or made by cudaHostAlloc): a kernel that reads it (index_select, a copy) reads the host memory
+    across PCIe, so gathering rows out of it costs no host copy and no CPU time. Writes to either are seen by the
+    other once the writer's stream has finished. The bytes must stay page-locked while it lives (it keeps `host`)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"mapped_on_device maps host memory for a CUDA device, got device {device} "
+                         f"(CUDA available: {torch.cuda.is_available()})")
+    if host.device.type != "cpu" or not host.is_contiguous() or not host.is_pinned():
+        raise ValueError(f"mapped_on_device needs a contiguous page-locked CPU tensor, got device {host.device}, "
+                         f"contiguous {host.is_contiguous()}, pinned {host.is_pinned()}")
+    lib = _loaded_cudart()
+    if lib is None:
+        raise RuntimeError("mapped_on_device: the CUDA runtime torch loaded was not found in /proc/self/maps")
+    nbytes = host.numel() * host.element_size()
+    with torch.cuda.device(device):
+        pointer = ctypes.c_void_p()
+        error = lib.cudaHostGetDevicePointer(ctypes.byref(pointer), host.data_ptr(), 0)
+    if error != 0 or not pointer.value:
+        raise RuntimeError(f"cudaHostGetDevicePointer of {nbytes / 2**30:.2f} GiB of page-locked memory failed: "
+                           f"CUDA error {error}")
+    flat = torch.as_tensor(_CudaArray(host, pointer.value, nbytes), device=device)
+    return flat.view(host.dtype).view(host.shape)

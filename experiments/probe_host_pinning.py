@@ -13,7 +13,9 @@ loop of small CUDA calls (a kernel, a pinned host-to-device copy, a synchronize)
 Per way: the job's wall time, its slowest piece, the loop's median / p99 / max call before and during the job,
 the calls' summed wait past the median (`stalled_s`), copy rates into / out of the memory it made, and the rate
 of the GRPO actor's read of spilled rows from it (`gather_gbs`: `grpo.prefix_store._read_rows`, a CPU gather of
-half the rows in random order into a pinned staging buffer, then the copy to the GPU). One JSON.
+half the rows in random order into a pinned staging buffer, then the copy to the GPU) and, from page-locked memory,
+of the same rows gathered by the GPU itself through the memory's device mapping (`mapped_gather_gbs`:
+grpo.prefix_cache_spill_read=mapped, `common.host_memory.mapped_on_device`; no host copy). One JSON.
 """
 
 from __future__ import annotations
@@ -80,16 +82,20 @@ def _copy_rates(flat, nbytes: int) -> dict:
 GATHER_ROW_BYTES = 256 * 2**10  # ~one layer's keys or values of a spilled LIBERO prefix row
 
 
-def _gather_rate(flat, nbytes: int, device: str = "cuda") -> float:
-    """GB/s of rows read through the prefix store's spilled-row path from this memory to `device` (median of 3)."""
+def _gather_rate(flat, nbytes: int, device: str = "cuda", mapped: bool = False) -> float:
+    """GB/s of rows read through the prefix store's spilled-row path from this memory to `device` (median of 3);
+    `mapped`: read by the device through the memory's mapping (it must be page-locked), as spill_read=mapped."""
     import torch
 
+    from common.host_memory import mapped_on_device
     from grpo.prefix_store import _read_rows
 
     n_rows = min(nbytes, 512 * 2**20) // GATHER_ROW_BYTES
     if n_rows < 2:
         raise ValueError(f"the gather needs at least 2 rows of {GATHER_ROW_BYTES} bytes, got {nbytes} bytes")
     slot = flat[:n_rows * GATHER_ROW_BYTES].view(n_rows, GATHER_ROW_BYTES)
+    if mapped:
+        slot = mapped_on_device(slot, device)
     rows = torch.randperm(n_rows, generator=torch.Generator().manual_seed(0))[: n_rows // 2]
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times = []
@@ -155,6 +161,8 @@ def run_way(way: str, gib: float, chunk_mib: int) -> dict:
     if kept and not error:
         row.update(_copy_rates(kept[0][1], min(chunk, total)))
         row["gather_gbs"] = _gather_rate(kept[0][1], min(chunk, total))
+        if kept[0][1].is_pinned():
+            row["mapped_gather_gbs"] = _gather_rate(kept[0][1], min(chunk, total), mapped=True)
     return row
 
 
@@ -193,7 +201,8 @@ def main(argv=None) -> None:
                 summary[key + "_s"] = round(row["job_s"], 3)
                 summary[key + "_stalled_s"] = round(row["stalled_s"], 3)
                 summary[key + "_max_call_ms"] = round(row["during"].get("max_ms", 0.0), 1)
-                summary[key + "_gather_gbs"] = round(row["gather_gbs"], 2) if "gather_gbs" in row else None
+                for rate in ("gather_gbs", "mapped_gather_gbs"):
+                    summary[f"{key}_{rate}"] = round(row[rate], 2) if rate in row else None
     write_result("probe_host_pinning", {"args": vars(args), "rows": rows}, summary, out_dir=args.out_dir)
 
 

@@ -47,7 +47,7 @@ from experiments.host_profile import host_profile
 from experiments.logprob_gap import policy_config, rollout_rows
 from experiments.results import write_result
 from grpo.actor import Actor, gap_metrics
-from grpo.config import GRPOConfig
+from grpo.config import SPILL_READS, GRPOConfig
 from grpo.distributed import full_parameters
 from grpo.prefix_store import RowPrefixes
 from grpo.samples import Samples
@@ -130,7 +130,7 @@ def make_actor(policy, args: argparse.Namespace, prefix_cache: str, epochs: int,
     cfg = GRPOConfig(micro_batch=args.micro_batch, update_epochs=epochs, prefix_cache=prefix_cache,
                      prefix_cache_gib=None if prefix_cache == "off" else args.prefix_cache_gib,
                      prefix_cache_spill_gib=args.prefix_cache_spill_gib if spills else None,
-                     filter_groups=False, seed=args.seed)
+                     prefix_cache_spill_read=args.prefix_cache_spill_read, filter_groups=False, seed=args.seed)
     actor = Actor(policy, cfg, show_progress=False)
     actor.engine_prefixes = engine_store  # read under prefix_cache "engine" only
     return actor
@@ -297,6 +297,9 @@ def main() -> None:
                         help="grpo.prefix_cache_gib of the kept settings (default: every row kept)")
     parser.add_argument("--prefix-cache-spill-gib", type=float, default=None,
                         help="with --prefix-cache-gib: grpo.prefix_cache_spill_gib of the device and engine settings")
+    parser.add_argument("--prefix-cache-spill-read", default="copy", choices=SPILL_READS,
+                        help="grpo.prefix_cache_spill_read: how the spilled rows are read (copy: CPU gather; mapped: "
+                             "the GPU reads the page-locked memory)")
     parser.add_argument("--frozen-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="policy.frozen_dtype of the trainer (auto: unset, fp32 like the trained weights)")
     parser.add_argument("--consistent", action="store_true",
@@ -353,7 +356,8 @@ def main() -> None:
     engine_cfg = GRPOConfig(prefix_cache="engine", prefix_cache_gib=args.prefix_cache_gib,
                             prefix_cache_spill_gib=args.prefix_cache_spill_gib)
     store = RowPrefixes("device", rows=args.rows, budget_bytes=engine_cfg.prefix_cache_bytes, setting="engine",
-                        spill_bytes=engine_cfg.prefix_cache_spill_bytes) if keep_engine else None
+                        spill_bytes=engine_cfg.prefix_cache_spill_bytes,
+                        spill_read=args.prefix_cache_spill_read) if keep_engine else None
     try:
         engine.update_weights(full_parameters(policy.model, full=True), version=1)
         if store is not None:

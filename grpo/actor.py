@@ -214,7 +214,7 @@ class Actor:
             # path in its own dtype, kept as they are
             consistent = self.policy.cfg.fast.consistent_recompute  # the config refuses it without fast.enabled
             prefixes = RowPrefixes(cfg.prefix_cache, rows=len(samples), budget_bytes=cfg.prefix_cache_bytes,
-                                   spill_bytes=cfg.prefix_cache_spill_bytes,
+                                   spill_bytes=cfg.prefix_cache_spill_bytes, spill_read=cfg.prefix_cache_spill_read,
                                    key_dtype=None if consistent else self.autocast_dtype())
         timeline = get_timeline()
         started = time.perf_counter()

@@ -31,6 +31,7 @@ LOSS_AGGREGATIONS = ("token_mean", "trajectory_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AUTOCAST_MODES = ("auto", "bf16", "none")
 PREFIX_CACHES = ("off", "device", "host", "engine")
+SPILL_READS = ("copy", "mapped")  # grpo.prefix_cache_spill_read: how spilled rows are read (grpo/prefix_store.py)
 
 
 @dataclass
@@ -82,6 +83,9 @@ class GRPOConfig:
     # With grpo.prefix_cache=device or engine and a cap: the rows past prefix_cache_gib are kept in pinned host
     # memory, up to this many GiB, instead of recomputing their prefix in every epoch (null: none)
     prefix_cache_spill_gib: float | None = None
+    # How the actor reads spilled rows: "copy" (a CPU gather into a pinned buffer, then one transfer) or "mapped"
+    # (the GPU gathers them from the page-locked memory across PCIe: no host copy); grpo/prefix_store.py
+    prefix_cache_spill_read: str = "copy"
     seed: int = 0  # shuffling of the rows (its RNG state is checkpointed)
     # ----- data-parallel actor (grpo/distributed.py): mode none | ddp | fsdp2, world_size, devices -----
     actor_parallel: ActorParallelConfig = field(default_factory=ActorParallelConfig)
@@ -141,6 +145,7 @@ class GRPOConfig:
                     f"grpo.prefix_cache_spill_gib={self.prefix_cache_spill_gib} keeps the rows past "
                     f"grpo.prefix_cache_gib in host memory: it needs grpo.prefix_cache=device or engine (got "
                     f"{self.prefix_cache!r}) and grpo.prefix_cache_gib set (got {self.prefix_cache_gib})")
+        check_choice("grpo.prefix_cache_spill_read", self.prefix_cache_spill_read, SPILL_READS)
         for key in ("kl_coef", "weight_decay"):
             _check_range(f"grpo.{key}", getattr(self, key), 0.0, math.inf)
         _check_number("grpo.entropy_coef", self.entropy_coef)

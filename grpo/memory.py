@@ -85,7 +85,7 @@ def card_state_metrics(devices: Iterable[torch.device | str], after: str) -> dic
         try:
             clock, temperature = torch.cuda.clock_rate(index), torch.cuda.temperature(index)
             power_mw = torch.cuda.power_draw(index)
-        except Exception as error:  # noqa: BLE001 -- NVML's errors have no common base torch exposes; metrics only
+        except Exception as error:  # NVML has no error base torch exposes; metrics only
             reason = f"{type(error).__name__}: {error}"
             if reason not in _NVML_WARNED:
                 _NVML_WARNED.add(reason)

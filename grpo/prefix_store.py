@@ -21,6 +21,10 @@ the card holds still gains on the rows that fit instead of running out of memory
 (`grpo.prefix_cache_spill_gib`, "device" mode with a budget) keeps the next rows past the budget in pinned host
 memory instead, up to that many bytes: a micro-batch's spilled rows cost a CPU gather and a transfer where they
 would otherwise run vision and the prefix again in every epoch; `gather` puts both parts back in the rows' order.
+`spill_read` (`grpo.prefix_cache_spill_read`) is how `gather` reads spilled rows: "copy" gathers them on the CPU
+into a pinned buffer and sends that (~16 GB/s on an H100 host, round 61: ~2 s of host time per pass over the
+recipe's 29 GiB), "mapped" has the GPU gather them itself from the page-locked memory, mapped into its address
+space (`common.host_memory.mapped_on_device`): no host copy, PCIe-bound.
 The spilled slots (~29 GiB for the recipe's 8 rollout epochs) are made on a background thread from the first `add`
 (`common.host_memory.pinned_empty`: pages touched without CUDA, then registered one tensor at a time, so the
 rollout's own CUDA calls do not wait behind one long cudaHostAlloc), and the first row past the device budget
@@ -48,13 +52,15 @@ import torch
 from torch import Tensor
 
 from common.devices import to_device
-from common.host_memory import pinned_empty
+from common.host_memory import mapped_on_device, pinned_empty
+from grpo.config import SPILL_READS
 from policies.models.pi05 import PrefixCache
 
 
 class RowPrefixes:
     def __init__(self, where: str, rows: int, budget_bytes: int | None = None,
-                 key_dtype: torch.dtype | None = None, setting: str | None = None, spill_bytes: int = 0):
+                 key_dtype: torch.dtype | None = None, setting: str | None = None, spill_bytes: int = 0,
+                 spill_read: str = "copy"):
         if where not in ("device", "host"):
             raise ValueError(f"grpo.prefix_cache must be 'device' or 'host' to keep caches, got {where!r}")
         if rows < 1:
@@ -64,9 +70,12 @@ class RowPrefixes:
         if spill_bytes < 0 or (spill_bytes and (where != "device" or budget_bytes is None)):
             raise ValueError(f"a prefix store spills rows past its device budget into host memory: spill_bytes "
                              f"({spill_bytes}) needs where='device' and a budget (got {where!r}, {budget_bytes})")
-        self.spill_bytes = spill_bytes
+        if spill_read not in SPILL_READS:
+            raise ValueError(f"grpo.prefix_cache_spill_read must be one of {list(SPILL_READS)}, got {spill_read!r}")
+        self.spill_bytes, self.spill_read = spill_bytes, spill_read
         self.device_capacity = 0  # slots below it are on the device (or the host in "host" mode), the rest spilled
         self._spill: PrefixCache | None = None  # the spilled slots' buffers (pinned host memory), or None
+        self._spill_mapped: PrefixCache | None = None  # spill_read="mapped": the same buffers seen from the device
         self._spill_job: _Background | None = None  # makes them, from the first add
         self.spill_wait_s = 0.0  # how long this rollout's rows waited for the spilled slots to be made
         self.where = where
@@ -188,7 +197,7 @@ class RowPrefixes:
         near, far = (~spilled).nonzero().flatten(), spilled.nonzero().flatten()
         near_at, far_at = to_device(near, device), to_device(far, device)
         out = []
-        for slot, spill in zip(_tensors(self._slots), _tensors(self._spilled_slots()), strict=True):
+        for slot, spill in zip(_tensors(self._slots), _tensors(self._spilled_reads()), strict=True):
             merged = torch.empty((len(rows), *slot.shape[1:]), dtype=slot.dtype, device=device)
             merged.index_copy_(0, near_at, _read_rows(slot, slots[near], device))
             merged.index_copy_(0, far_at, _read_rows(spill, slots[far] - self.device_capacity, device))
@@ -205,6 +214,9 @@ class RowPrefixes:
         self.capacity = self.device_capacity + spill
         host = self.where == "host"
         device = torch.device("cpu") if host else like.offsets.device
+        if spill and self.spill_read == "mapped" and device.type != "cuda":
+            raise ValueError(f"grpo.prefix_cache_spill_read=mapped has the GPU read the spilled rows from host "
+                             f"memory: it needs the store on a CUDA device, got {device} (use 'copy')")
         try:
             self._slots = _buffers(like, dtypes, self.device_capacity, device, pin=host)
         except torch.OutOfMemoryError as error:  # the update's caches do not fit: say which key caps them
@@ -219,6 +231,7 @@ class RowPrefixes:
             layers = len(like.keys)
             pairs = list(zip(shapes, dtypes, strict=True))
             self._spill_job = _Background(lambda: _grouped(layers, [pinned_empty(*pair) for pair in pairs]))
+            self._spill_device = device
 
     def _spilled_slots(self) -> PrefixCache:
         """The spilled slots' buffers, waiting for the background job that makes them the first time."""
@@ -236,7 +249,15 @@ class RowPrefixes:
             finally:
                 self.spill_wait_s += time.perf_counter() - started
             self._spill_job = None
+            if self.spill_read == "mapped":
+                self._spill_mapped = _grouped(len(self._spill.keys), [mapped_on_device(t, self._spill_device)
+                                                                      for t in _tensors(self._spill)])
         return self._spill
+
+    def _spilled_reads(self) -> PrefixCache:
+        """What `gather` reads the spilled rows from: the host buffers ("copy") or their device mapping."""
+        spill = self._spilled_slots()
+        return spill if self._spill_mapped is None else self._spill_mapped
 
 
 class StoreView:

@@ -165,7 +165,7 @@ class Trainer:
             return None
         rows = self.collector.num_envs * self.collector.max_chunks * g.rollout_epochs
         store = RowPrefixes("device", rows=rows, budget_bytes=g.prefix_cache_bytes, setting="engine",
-                            spill_bytes=g.prefix_cache_spill_bytes)
+                            spill_bytes=g.prefix_cache_spill_bytes, spill_read=g.prefix_cache_spill_read)
         self.engine.keep_prefixes(store)
         self.collector.keep_prefixes = True
         self.actor.engine_prefixes = store

@@ -79,6 +79,29 @@ def test_registered_memory_is_pinned_and_copies_both_ways():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("made_by", ["registered", "cudaHostAlloc"])
+def test_a_mapped_view_reads_and_writes_the_host_memory_from_the_gpu(made_by):
+    shape = (64, 3, 257)
+    if made_by == "registered":
+        host = host_memory.pinned_empty(shape, torch.bfloat16)
+    else:
+        host = torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
+    host.copy_(torch.randn(shape).to(torch.bfloat16))
+    mapped = host_memory.mapped_on_device(host, "cuda")
+    assert mapped.is_cuda and mapped.shape == host.shape and mapped.dtype == host.dtype
+    rows = torch.tensor([5, 0, 63, 5, 17])
+    got = mapped.index_select(0, rows.cuda())  # a kernel gathering across PCIe
+    assert torch.equal(got.cpu(), host.index_select(0, rows))
+    mapped[1].fill_(2.5)  # the device writes, the host sees it once the stream has finished
+    torch.cuda.synchronize()
+    assert bool((host[1] == 2.5).all())
+    del host  # the view keeps the page-locked memory alive
+    gc.collect()
+    assert torch.equal(mapped.index_select(0, rows.cuda()), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_host_memory_registered_on_another_thread_leaves_a_graph_capture_intact():
     """Round 59: the prefix store's spill job registered host memory on its own thread while the engine captured
     its first graphs, and the capture failed (torch's "global" mode: another thread's unsafe call invalidates it).
@@ -93,3 +116,11 @@ def test_host_memory_registered_on_another_thread_leaves_a_graph_capture_intact(
     assert kept == {"mode": "thread_local", "registered": True, "replay_right": True}, kept
     broken = probe("global")
     assert "capture_error" in broken or "register_error" in broken, broken
+
+
+def test_a_mapped_view_needs_a_cuda_device_and_page_locked_memory():
+    with pytest.raises(ValueError, match="maps host memory for a CUDA device, got device cpu"):
+        host_memory.mapped_on_device(torch.zeros(4), "cpu")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a contiguous page-locked CPU tensor.*pinned False"):
+            host_memory.mapped_on_device(torch.zeros(4), "cuda")

@@ -32,3 +32,5 @@ def test_the_gather_rate_reads_half_the_rows_through_the_prefix_store_path():
     assert probe._gather_rate(flat, flat.numel(), device="cpu") > 0  # 4 of 8 rows, through _read_rows
     with pytest.raises(ValueError, match=r"at least 2 rows of 262144 bytes, got 262144 bytes"):
         probe._gather_rate(flat, probe.GATHER_ROW_BYTES, device="cpu")
+    with pytest.raises(ValueError, match="mapped_on_device maps host memory for a CUDA device, got device cpu"):
+        probe._gather_rate(flat, flat.numel(), device="cpu", mapped=True)  # the mapped read is the GPU's

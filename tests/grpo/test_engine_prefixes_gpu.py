@@ -35,10 +35,11 @@ def engine_rows(engine: PolicyEngine, n: int) -> Samples:
         prefix_row=out.prefix_rows)
 
 
-@pytest.mark.parametrize("spilled", [0, 5])
-def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one(spilled):
+@pytest.mark.parametrize("spilled, spill_read", [(0, "copy"), (5, "copy"), (5, "mapped")])
+def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one(spilled, spill_read):
     """With `spilled`, the store keeps 3 of the 8 rows on the device and the other 5 in pinned host memory
-    (grpo.prefix_cache_spill_gib): read back into the micro-batches' order without blocking, the same update."""
+    (grpo.prefix_cache_spill_gib): read back into the micro-batches' order without blocking (`spill_read` copy: a
+    CPU gather and a transfer; mapped: the GPU reads the host memory), the same update."""
     cfg = PolicyConfig.preset("tiny", seed=0, **WIDE, fast=CONSISTENT)
     policy = build_policy(trainer_policy_config(cfg), device="cuda")
     initial = {k: v.clone() for k, v in policy.state_dict().items()}
@@ -49,7 +50,8 @@ def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one(sp
             engine.keep_prefixes(store)
             engine_rows(engine, 4)
             one = store.row_bytes
-            store = RowPrefixes("device", rows=16, budget_bytes=(8 - spilled) * one, spill_bytes=13 * one)
+            store = RowPrefixes("device", rows=16, budget_bytes=(8 - spilled) * one, spill_bytes=13 * one,
+                                spill_read=spill_read)
         engine.keep_prefixes(store)
         rows = engine_rows(engine, 8)
         assert rows.prefix_row.tolist() == list(range(8))
@@ -68,6 +70,10 @@ def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one(sp
                 assert metrics["train/prefix_cache_spilled_rows"] == spilled
                 if spilled:  # made on a thread as registered pageable memory (common.host_memory): pinned
                     assert all(t.is_pinned() for t in store._spilled_slots().keys)
+                    mapped = store._spill_mapped
+                    assert (mapped is not None) == (spill_read == "mapped")
+                    if mapped is not None:  # the device reads the host buffers themselves, no copy
+                        assert all(m.is_cuda and m.data_ptr() != 0 for m in mapped.keys)
             weights[name] = [p.detach().clone() for p in policy.trainable_parameters()]
     # the backward's CUDA atomics round the gradients differently from run to run, and AdamW can turn that into a
     # rounding-sized share of a step (round 59, an H200: 1 weight of 524288 off by 1.2e-6 at lr 1e-2; the H100 had

@@ -111,6 +111,21 @@ def test_a_budget_keeps_the_first_rows_that_fit():
         RowPrefixes("device", rows=6, budget_bytes=-1)
 
 
+def test_a_mapped_spill_read_needs_the_store_on_a_cuda_device():
+    """grpo.prefix_cache_spill_read=mapped has the GPU read the spilled rows: a CPU store refuses it at its first
+    add, naming the key (the CUDA path: tests/grpo/test_engine_prefixes_gpu.py)."""
+    _, _, _, whole = rows_and_cache(4)
+    store = RowPrefixes("device", rows=4, budget_bytes=row_bytes(whole), spill_bytes=8 * row_bytes(whole),
+                        spill_read="mapped")
+    with pytest.raises(ValueError, match="grpo.prefix_cache_spill_read=mapped .* on a CUDA device, got cpu"):
+        store.add(torch.arange(4), whole)
+    with pytest.raises(ValueError, match=r"grpo.prefix_cache_spill_read must be one of \['copy', 'mapped'\], "
+                                         "got 'zero_copy'"):
+        RowPrefixes("device", rows=4, spill_read="zero_copy")
+    with pytest.raises(ValueError, match="grpo.prefix_cache_spill_read"):
+        GRPOConfig(prefix_cache_spill_read="zero_copy")
+
+
 def test_keys_are_kept_in_the_asked_dtype():
     policy, _, _, whole = rows_and_cache(3)
     store = RowPrefixes("device", rows=3, key_dtype=torch.bfloat16)
