@@ -77,9 +77,9 @@ _NVML_WARNED: set[str] = set()
 
 def card_state_metrics(devices: Iterable[torch.device | str], after: str) -> dict[str, float]:
     """The card's SM clock (MHz), temperature (C) and power draw (W) as NVML last sampled them, right `after` a
-    phase, per CUDA device: gpu/cuda0/sm_clock_mhz_after_actor etc. Round 61 saw one H100's actor take 22 s and,
-    same code and host 20 min later, 34 s while the CUDA-graph predict held 33 s: a clock that fell under load
-    shows here. {} without CUDA or NVML (nvidia-ml-py), said once per reason."""
+    phase, per CUDA device: gpu/cuda0/sm_clock_mhz_after_actor etc. Round 61 saw the same code's actor take 22 s on
+    one H100 machine and 34 s on another while the CUDA-graph predict held 33 s on both: a clock that fell under
+    load would show here. {} without CUDA or NVML (nvidia-ml-py), said once per reason."""
     out: dict[str, float] = {}
     for index in _cuda_indices(devices):
         try:

@@ -250,8 +250,12 @@ class RowPrefixes:
                 self.spill_wait_s += time.perf_counter() - started
             self._spill_job = None
             if self.spill_read == "mapped":
-                self._spill_mapped = _grouped(len(self._spill.keys), [mapped_on_device(t, self._spill_device)
-                                                                      for t in _tensors(self._spill)])
+                try:
+                    mapped = [mapped_on_device(t, self._spill_device) for t in _tensors(self._spill)]
+                except RuntimeError as error:
+                    raise RuntimeError(f"grpo.prefix_cache_spill_read=mapped: the spilled slots could not be mapped "
+                                       f"for {self._spill_device} ({error}); use 'copy'") from error
+                self._spill_mapped = _grouped(len(self._spill.keys), mapped)
         return self._spill
 
     def _spilled_reads(self) -> PrefixCache:
