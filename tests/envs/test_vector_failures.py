@@ -134,3 +134,82 @@ def test_a_refused_reset_draws_nothing(vec_factory):  # noqa: F811
     clean.reset()
     np.testing.assert_array_equal(refused.init_state_ids, clean.init_state_ids)
     np.testing.assert_array_equal(refused.episode_seeds, clean.episode_seeds)
+
+
+class _Recorded:
+    """A worker's process and pipe that record what the shutdown does to them, in one shared log."""
+
+    def __init__(self, index: int, log: list, answers: bool = True):
+        self.index, self.log, self.answers, self.alive = index, log, answers, True
+
+    # the pipe
+    def send(self, message):
+        self.log.append(("send", self.index, message[0]))
+
+    def poll(self, timeout):
+        self.log.append(("poll", self.index))
+        return self.answers
+
+    def recv(self):
+        return ("ok", None)
+
+    # the process
+    def is_alive(self):
+        return self.alive
+
+    def join(self, timeout=None):
+        self.log.append(("join", self.index))
+        if self.answers and ("send", self.index, "close") in self.log:
+            self.alive = False  # a worker that answered its close exits; a silent one stays
+
+    def terminate(self):
+        self.log.append(("terminate", self.index))
+        self.alive = False
+
+    def kill(self):
+        self.log.append(("kill", self.index))
+        self.alive = False
+
+    def close(self):
+        pass
+
+
+def test_shutdown_asks_every_worker_to_close_before_waiting_for_any(monkeypatch):
+    """Their exits overlap (one after another they held a SIGTERM'd run's exit ~5 s, round 61); a silent worker is
+    ended at the shared deadline, a failed one killed without being asked, one still creating not asked."""
+    monkeypatch.setattr(subproc, "CLOSE_GRACE_S", 0.0)
+    log: list = []
+    workers = [_Recorded(0, log), _Recorded(1, log), _Recorded(2, log, answers=False), _Recorded(3, log),
+               _Recorded(4, log)]
+    handles = [subproc.WorkerHandle(index=w.index, env_ids=[w.index], process=w, conn=w, creating=False)
+               for w in workers]
+    handles[3].failed = True
+    handles[4].creating = True
+    subproc._stop_processes(handles, graceful=True)
+    sends = [i for i, event in enumerate(log) if event[0] == "send"]
+    waits = [i for i, event in enumerate(log) if event[0] in ("poll", "join") and event[1] < 3]  # the asked ones
+    assert [log[i][1] for i in sends] == [0, 1, 2] and max(sends) < min(waits)
+    assert ("kill", 3) in log and ("send", 3, "close") not in log and ("send", 4, "close") not in log
+    assert [event for event in log if event[0] in ("terminate", "kill")] == [("kill", 3), ("terminate", 2),
+                                                                          ("terminate", 4)]
+    assert not any(w.alive for w in workers)
+
+
+def test_closing_robosuite_envs_collects_garbage_once(monkeypatch):
+    """robosuite's MjSim.free runs gc.collect() per simulation: skipped inside the block, run once at its end."""
+    import gc
+    import sys
+    import types
+
+    from envs.vector import runner
+
+    calls = []
+    fake = types.ModuleType("robosuite.utils.binding_utils")
+    fake.gc = gc
+    monkeypatch.setitem(sys.modules, "robosuite.utils.binding_utils", fake)
+    monkeypatch.setattr(gc, "collect", lambda *args: calls.append("collect") or 0)
+    with runner.one_collection_at_the_end():
+        for _ in range(3):
+            fake.gc.collect()  # what MjSim.free does
+        assert calls == []
+    assert calls == ["collect"] and fake.gc is gc
