@@ -231,7 +231,6 @@ class RowPrefixes:
             layers = len(like.keys)
             pairs = list(zip(shapes, dtypes, strict=True))
             self._spill_job = _Background(lambda: _grouped(layers, [pinned_empty(*pair) for pair in pairs]))
-            self._spill_device = device
 
     def _spilled_slots(self) -> PrefixCache:
         """The spilled slots' buffers, waiting for the background job that makes them the first time."""
@@ -250,11 +249,12 @@ class RowPrefixes:
                 self.spill_wait_s += time.perf_counter() - started
             self._spill_job = None
             if self.spill_read == "mapped":
+                device = self._slots.offsets.device  # the store's (its device slots exist, maybe 0 rows of them)
                 try:
-                    mapped = [mapped_on_device(t, self._spill_device) for t in _tensors(self._spill)]
+                    mapped = [mapped_on_device(t, device) for t in _tensors(self._spill)]
                 except RuntimeError as error:
                     raise RuntimeError(f"grpo.prefix_cache_spill_read=mapped: the spilled slots could not be mapped "
-                                       f"for {self._spill_device} ({error}); use 'copy'") from error
+                                       f"for {device} ({error}); use 'copy'") from error
                 self._spill_mapped = _grouped(len(self._spill.keys), mapped)
         return self._spill
 

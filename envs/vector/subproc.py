@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from common.processes import end_process, send_quietly
+from common.processes import end_process, stop_processes
 from envs.config import EnvConfig
 from envs.vector.base import VectorEnvBase
 from envs.vector.buffers import SharedBuffers
@@ -182,7 +182,7 @@ class AsyncVectorEnv(VectorEnvBase):
 
     def _kill(self, handle: WorkerHandle) -> None:
         handle.failed = True
-        _stop_process(handle, graceful=False)
+        _stop_processes([handle], graceful=False)
 
     # ---------------------------------------------------------------------- messaging
     def _send(self, handle: WorkerHandle, message: tuple) -> bool:
@@ -428,32 +428,19 @@ def process_death_reason(process: Any) -> str:
     return f"died (exit code {code})"
 
 
-def _stop_process(handle: WorkerHandle, graceful: bool) -> None:
-    _stop_processes([handle], graceful)
-
-
 def _stop_processes(handles: list[WorkerHandle], graceful: bool) -> None:
-    """Stop workers together: with `graceful`, every live one is asked to close before any is waited for, and all
-    share one CLOSE_GRACE_S deadline, so their exits overlap (a worker's took 1.1-1.6 s on a 2-core box, round 61:
-    one after another they held a SIGTERM'd run's exit ~5 s for 4 workers). A failed worker is killed; what is left
-    at the deadline is ended (`end_process`)."""
+    """Stop workers together: with `graceful`, the live ones not still creating are asked to close before any is
+    waited for, sharing one CLOSE_GRACE_S deadline (`common.processes.stop_processes`), so their exits overlap (a
+    worker's took 1.1-1.6 s on a 2-core box, round 61: one after another they held a SIGTERM'd run's exit ~5 s for 4
+    workers). A failed worker is killed first; the others are ended (`end_process`)."""
     for handle in handles:
         if handle.failed:
             handle.process.kill()  # SIGKILL also ends a stopped (SIGSTOP) or hung process at once
             handle.process.join(timeout=5.0)
-    asked = [h for h in handles if graceful and h.process.is_alive() and not h.creating
-             and send_quietly(h.conn, ("close", None))]
-    deadline = time.monotonic() + CLOSE_GRACE_S
-    for handle in asked:  # the first message back: the close's reply, or one to a command the caller abandoned
-        try:
-            if handle.conn.poll(max(deadline - time.monotonic(), 0.0)):
-                handle.conn.recv()
-        except (OSError, EOFError):
-            pass
-    for handle in asked:
-        handle.process.join(timeout=max(deadline - time.monotonic(), 0.0))
+    asked = [h for h in handles if graceful and h.process.is_alive() and not h.creating]
+    stop_processes([(h.process, h.conn) for h in asked], CLOSE_GRACE_S, join_s=5.0)
     for handle in handles:
-        end_process(handle.process, 5.0)
+        end_process(handle.process, 5.0)  # the ones not asked (a no-op for those stopped above)
         try:
             handle.conn.close()
         except OSError:
