@@ -297,9 +297,9 @@ def main() -> None:
                         help="grpo.prefix_cache_gib of the kept settings (default: every row kept)")
     parser.add_argument("--prefix-cache-spill-gib", type=float, default=None,
                         help="with --prefix-cache-gib: grpo.prefix_cache_spill_gib of the device and engine settings")
-    parser.add_argument("--prefix-cache-spill-read", default="copy", choices=SPILL_READS,
+    parser.add_argument("--prefix-cache-spill-read", default="auto", choices=SPILL_READS,
                         help="grpo.prefix_cache_spill_read: how the spilled rows are read (copy: CPU gather; mapped: "
-                             "the GPU reads the page-locked memory)")
+                             "the GPU reads the page-locked memory; auto, the default: mapped on CUDA)")
     parser.add_argument("--frozen-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="policy.frozen_dtype of the trainer (auto: unset, fp32 like the trained weights)")
     parser.add_argument("--consistent", action="store_true",

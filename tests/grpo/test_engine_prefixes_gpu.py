@@ -35,11 +35,11 @@ def engine_rows(engine: PolicyEngine, n: int) -> Samples:
         prefix_row=out.prefix_rows)
 
 
-@pytest.mark.parametrize("spilled, spill_read", [(0, "copy"), (5, "copy"), (5, "mapped")])
+@pytest.mark.parametrize("spilled, spill_read", [(0, "copy"), (5, "copy"), (5, "mapped"), (5, "auto")])
 def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one(spilled, spill_read):
     """With `spilled`, the store keeps 3 of the 8 rows on the device and the other 5 in pinned host memory
     (grpo.prefix_cache_spill_gib): read back into the micro-batches' order without blocking (`spill_read` copy: a
-    CPU gather and a transfer; mapped: the GPU reads the host memory), the same update."""
+    CPU gather and a transfer; mapped: the GPU reads the host memory; auto: mapped on CUDA), the same update."""
     cfg = PolicyConfig.preset("tiny", seed=0, **WIDE, fast=CONSISTENT)
     policy = build_policy(trainer_policy_config(cfg), device="cuda")
     initial = {k: v.clone() for k, v in policy.state_dict().items()}
@@ -71,7 +71,7 @@ def test_the_cuda_update_with_the_engines_prefixes_equals_the_recomputing_one(sp
                 if spilled:  # made on a thread as registered pageable memory (common.host_memory): pinned
                     assert all(t.is_pinned() for t in store._spilled_slots().keys)
                     mapped = store._spill_mapped
-                    assert (mapped is not None) == (spill_read == "mapped")
+                    assert (mapped is not None) == (spill_read in ("mapped", "auto"))
                     if mapped is not None:  # the device reads the host buffers themselves, no copy
                         assert all(m.is_cuda and m.data_ptr() != 0 for m in mapped.keys)
             weights[name] = [p.detach().clone() for p in policy.trainable_parameters()]

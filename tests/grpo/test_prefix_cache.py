@@ -9,7 +9,7 @@ import torch
 from grpo.actor import Actor
 from grpo.config import GRPOConfig
 from grpo.observations import observation_from_rows
-from grpo.prefix_store import RowPrefixes, row_bytes
+from grpo.prefix_store import RowPrefixes, resolved_spill_read, row_bytes
 from policies.models.pi05 import PrefixCache
 from tests.grpo.helpers import assert_same_update_to_rounding, record_stages, sampled_rows, tiny_policy
 
@@ -119,11 +119,26 @@ def test_a_mapped_spill_read_needs_the_store_on_a_cuda_device():
                         spill_read="mapped")
     with pytest.raises(ValueError, match="grpo.prefix_cache_spill_read=mapped .* on a CUDA device, got cpu"):
         store.add(torch.arange(4), whole)
-    with pytest.raises(ValueError, match=r"grpo.prefix_cache_spill_read must be one of \['copy', 'mapped'\], "
+    with pytest.raises(ValueError, match=r"grpo.prefix_cache_spill_read must be one of \['auto', 'copy', 'mapped'\], "
                                          "got 'zero_copy'"):
         RowPrefixes("device", rows=4, spill_read="zero_copy")
     with pytest.raises(ValueError, match="grpo.prefix_cache_spill_read"):
         GRPOConfig(prefix_cache_spill_read="zero_copy")
+
+
+def test_the_automatic_spill_read_copies_on_a_cpu_store():
+    """grpo.prefix_cache_spill_read=auto (the default) maps the spilled slots only for a CUDA store: a CPU store copies
+    them, so its spilled rows read back as they were added (the CUDA side: tests/grpo/test_engine_prefixes_gpu.py)."""
+    assert GRPOConfig().prefix_cache_spill_read == "auto"
+    assert resolved_spill_read("auto", torch.device("cuda", 1)) == "mapped"
+    assert resolved_spill_read("copy", torch.device("cuda")) == "copy"
+    _, _, _, whole = rows_and_cache(4)
+    store = RowPrefixes("device", rows=4, budget_bytes=row_bytes(whole), spill_bytes=8 * row_bytes(whole))
+    store.add(torch.arange(4), whole)
+    assert (store.spill_read, store.spilled) == ("copy", 3)
+    back = store.gather(torch.tensor([3, 0, 2]), torch.device("cpu"))
+    for got, want in zip(back.keys + back.values, whole.keys + whole.values, strict=True):
+        assert torch.equal(got, want.index_select(0, torch.tensor([3, 0, 2])).to(got.dtype))
 
 
 def test_keys_are_kept_in_the_asked_dtype():
