@@ -133,7 +133,10 @@ class Actor:
                       keep: tuple[RowPrefixes, Tensor] | None = None) -> Tensor:
         """(R,) float32 chunk log-probs of the rows' stored transitions under `policy`. `prefix`: the rows'
         kept prefix K/V (grpo.prefix_cache); `keep` = (store, the rows' ids): compute it here and keep it."""
-        obs = observation_from_rows(policy.cfg, rows.images, rows.states, rows.tokens, rows.token_mask, self.device)
+        # with the rows' prefix K/V given, vision and the prefix do not run: no pixels (the caller's
+        # `Samples.select(pixels=False)` left them out)
+        obs = observation_from_rows(policy.cfg, rows.images, rows.states, rows.tokens, rows.token_mask, self.device,
+                                    pixels=prefix is None)
         # the denoise indices stay in host memory: log_prob checks them, and the consistent recompute plans its
         # chunks from them, without reading them back from the GPU
         chains, denoise_inds = to_device(rows.chains, self.device), rows.denoise_inds
@@ -164,7 +167,8 @@ class Actor:
             out = torch.empty(len(samples), device=self.device)
             for idx in self._micro_batches(index, keep)[1]:  # the kept rows' micro-batches first
                 prefix = keep.gather(idx, self.device) if bool(keep.kept(idx).all()) else None
-                out[to_device(idx, self.device)] = self.chunk_logprob(policy, samples.select(idx), prefix)
+                rows = samples.select(idx, pixels=prefix is None)
+                out[to_device(idx, self.device)] = self.chunk_logprob(policy, rows, prefix)
             return out.cpu()
         parts = [self.chunk_logprob(policy, samples.select(idx), keep=None if keep is None else (keep, idx))
                  for idx in self._micro(index)]
@@ -242,7 +246,7 @@ class Actor:
                             prefix = prefixes.gather(micro, self.device)
                     with self._out_of_memory_advice(len(micro)), timeline.span("actor_train/micro_batch", gpu=True):
                         with timeline.span("actor_train/micro_batch_issue"):
-                            terms = self._micro_step(samples.select(micro), old[micro], w, micro,
+                            terms = self._micro_step(samples.select(micro, pixels=prefix is None), old[micro], w, micro,
                                                      is_weight, ref, prefix)
                     acc.add(terms, w)
                     if first:

@@ -31,11 +31,13 @@ def _image(raw: Tensor, size: int, resize: bool, key: str) -> Tensor:
 
 
 def observation_from_rows(cfg: PolicyConfig, images: dict[str, Tensor], states: Tensor, tokens: Tensor,
-                          token_mask: Tensor, device: torch.device | str) -> Observation:
+                          token_mask: Tensor, device: torch.device | str, pixels: bool = True) -> Observation:
     """images: env camera key -> (R, S, S, 3) uint8; states (R, state_dim); tokens/mask (R, L). The images go to
     `device` (converted there); the state, the prompt and the masks stay where they are: the policy checks them
     and moves them itself (`policies.observation.model_inputs`), and host copies of the masks let the fast path
-    lay out the tokens without reading them back from the GPU."""
+    lay out the tokens without reading them back from the GPU. pixels=False: the images are not read (a forward
+    given the rows' prefix K/V runs neither vision nor the prefix; `Samples.select(pixels=False)` leaves them out):
+    each stored camera becomes a constant image on `device` with no memory of its own, its mask as usual."""
     n = int(states.shape[0])
     size = cfg.vision.image_size
     slot_to_key = {slot: key for key, slot in cfg.inputs.camera_map.items()}
@@ -49,7 +51,10 @@ def observation_from_rows(cfg: PolicyConfig, images: dict[str, Tensor], states: 
         if key not in images:
             raise ValueError(f"stored rows have no camera {key!r} (policy.inputs.camera_map maps it to {slot!r}); "
                              f"stored: {sorted(images)}")
-        obs_images[slot] = _image(to_device(images[key], device), size, cfg.inputs.resize_images, key)
+        if pixels:
+            obs_images[slot] = _image(to_device(images[key], device), size, cfg.inputs.resize_images, key)
+        else:  # zero-stride: nothing gathered, copied or sent for pixels nobody reads
+            obs_images[slot] = torch.zeros((), device=device).expand(n, size, size, 3)
         masks[slot] = torch.ones(n, dtype=torch.bool, device=token_mask.device)
     return Observation(images=obs_images, image_masks=masks, state=states, tokenized_prompt=tokens.long(),
                        tokenized_prompt_mask=token_mask.bool())

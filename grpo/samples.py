@@ -47,11 +47,17 @@ class Samples:
     def __len__(self) -> int:
         return int(self.states.shape[0])
 
-    def select(self, index: Tensor) -> Samples:
+    def select(self, index: Tensor, pixels: bool = True) -> Samples:
+        """The rows at `index`. pixels=False leaves their images out, for a forward that reads none (one given the
+        rows' kept prefix K/V): each camera keeps a (0, S, S, 3) tensor, so its key and size stay known, and the
+        ~0.3 MB a LIBERO row of images is neither gathered here nor sent to the GPU (`observation_from_rows`)."""
         values = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            values[f.name] = {k: v[index] for k, v in value.items()} if isinstance(value, dict) else value[index]
+            if f.name == "images":
+                values[f.name] = {k: v[index] if pixels else v[:0] for k, v in value.items()}
+            else:
+                values[f.name] = value[index]
         return Samples(**values)
 
     def without_prompt_padding(self) -> Samples:

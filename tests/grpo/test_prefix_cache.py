@@ -43,6 +43,31 @@ def test_log_prob_with_a_given_prefix_equals_the_recomputed_one():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.trainable_parameters())
 
 
+def test_a_forward_given_the_prefix_reads_no_pixels():
+    """With the rows' prefix K/V given the actor leaves the images out (`Samples.select(pixels=False)`, then
+    `observation_from_rows(pixels=False)`): nothing gathered, every camera a zero-stride constant with the masks of
+    the real images, and the same log-probs as with the pixels."""
+    policy, rows, obs, cache = rows_and_cache(4)
+    index = torch.tensor([2, 0, 3, 1])
+    bare = rows.select(index, pixels=False)
+    assert {k: tuple(v.shape) for k, v in bare.images.items()} == {
+        k: (0, *v.shape[1:]) for k, v in rows.images.items()}
+    assert torch.equal(bare.chains, rows.chains[index]) and torch.equal(bare.tokens, rows.tokens[index])
+    blank = observation_from_rows(policy.cfg, bare.images, bare.states, bare.tokens, bare.token_mask,
+                                  policy.device, pixels=False)
+    full = observation_from_rows(policy.cfg, *[getattr(rows.select(index), f) for f in
+                                               ("images", "states", "tokens", "token_mask")], policy.device)
+    assert blank.images.keys() == full.images.keys()
+    for slot, image in blank.images.items():
+        assert image.shape == full.images[slot].shape and image.stride() == (0, 0, 0, 0)
+        assert torch.equal(blank.image_masks[slot], full.image_masks[slot])
+    given = cache.index_select(index)
+    for obs_ in (blank, full):
+        out = policy.log_prob(obs_, bare.chains, bare.denoise_inds, prefix=given).chunk_logprob
+        torch.testing.assert_close(out, policy.log_prob(full, bare.chains, bare.denoise_inds).chunk_logprob,
+                                   rtol=0, atol=0)
+
+
 def test_log_prob_refuses_a_prefix_of_other_rows_or_a_trained_prefix():
     policy, rows, obs, cache = rows_and_cache(4)
     with pytest.raises(ValueError, match="holds 2 rows, the batch 4"):
