@@ -21,11 +21,12 @@ set -u
 out=$1; budget=$2; shift 2
 mkdir -p "$out" || exit 2  # a missing OUT_DIR had every run fail at once on its log's redirect
 out=$(cd "$out" && pwd)  # absolute: a run in another tree starts from there
+tree_of() { case $1 in *@*) echo "${1#*@}";; esac; }  # TREE of a NAME@TREE label, nothing for a plain NAME
 for setting in "$@"; do  # every tree checked before the first run: a typo must not cost a device call's runs
-    label=${setting%%=*}
-    case $label in *@*) tree=${label#*@}
-        if [ ! -f "$tree/GIT_SHA" ]; then echo "setting ${label%%@*}: $tree/GIT_SHA not found (a tree needs one)" >&2; exit 2; fi;;
-    esac
+    label=${setting%%=*}; tree=$(tree_of "$label")
+    if [ -n "$tree" ] && [ ! -f "$tree/GIT_SHA" ]; then
+        echo "setting ${label%%@*}: $tree/GIT_SHA not found (a tree needs one)" >&2; exit 2
+    fi
 done
 repeats=${GRPO_REPEATS:-1}
 case $repeats in ''|*[!0-9]*|0) echo "GRPO_REPEATS must be a positive integer, got '$repeats'" >&2; exit 2;; esac
@@ -34,9 +35,9 @@ base="+experiment=libero10_pi05 env.task_ids=[2,8,2,8,2,8,2,8] env.max_episode_s
 base="$base grpo.rollout_epochs=1 grpo.filter_groups=false grpo.micro_batch=${GRPO_MICRO_BATCH:-32} logger=none"
 base="$base profiler.exports=[json] run.checkpoint_every=0 eval.every=0"
 for repeat in $(seq 1 "$repeats"); do for setting in "$@"; do
-    name=${setting%%=*}; overrides=${setting#*=}; tree=$PWD; sha=; where=
-    case $name in *@*) tree=$(cd "${name#*@}" && pwd); sha=$(head -1 "$tree/GIT_SHA"); where=" in ${name#*@}"
-                       name=${name%%@*};; esac
+    label=${setting%%=*}; overrides=${setting#*=}; name=${label%%@*}; other=$(tree_of "$label")
+    tree=$PWD; sha=; where=
+    if [ -n "$other" ]; then tree=$(cd "$other" && pwd); sha=$(head -1 "$tree/GIT_SHA"); where=" in $other"; fi
     if [ "$repeats" -gt 1 ]; then name="$name.r$repeat"; fi
     left=$(( deadline - $(date +%s) ))
     if [ "$left" -lt 60 ]; then echo "SKIPPED $name: ${left} s of the budget left"; continue; fi
