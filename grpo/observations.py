@@ -45,7 +45,7 @@ def observation_from_rows(cfg: PolicyConfig, images: dict[str, Tensor], states: 
     for slot in cfg.cameras:
         key = slot_to_key.get(slot)
         if key is None:
-            obs_images[slot] = torch.full((n, size, size, 3), -1.0, device=device)
+            obs_images[slot] = torch.full((), -1.0, device=device).expand(n, size, size, 3)  # no memory of its own
             masks[slot] = torch.zeros(n, dtype=torch.bool, device=token_mask.device)
             continue
         if key not in images:

@@ -121,6 +121,8 @@ def take_rows(inputs, rows: slice | Tensor):
     def pick(t: Tensor) -> Tensor:
         if isinstance(rows, slice):
             return t[rows]
+        if t.dim() and t.stride(0) == 0:  # every row the same (pixel-less images): a view, no gather
+            return t[:1].expand(len(rows), *t.shape[1:])
         if t.device not in moved:
             moved[t.device] = to_device(rows, t.device)
         return t[moved[t.device]]

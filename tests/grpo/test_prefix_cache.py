@@ -61,6 +61,8 @@ def test_a_forward_given_the_prefix_reads_no_pixels():
     for slot, image in blank.images.items():
         assert image.shape == full.images[slot].shape and image.stride() == (0, 0, 0, 0)
         assert torch.equal(blank.image_masks[slot], full.image_masks[slot])
+    side_by_side = policy.inputs(blank).images  # the cameras side by side: one number each in memory, not images
+    assert side_by_side.untyped_storage().nbytes() == 4 * len(blank.images) and side_by_side.stride()[0] == 0
     given = cache.index_select(index)
     for obs_ in (blank, full):
         out = policy.log_prob(obs_, bare.chains, bare.denoise_inds, prefix=given).chunk_logprob

@@ -50,3 +50,16 @@ def test_host_masks_from_the_cpu_are_bools_without_staging():
     assert token_mask.tolist() == [[True, True, False]] and image_masks.tolist() == [[True, False]]
     rows = call_inputs.split_rows(inputs, 0, 1)
     assert rows.images.shape == (1, 2, 3, 4, 4) and rows.token_mask.tolist() == [[1, 1, 0]]
+
+
+def test_take_rows_keeps_pixel_less_images_a_view():
+    """Images whose rows all share one memory (zero stride, the actor's pixel-less rows) are taken as a view of the
+    asked length, not gathered; the other tensors are gathered as usual, and the values are the gather's."""
+    images = torch.full((), -1.0).expand(4, 2, 3, 8, 8)
+    inputs = ModelInputs(images, torch.ones(4, 2, dtype=torch.bool), torch.arange(12).view(4, 3),
+                         torch.ones(4, 3, dtype=torch.bool))
+    index = torch.tensor([3, 1, 3])
+    rows = call_inputs.take_rows(inputs, index)
+    assert rows.images.shape == (3, 2, 3, 8, 8) and not any(rows.images.stride())
+    assert torch.equal(rows.images, images[index]) and torch.equal(rows.tokens, inputs.tokens[index])
+    assert torch.equal(call_inputs.take_rows(inputs, torch.tensor([], dtype=torch.long)).images, images[:0])
