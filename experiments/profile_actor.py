@@ -194,10 +194,11 @@ def stage_times(events) -> dict[str, dict]:
 
 
 @contextlib.contextmanager
-def recompute_backward(policy, mode: str) -> Iterator[None]:
-    """The policy's consistent recompute with its backward in `mode` (policy.fast.recompute_backward) meanwhile."""
+def recompute_backward(policy, mode: str, graph: bool = False) -> Iterator[None]:
+    """The policy's consistent recompute with its backward in `mode` (policy.fast.recompute_backward), captured as
+    CUDA graphs where `graph` (policy.fast.recompute_graph), meanwhile."""
     before = policy.cfg
-    policy.cfg = before.replace(fast={"recompute_backward": mode})
+    policy.cfg = before.replace(fast={"recompute_backward": mode, **({"recompute_graph": True} if graph else {})})
     try:
         yield
     finally:
@@ -310,6 +311,10 @@ def main() -> None:
     parser.add_argument("--recompute-backward", nargs="+", default=["fp32"], choices=RECOMPUTE_BACKWARDS,
                         help="with --consistent: policy.fast.recompute_backward settings to time, in order")
     parser.add_argument("--profile-recompute-backward", default="fp32", choices=RECOMPUTE_BACKWARDS)
+    parser.add_argument("--recompute-graph", nargs="+", default=["off"], choices=["off", "on"],
+                        help="with --consistent: policy.fast.recompute_graph settings to time with each backward, in "
+                             "order (on: the backward's reference call replayed as a CUDA graph)")
+    parser.add_argument("--profile-recompute-graph", default="off", choices=["off", "on"])
     parser.add_argument("--top", type=int, default=40, help="ops kept in the JSON, by device time")
     parser.add_argument("--host-profile", action="store_true",
                         help="one more update under cProfile and CUDA's sync watch (experiments.host_profile)")
@@ -327,6 +332,10 @@ def main() -> None:
         parser.error(f"--prefix-cache names a setting twice: {args.prefix_cache}")
     if len(set(args.recompute_backward)) != len(args.recompute_backward):
         parser.error(f"--recompute-backward names a setting twice: {args.recompute_backward}")
+    if {*args.recompute_graph, args.profile_recompute_graph} != {"off"} and not args.consistent:
+        parser.error("--recompute-graph on needs --consistent (it captures the consistent recompute's backward)")
+    if len(set(args.recompute_graph)) != len(args.recompute_graph):
+        parser.error(f"--recompute-graph names a setting twice: {args.recompute_graph}")
     if {*args.recompute_backward, args.profile_recompute_backward} != {"fp32"} and not args.consistent:
         parser.error("--recompute-backward other than fp32 needs --consistent (the consistent recompute's backward)")
     keep_engine = "engine" in (*args.prefix_cache, args.profile_prefix_cache)
@@ -372,18 +381,21 @@ def main() -> None:
     with weights_restored(policy):
         make_actor(policy, args, "off", 1).train(rows)
     modes = args.recompute_backward
+    variants = [(mode, graph == "on") for mode in modes for graph in args.recompute_graph]
     timed = {}
-    for mode in modes:
-        with recompute_backward(policy, mode):
-            if len(modes) > 1:  # each mode's first update pays for new kernels (its own warm-up: round 52's first
-                # run timed bf16 without one, 1.08 s against fp32's 0.89, where the GRPO step had it 27% faster)
+    for mode, graph in variants:
+        with recompute_backward(policy, mode, graph):
+            if len(variants) > 1:  # each mode's first update pays for new kernels (its own warm-up: round 52's first
+                # run timed bf16 without one, 1.08 s against fp32's 0.89, where the GRPO step had it 27% faster), and
+                # a captured backward for its capture
                 with weights_restored(policy):
                     make_actor(policy, args, args.prefix_cache[0], 1, store).train(rows)
             for setting in args.prefix_cache:
-                print(f"recompute_backward={mode}:", end=" ")
-                timed[setting if len(modes) == 1 else f"{setting}/{mode}"] = time_setting(policy, rows, args, setting,
-                                                                                          device, store)
-    with recompute_backward(policy, args.profile_recompute_backward):
+                print(f"recompute_backward={mode}{' graphed' if graph else ''}:", end=" ")
+                label = setting if len(modes) == 1 else f"{setting}/{mode}"
+                label += "/graph" if graph and len(args.recompute_graph) > 1 else ""
+                timed[label] = time_setting(policy, rows, args, setting, device, store)
+    with recompute_backward(policy, args.profile_recompute_backward, args.profile_recompute_graph == "on"):
         profile = profile_update(policy, rows, args, device, store)
         host = host_profile_update(policy, rows, args, device, store) if args.host_profile else None
     errors = gradient_errors(policy, rows, args, modes) if len(set(modes) | {"fp32"}) > 1 else {}

@@ -7,13 +7,14 @@ transitions chains[:, k] -> chains[:, k+1] of the call's rows, each row at its o
   same kernels on the same weights: skinny GEMMs or F.linear, the norm, RoPE and action_io
   kernels, the bucket's attention backend) and flow_logprob.py's twin of the rollout's flow_step, at the
   rollout's bucket shapes: the rollout's numbers bit for bit;
-- backward: `run.reference(table, weights)`, the plain model's `velocity` (policies/models/pi05.py)
+- backward: `run.reference(inputs, table, weights)`, the plain model's `velocity` (policies/models/pi05.py)
   and policies.flow's log-density in fp32 under autograd at the same inputs (x_k, x_{k+1}, the
   prefix K/V the fast path computed, each row's modulation row, the weights upcast to fp32),
   differentiated by torch.autograd.grad. So the gradients are those of the reference math at the
   rollout's point, whatever the forward's precision. `CallRun.backward`
   (policy.fast.recompute_backward) may run that velocity with TF32 matmuls or under bf16 autocast
-  (`reference_precision`): cheaper gradients with more rounding, the forward unchanged.
+  (`reference_precision`): cheaper gradients with more rounding, the forward unchanged, and
+  policy.fast.recompute_graph replays that backward as a CUDA graph per shape (policies/fast/reference_graph.py).
 `table` is the AdaRMS modulation table (K, 2L+1, 3W) computed with autograd from the time MLP and
 the AdaRMS dense weights; the forward's kernels read its values from FastWeights' buffer (copied
 there by recompute.py), the backward returns its gradient, which autograd carries on to those
@@ -35,6 +36,7 @@ from common.devices import to_device
 from policies import flow
 from policies.fast.config import RECOMPUTE_BACKWARDS
 from policies.fast.flow_logprob import flow_logprob
+from policies.fast.reference_graph import ReferenceGraphs, ReferenceInputs
 from policies.models.gemma import rope_cos_sin
 from policies.models.pi05 import PrefixCache
 
@@ -117,6 +119,7 @@ class CallRun:
     chunks: list[ChunkRun]
     weight_names: tuple[str, ...] = ()
     backward: str = "fp32"  # policy.fast.recompute_backward: the reference velocity's precision
+    graphs: ReferenceGraphs | None = None  # policy.fast.recompute_graph: the sampler's captured reference calls
 
     def forward(self) -> Tensor:
         """(n, H, D) the chunks' log-probs, concatenated in chunk order."""
@@ -145,27 +148,44 @@ class CallRun:
             sizes[length] += size
         return [members for per_length in calls.values() for members in per_length]
 
-    def reference(self, table: Tensor, weights: list[Tensor], members: list[int]) -> Tensor:
-        """(n, H, D) the log-probs of chunks `members` (one prefix length) by the plain model in fp32,
-        differentiable, in their order."""
-        sampler, chunks = self.sampler, [self.chunks[i] for i in members]
-        params = {f"model.{name}": w.float() for name, w in zip(self.weight_names, weights)}
+    def reference_inputs(self, members: list[int]) -> ReferenceInputs:
+        """What the reference call over chunks `members` (one prefix length) reads, in their rows' order."""
+        chunks = [self.chunks[i] for i in members]
         x, x_next = torch.cat([c.x for c in chunks]), torch.cat([c.x_next for c in chunks])
         per_row = [k for c in chunks for k in c.row_steps()]
-        modulation = table.float()[to_device(torch.tensor(per_row), x.device)]  # built on the host: no wait
+        steps = to_device(torch.tensor(per_row), x.device)  # built on the host: no wait
+        constants = to_device(torch.tensor([self.sampler.step_constants[k][:3] for k in per_row],
+                                           dtype=torch.float32), x.device)
         caches = [c.cache for c in chunks]
         # the K/V stay in the fast path's dtype: the plain model's torch.cat with the suffix's fp32 keys promotes
         # them exactly, per layer, so no fp32 copy of the whole prefix is held beside the one autograd saves
         cache = PrefixCache([_joined(layer) for layer in zip(*[c.keys for c in caches], strict=True)],
                             [_joined(layer) for layer in zip(*[c.values for c in caches], strict=True)],
                             _joined([c.pad_mask for c in caches]), _joined([c.offsets for c in caches]))
+        return ReferenceInputs(x, x_next, steps, constants, cache)
+
+    def reference(self, inputs: ReferenceInputs, table: Tensor, weights: list[Tensor]) -> Tensor:
+        """(n, H, D) the rows' log-probs by the plain model in fp32 (its velocity in the `backward` precision),
+        differentiable in the table and the weights."""
+        params = {f"model.{name}": w.float() for name, w in zip(self.weight_names, weights, strict=True)}
+        x = inputs.x
+        modulation = table.float()[inputs.steps]
         with reference_precision(self.backward, x.device.type):
-            v = functional_call(_VelocityCall(sampler.model), params, (cache, x, modulation))  # fp32 out
-        constants = to_device(torch.tensor([sampler.step_constants[k][:3] for k in per_row], dtype=torch.float32),
-                              x.device)
-        t, delta, sigma = (constants[:, i, None, None] for i in range(3))
+            v = functional_call(_VelocityCall(self.sampler.model), params, (inputs.cache, x, modulation))  # fp32 out
+        t, delta, sigma = (inputs.constants[:, i, None, None] for i in range(3))
         mean, std = flow.sde_step_mean_std(x, v, t, delta, sigma)
-        return flow.gaussian_log_prob(x_next, mean, std)
+        return flow.gaussian_log_prob(inputs.x_next, mean, std)
+
+    def reference_grads(self, leaves: list[Tensor], members: list[int], grad: Tensor) -> list[Tensor | None]:
+        """The gradients of the reference call over chunks `members` for the leaves (the table, then the weights)
+        that require grad, given the incoming `grad`: eagerly, or through the sampler's captured graph of this
+        shape (policy.fast.recompute_graph)."""
+        inputs = self.reference_inputs(members)
+        if self.graphs is not None:
+            return self.graphs.grads(self.reference, inputs, leaves, grad, key=(self.backward,))
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        return list(torch.autograd.grad(self.reference(inputs, leaves[0], leaves[1:]), wanted, grad,
+                                        allow_unused=True))
 
 
 @contextlib.contextmanager
@@ -186,7 +206,9 @@ def reference_precision(backward: str, device_type: str) -> Iterator[None]:
         finally:
             matmul.fp32_precision = before
     elif backward == "bf16":
-        with torch.autocast(device_type, dtype=torch.bfloat16):
+        # no cast cache: each weight is cast once per call anyway, and a CUDA-graph capture must not keep casts
+        # made outside it (policy.fast.recompute_graph)
+        with torch.autocast(device_type, dtype=torch.bfloat16, cache_enabled=False):
             yield
     else:
         raise ValueError(f"policy.fast.recompute_backward must be one of {RECOMPUTE_BACKWARDS}, got {backward!r}")
@@ -220,11 +242,9 @@ class ConsistentCall(torch.autograd.Function):
         total: list[Tensor | None] | None = None
         with torch.enable_grad(), torch.autocast(grad.device.type, enabled=False):
             leaves = [w.detach().requires_grad_(need) for w, need in zip([table, *weights], needs)]
-            wanted = [leaf for leaf in leaves if leaf.requires_grad]
             for members in run.pieces():
-                logp = run.reference(leaves[0], leaves[1:], members)
                 piece_grad = torch.cat([grad[rows[i]] for i in members])
-                grads = torch.autograd.grad(logp, wanted, piece_grad, allow_unused=True)
+                grads = run.reference_grads(leaves, members, piece_grad)
                 total = list(grads) if total is None else [_add(a, b) for a, b in zip(total, grads, strict=True)]
         found = iter(total)
         return (None, *[next(found) if need else None for need in needs])

@@ -25,7 +25,7 @@ SEARCH_CHOICES = ("auto", "off")  # policies/fast/gemm_search.py
 RECOMPUTE_BACKWARDS = ("fp32", "tf32", "bf16")
 # policy.fast overrides for a plain-path copy of a config (a trainer, a baseline): the keys that need the fast path
 # set back too, so that the copy validates whatever the original had
-FAST_OFF = {"enabled": False, "consistent_recompute": False, "recompute_backward": "fp32"}
+FAST_OFF = {"enabled": False, "consistent_recompute": False, "recompute_backward": "fp32", "recompute_graph": False}
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -69,6 +69,11 @@ class FastConfig:
     bit for bit, whichever is chosen; only the gradients' rounding changes): "fp32" (the reference
     math in fp32, matmuls as the process sets them, torch's default IEEE), "tf32" (fp32 with TF32
     matmuls), "bf16" (under bf16 autocast; the flow log-density on top in fp32).
+    recompute_graph: with consistent_recompute on CUDA with cuda_graphs, that backward's reference call (the plain
+    model's velocity, the flow log-density and their gradients) is captured as one CUDA graph per input shape and
+    replayed (policies/fast/reference_graph.py): the same kernels, without their Python launches, which bounded it
+    (round 49: 55 ms of host time a call against 7 ms of kernels). Each shape's graph keeps its memory: at most
+    reference_graph.CAPACITY shapes are kept (GRPO with one pinned bucket and a fixed micro-batch has one).
     precision: "bf16" runs every GEMM in `dtype`; "fp8" runs the GEMMs of `fp8_gemms` in FP8 e4m3
     (per-channel weight and per-token activation scales, policies/fast/fp8.py), the expert always
     in `dtype`; needs dtype "bfloat16".
@@ -116,6 +121,7 @@ class FastConfig:
     attention_profile_path: str | None = None
     consistent_recompute: bool = False
     recompute_backward: str = "fp32"
+    recompute_graph: bool = False
     precision: str = "bf16"
     gemm: str = "auto"
     pdl: str = "auto"
@@ -138,7 +144,7 @@ class FastConfig:
 
     def validate(self, key: str) -> None:
         # a quoted "false" from a YAML file or a dict is truthy: it would turn the fast path on
-        for name in ("enabled", "cuda_graphs", "consistent_recompute"):
+        for name in ("enabled", "cuda_graphs", "consistent_recompute", "recompute_graph"):
             check_bool(f"{key}.{name}", getattr(self, name))
         for name in ("batch_buckets", "prompt_buckets", "fp8_gemms"):  # a bare value would be iterated, or fail unnamed
             check_list(f"{key}.{name}", getattr(self, name))
@@ -183,6 +189,9 @@ class FastConfig:
         if self.recompute_backward != "fp32" and not self.consistent_recompute:
             raise ValueError(f"{key}.recompute_backward={self.recompute_backward!r} changes the consistent recompute's "
                              f"backward only: it needs {key}.consistent_recompute=true")
+        if self.recompute_graph and not (self.consistent_recompute and self.cuda_graphs):
+            raise ValueError(f"{key}.recompute_graph=true captures the consistent recompute's backward as CUDA graphs: "
+                             f"it needs {key}.consistent_recompute=true and {key}.cuda_graphs=true")
         if self.consistent_recompute:
             if not self.enabled:
                 raise ValueError(f"{key}.consistent_recompute needs {key}.enabled=true (it reproduces the fast-path "

@@ -86,7 +86,8 @@ def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mo
                 index.append(flat)
         step_lp = chains.new_zeros(b * len(columns), *chains.shape[2:])
         if chunks:
-            run = CallRun(sampler, chunks, tuple(name for name, _ in named), cfg.fast.recompute_backward)
+            graphs = sampler.reference_graphs if cfg.fast.recompute_graph else None  # None off CUDA graphs
+            run = CallRun(sampler, chunks, tuple(name for name, _ in named), cfg.fast.recompute_backward, graphs)
             if needs_grad:
                 logp = ConsistentCall.apply(run, table, *weights)
             else:

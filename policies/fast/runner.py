@@ -33,6 +33,7 @@ from policies.fast.attention import AttentionSelector
 from policies.fast.config import FastConfig, triton_cache_dir, triton_interpreting
 from policies.fast.precompile import Precompiler, resolve_workers, shared
 from policies.fast.recompute import prefix_views
+from policies.fast.reference_graph import ReferenceGraphs
 from policies.fast.weights import FastWeights
 from policies.models.gemma import rope_cos_sin
 from policies.observation import check_nonempty
@@ -92,6 +93,8 @@ class FastSampler:
         # PDL (pdl.py) only inside graphs: eager launches are host-bound; the denoise graph runs ~1300 kernels in a row
         self.pdl = pdl.mode_code(fast_cfg.pdl, self.device) if self.use_graphs else 0
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # the consistent recompute's backward reference calls, captured (policy.fast.recompute_graph)
+        self.reference_graphs = ReferenceGraphs() if self.use_graphs else None
         self._side_stream = None  # overlap.py's stream for denoise step 0, made on first use
         self.step0_pdl = False  # overlapped step 0 with the denoise graph's PDL; False: no PDL, MLP split (overlap.py)
         self._mask_staging: dict[tuple, tuple[Tensor, Tensor]] = {}  # pinned mask buffers (call_inputs.host_masks)

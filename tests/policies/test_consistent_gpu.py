@@ -201,3 +201,44 @@ def test_fp8_consistent_recompute_by_fp32_masters_equals_the_fp8_rollout(size):
     print(f"\nconsistent_gpu fp8 {size} rows={len(order)} " + json.dumps(results))
     assert results["consistent_fp32_masters"]["elem_max"] == 0.0, results
     assert results["plain_bf16"]["elem_max"] > 0.0
+
+
+@pytest.mark.parametrize("backward", ["fp32", "bf16"])
+def test_the_captured_backward_replays_the_eager_gradients(backward):
+    """policy.fast.recompute_graph: the backward's reference call replayed as a CUDA graph per shape gives the eager
+    call's gradients (the same kernels: printed, bounded at 1e-6), also after the weights changed in place (an
+    optimizer step: no re-capture) and after a weight's storage was replaced (its shape captured again)."""
+    policy = build_policy(config("small", "sdpa", consistent_recompute=True, recompute_backward=backward),
+                          device="cuda")
+    rows = rollout(policy)
+    weights = torch.randn(len(rows[1]), generator=torch.Generator().manual_seed(0)).cuda()
+    graphs = policy.fast_sampler().reference_graphs
+
+    def gradients(graphed: bool) -> dict:
+        policy.cfg = policy.cfg.replace(fast={"recompute_graph": graphed})
+        policy.model.zero_grad(set_to_none=True)
+        # one micro-batch of every row: a reference call per prompt bucket (two shapes, within the capacity)
+        lp, order = rescore(policy, rows, len(rows[1]), consistent=True, grad=True)
+        (lp.flatten(1).sum(1) * weights[order.cuda()]).sum().backward()
+        return {n: p.grad.float().clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+
+    def assert_same(label: str) -> None:
+        want, got = gradients(False), gradients(True)
+        _, worst = gradient_errors(got, want, f"graphed {backward} backward vs eager ({label})")
+        assert worst <= 1e-6, (label, worst)
+
+    assert_same("first calls: captured")
+    captured = graphs.captures
+    assert 0 < captured <= graphs.capacity and graphs.replays > 0
+    with torch.no_grad():  # an optimizer step's in-place update
+        for p in policy.model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 1e-2)
+    assert_same("weights changed in place")
+    assert graphs.captures == captured, "an in-place weight change captured again"
+    target = policy.model.action_in_proj.weight
+    target.data = target.data.clone()  # the same values in new storage: the old graphs would read the old memory
+    with torch.no_grad():
+        target.mul_(1.5)
+    assert_same("a weight's storage replaced")
+    assert graphs.captures > captured

@@ -92,8 +92,10 @@ def test_a_plain_path_copy_of_a_bf16_backward_config_validates():
     from policies.fast.config import FAST_OFF
 
     cfg = PolicyConfig.preset("tiny", fast={"enabled": True, "consistent_recompute": True, "attention": "sdpa",
-                                            "recompute_backward": "bf16"})
+                                            "recompute_backward": "bf16", "recompute_graph": True})
     plain = cfg.replace(fast=FAST_OFF)
-    assert plain.fast.recompute_backward == "fp32" and not plain.fast.enabled
-    assert trainer_policy_config(cfg).fast.recompute_backward == "bf16"  # the consistent trainer keeps it
-    assert FAST_OFF == {"enabled": False, "consistent_recompute": False, "recompute_backward": "fp32"}
+    assert plain.fast.recompute_backward == "fp32" and not plain.fast.enabled and not plain.fast.recompute_graph
+    kept = trainer_policy_config(cfg).fast  # the consistent trainer keeps both
+    assert kept.recompute_backward == "bf16" and kept.recompute_graph
+    assert FAST_OFF == {"enabled": False, "consistent_recompute": False, "recompute_backward": "fp32",
+                        "recompute_graph": False}

@@ -1,0 +1,144 @@
+"""The consistent recompute's backward reference call as a CUDA graph (policy.fast.recompute_graph).
+
+The backward of a consistent log_prob (policies/fast/autograd.py, ConsistentCall) re-runs the plain model's velocity
+with autograd over a micro-batch's rows and differentiates the flow log-density. That is a few hundred small kernels
+a layer stack, forward and backward, launched one by one from Python: on the GPU its host launches, not its kernels,
+bounded it (round 49's profile: 55 ms of host time a call against 7 ms of kernels). Here the whole call, forward and
+`torch.autograd.grad`, is captured once per input shape and replayed:
+- the inputs (the rows' x, x_next, step index and constants, their prefix K/V), the modulation table and the
+  incoming gradient are copied into the graph's own buffers before each replay;
+- the trained weights are read where they live: the graph holds views of their storage, so optimizer steps and
+  weight loads that write in place are seen without a re-capture; a weight whose storage moved (`param.data = ...`)
+  is caught by its address and the shape captured again;
+- the gradients come back as copies (the graph overwrites its outputs at the next replay).
+The kernels are the eager call's, so are the gradients: tests/policies/test_consistent_gpu.py compares the two.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from policies.models.pi05 import PrefixCache
+
+# Shapes whose graph is kept (each holds its activations' memory; least recently used dropped first). GRPO's
+# consistent training pins one bucket and one micro-batch size: one shape, the tail micro-batch of a ragged global
+# batch a second.
+CAPACITY = 2
+WARMUP_CALLS = 2  # eager runs on the capture stream before capturing (cuBLAS workspaces, autocast, allocator)
+
+
+@dataclass
+class ReferenceInputs:
+    """What one reference call reads besides the weights and the modulation table."""
+
+    x: Tensor  # (n, H, D) fp32 chains[:, k] of each row
+    x_next: Tensor  # (n, H, D) fp32 chains[:, k + 1]
+    steps: Tensor  # (n,) long, each row's denoise step: its modulation row
+    constants: Tensor  # (n, 3) fp32 [t, delta, sigma] of each row's step
+    cache: PrefixCache  # the rows' prefix K/V
+
+    def tensors(self) -> list[Tensor]:
+        c = self.cache
+        return [self.x, self.x_next, self.steps, self.constants, *c.keys, *c.values, c.pad_mask, c.offsets]
+
+    def shape_key(self) -> tuple:
+        return tuple((tuple(t.shape), t.dtype) for t in self.tensors())
+
+    def clone(self) -> ReferenceInputs:
+        c = self.cache
+        cache = PrefixCache([k.clone() for k in c.keys], [v.clone() for v in c.values], c.pad_mask.clone(),
+                            c.offsets.clone())
+        return ReferenceInputs(**{f.name: getattr(self, f.name).clone() for f in fields(self) if f.name != "cache"},
+                               cache=cache)
+
+    def copy_from(self, other: ReferenceInputs) -> None:
+        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
+            mine.copy_(theirs)
+
+
+LogProbFn = Callable[[ReferenceInputs, Tensor, list[Tensor]], Tensor]  # (inputs, table, weights) -> log-probs
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: ReferenceInputs  # the graph's input buffers
+    table: Tensor  # its modulation table (a leaf, requires grad where the call's does)
+    weights: list[Tensor]  # views of the weights' storage (leaves)
+    grad: Tensor  # the incoming gradient's buffer
+    out: list[Tensor | None]  # the gradients of the leaves that require grad, in order, written by each replay
+    addresses: tuple[int, ...]  # the weights' data pointers at capture
+
+    def replay(self, inputs: ReferenceInputs, table: Tensor, grad: Tensor) -> list[Tensor | None]:
+        with torch.no_grad():
+            self.inputs.copy_from(inputs)
+            self.table.copy_(table)
+            self.grad.copy_(grad)
+        self.graph.replay()
+        return [None if g is None else g.clone() for g in self.out]
+
+
+class ReferenceGraphs:
+    """The captured reference calls of one sampler, by input shape."""
+
+    def __init__(self, capacity: int = CAPACITY):
+        self.capacity = capacity
+        self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.captures = 0  # how many times a shape was captured (a test and a report read it)
+        self.replays = 0
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def grads(self, logprob: LogProbFn, inputs: ReferenceInputs, leaves: list[Tensor], grad: Tensor,
+              key: tuple = ()) -> list[Tensor | None]:
+        """torch.autograd.grad(logprob(inputs, leaves[0], leaves[1:]), the leaves that require grad, grad) (their
+        gradients in order, None where unused), by
+        replaying the shape's graph (captured at its first call). `key`: what else the call's kernels depend on
+        (the backward's precision)."""
+        full_key = (key, inputs.shape_key(), tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in leaves),
+                    tuple(grad.shape), grad.dtype)
+        addresses = tuple(w.data_ptr() for w in leaves[1:])
+        captured = self._graphs.get(full_key)
+        if captured is not None and captured.addresses != addresses:
+            del self._graphs[full_key]  # a weight's storage was replaced: the graph would read the old one
+            captured = None
+        if captured is None:
+            captured = _capture(logprob, inputs, leaves, grad, addresses)
+            self._graphs[full_key] = captured
+            self.captures += 1
+            while len(self._graphs) > self.capacity:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(full_key)
+        self.replays += 1
+        return captured.replay(inputs, leaves[0], grad)
+
+
+def _capture(logprob: LogProbFn, inputs: ReferenceInputs, leaves: list[Tensor], grad: Tensor,
+             addresses: tuple[int, ...]) -> _Captured:
+    static = inputs.clone()
+    table = leaves[0].detach().clone().requires_grad_(leaves[0].requires_grad)
+    weights = [w.detach().requires_grad_(w.requires_grad) for w in leaves[1:]]  # the same storage
+    static_grad = grad.detach().clone()
+    wanted = [leaf for leaf in (table, *weights) if leaf.requires_grad]
+
+    def call() -> tuple[Tensor | None, ...]:
+        return torch.autograd.grad(logprob(static, table, weights), wanted, static_grad, allow_unused=True)
+
+    device = grad.device
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_CALLS):
+            call()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return _Captured(graph, static, table, weights, static_grad, list(out), addresses)

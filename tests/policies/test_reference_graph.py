@@ -1,0 +1,116 @@
+"""policies/fast/reference_graph.py on the CPU: the inputs' buffers and which shape's graph a call replays (the
+capture itself needs CUDA: tests/policies/test_consistent_gpu.py compares the replays with the eager backward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policies.fast import reference_graph
+from policies.fast.config import FastConfig
+from policies.fast.reference_graph import ReferenceGraphs, ReferenceInputs
+from policies.models.pi05 import PrefixCache
+
+
+def inputs(rows: int, prefix: int, seed: int = 0) -> ReferenceInputs:
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(rows, 1, prefix, 4, generator=g).bfloat16() for _ in range(2)]
+    values = [torch.randn(rows, 1, prefix, 4, generator=g).bfloat16() for _ in range(2)]
+    cache = PrefixCache(keys, values, torch.rand(rows, prefix, generator=g) > 0.3,
+                        torch.randint(0, prefix, (rows,), generator=g))
+    return ReferenceInputs(torch.randn(rows, 3, 2, generator=g), torch.randn(rows, 3, 2, generator=g),
+                           torch.randint(0, 4, (rows,), generator=g), torch.rand(rows, 3, generator=g), cache)
+
+
+def logprob(inp: ReferenceInputs, table: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """A stand-in reference call that reads every input, the table and the weights."""
+    keys = sum(k.float().mean() for k in inp.cache.keys)
+    scale = table[inp.steps].sum(-1)[:, None, None] * weights[0].sum() + weights[1].sum()
+    return (inp.x * scale + inp.x_next * inp.constants[:, :1, None] + keys + inp.cache.offsets[:, None, None]) ** 2
+
+
+def eager(inp, leaves, grad):
+    wanted = [leaf for leaf in leaves if leaf.requires_grad]
+    return list(torch.autograd.grad(logprob(inp, leaves[0], leaves[1:]), wanted, grad, allow_unused=True))
+
+
+class FakeCaptured:
+    """What _capture returns, without CUDA: the weights read where they lived at capture, like the graph does."""
+
+    def __init__(self, logprob_fn, inp, leaves, grad, addresses):
+        self.addresses, self.weights, self.fn = addresses, [w.detach() for w in leaves[1:]], logprob_fn
+        self.table_grad = leaves[0].requires_grad
+
+    def replay(self, inp, table, grad):
+        table = table.detach().requires_grad_(self.table_grad)
+        weights = [w.detach().requires_grad_(True) for w in self.weights]
+        return eager(inp, [table, *weights], grad)
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    monkeypatch.setattr(reference_graph, "_capture", FakeCaptured)
+    return ReferenceGraphs(capacity=2)
+
+
+def leaves(table_grad: bool = True):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 5, generator=g).requires_grad_(table_grad), torch.randn(3, 3, generator=g).requires_grad_(),
+            torch.randn(2, generator=g).requires_grad_()]
+
+
+def test_inputs_clone_and_copy_every_tensor():
+    a, b = inputs(3, 6, seed=0), inputs(3, 6, seed=1)
+    copy = a.clone()
+    assert all(x is not y and torch.equal(x, y) for x, y in zip(copy.tensors(), a.tensors(), strict=True))
+    copy.copy_from(b)
+    assert all(torch.equal(x, y) for x, y in zip(copy.tensors(), b.tensors(), strict=True))
+    assert len(a.tensors()) == 4 + 2 * 2 + 2
+    assert a.shape_key() == b.shape_key() != inputs(4, 6).shape_key() != inputs(3, 7).shape_key()
+
+
+def test_a_shape_is_captured_once_and_its_replays_give_the_eager_gradients(graphs):
+    ls = leaves()
+    for seed in range(3):
+        inp, grad = inputs(3, 6, seed), torch.randn(3, 3, 2)
+        got = graphs.grads(logprob, inp, ls, grad, key=("bf16",))
+        for a, b in zip(got, eager(inp, ls, grad), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (graphs.captures, graphs.replays, len(graphs)) == (1, 3, 1)
+
+
+def test_the_key_the_shapes_and_which_leaves_need_grad_each_capture_their_own(graphs):
+    ls, grad = leaves(), torch.randn(3, 3, 2)
+    graphs.grads(logprob, inputs(3, 6), ls, grad, key=("bf16",))
+    graphs.grads(logprob, inputs(3, 6), ls, grad, key=("fp32",))
+    assert graphs.captures == 2
+    frozen_table = leaves(table_grad=False)
+    got = graphs.grads(logprob, inputs(3, 6), frozen_table, grad, key=("bf16",))
+    assert graphs.captures == 3 and len(got) == 2  # only the weights' gradients, as autograd.grad gives them
+    assert len(graphs) == 2  # the least recently used shape was dropped
+    graphs.grads(logprob, inputs(3, 6), ls, grad, key=("bf16",))
+    assert graphs.captures == 4, "the dropped shape was captured again"
+
+
+def test_a_weight_in_new_storage_is_captured_again(graphs):
+    ls, grad = leaves(), torch.randn(3, 3, 2)
+    graphs.grads(logprob, inputs(3, 6), ls, grad)
+    with torch.no_grad():
+        ls[1].mul_(2.0)  # in place: the captured call reads it
+    inp = inputs(3, 6, seed=5)
+    for a, b in zip(graphs.grads(logprob, inp, ls, grad), eager(inp, ls, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert graphs.captures == 1
+    moved = [ls[0], ls[1].detach().clone().requires_grad_(), ls[2]]  # the same values elsewhere
+    graphs.grads(logprob, inp, moved, grad)
+    assert graphs.captures == 2 and len(graphs) == 1
+
+
+def test_the_config_names_what_a_captured_backward_needs():
+    with pytest.raises(ValueError, match=r"recompute_graph=true .*needs policy.fast.consistent_recompute=true"):
+        FastConfig(enabled=True, attention="sdpa", recompute_graph=True)
+    with pytest.raises(ValueError, match=r"policy.fast.cuda_graphs=true"):
+        FastConfig(enabled=True, attention="sdpa", consistent_recompute=True, cuda_graphs=False, recompute_graph=True)
+    with pytest.raises(ValueError, match=r"policy.fast.recompute_graph must be"):
+        FastConfig(enabled=True, attention="sdpa", consistent_recompute=True, recompute_graph="false")
+    assert FastConfig(enabled=True, attention="sdpa", consistent_recompute=True, recompute_graph=True).recompute_graph
