@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from common.devices import graph_capture
 from policies.models.pi05 import PrefixCache
 
 # Shapes whose graph is kept (each holds its activations' memory; least recently used dropped first). GRPO's
@@ -140,6 +141,9 @@ def _capture(logprob: LogProbFn, inputs: ReferenceInputs, leaves: list[Tensor], 
             call()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # the library's capture mode ("thread_local", common/devices.py): another thread's CUDA calls meanwhile (the
+    # prefix store's spill registration) must not invalidate it; autograd's device thread launches the backward onto
+    # the capturing stream, recorded either way
+    with graph_capture(graph, stream):
         out = call()
     return _Captured(graph, static, table, weights, static_grad, list(out), addresses)
