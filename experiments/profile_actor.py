@@ -198,7 +198,7 @@ def recompute_backward(policy, mode: str, graph: bool = False) -> Iterator[None]
     """The policy's consistent recompute with its backward in `mode` (policy.fast.recompute_backward), captured as
     CUDA graphs where `graph` (policy.fast.recompute_graph), meanwhile."""
     before = policy.cfg
-    policy.cfg = before.replace(fast={"recompute_backward": mode, **({"recompute_graph": True} if graph else {})})
+    policy.cfg = before.replace(fast={"recompute_backward": mode, "recompute_graph": graph})
     try:
         yield
     finally:

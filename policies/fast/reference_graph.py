@@ -126,7 +126,7 @@ def _capture(logprob: LogProbFn, inputs: ReferenceInputs, leaves: list[Tensor], 
              addresses: tuple[int, ...]) -> _Captured:
     static = inputs.clone()
     table = leaves[0].detach().clone().requires_grad_(leaves[0].requires_grad)
-    weights = [w.detach().requires_grad_(w.requires_grad) for w in leaves[1:]]  # the same storage
+    weights = list(leaves[1:])  # the backward's leaves: detached views of the weights' storage
     static_grad = grad.detach().clone()
     wanted = [leaf for leaf in (table, *weights) if leaf.requires_grad]
 
