@@ -156,13 +156,9 @@ class CallRun:
         steps = to_device(torch.tensor(per_row), x.device)  # built on the host: no wait
         constants = to_device(torch.tensor([self.sampler.step_constants[k][:3] for k in per_row],
                                            dtype=torch.float32), x.device)
-        caches = [c.cache for c in chunks]
         # the K/V stay in the fast path's dtype: the plain model's torch.cat with the suffix's fp32 keys promotes
         # them exactly, per layer, so no fp32 copy of the whole prefix is held beside the one autograd saves
-        cache = PrefixCache([_joined(layer) for layer in zip(*[c.keys for c in caches], strict=True)],
-                            [_joined(layer) for layer in zip(*[c.values for c in caches], strict=True)],
-                            _joined([c.pad_mask for c in caches]), _joined([c.offsets for c in caches]))
-        return ReferenceInputs(x, x_next, steps, constants, cache)
+        return ReferenceInputs(x, x_next, steps, constants, [c.cache for c in chunks])
 
     def reference(self, inputs: ReferenceInputs, table: Tensor, weights: list[Tensor]) -> Tensor:
         """(n, H, D) the rows' log-probs by the plain model in fp32 (its velocity in the `backward` precision),
@@ -248,11 +244,6 @@ class ConsistentCall(torch.autograd.Function):
                 total = list(grads) if total is None else [_add(a, b) for a, b in zip(total, grads, strict=True)]
         found = iter(total)
         return (None, *[next(found) if need else None for need in needs])
-
-
-def _joined(parts: list[Tensor] | tuple[Tensor, ...]) -> Tensor:
-    """The parts concatenated along rows (one part: itself, no copy)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:

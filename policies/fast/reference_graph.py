@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -43,25 +43,54 @@ class ReferenceInputs:
     x_next: Tensor  # (n, H, D) fp32 chains[:, k + 1]
     steps: Tensor  # (n,) long, each row's denoise step: its modulation row
     constants: Tensor  # (n, 3) fp32 [t, delta, sigma] of each row's step
-    cache: PrefixCache  # the rows' prefix K/V
+    # the rows' prefix K/V as parts along rows, one a chunk: the eager call joins them (`cache`), a replay copies each
+    # into its rows of the graph's buffers, so the micro-batch's K/V are copied once, not joined and then copied
+    caches: list[PrefixCache]
 
-    def tensors(self) -> list[Tensor]:
-        c = self.cache
-        return [self.x, self.x_next, self.steps, self.constants, *c.keys, *c.values, c.pad_mask, c.offsets]
+    @property
+    def cache(self) -> PrefixCache:
+        """The rows' prefix K/V joined (one part: itself, no copy)."""
+        if len(self.caches) == 1:
+            return self.caches[0]
+        layers = len(self.caches[0].keys)
+        joined = [_joined(parts) for parts in self._cache_columns()]
+        return PrefixCache(joined[:layers], joined[layers:2 * layers], joined[-2], joined[-1])
+
+    def _cache_columns(self) -> list[list[Tensor]]:
+        """Each cache tensor's parts, one a cache: every layer's keys, every layer's values, the pad mask, the
+        offsets."""
+        per_part = [[*c.keys, *c.values, c.pad_mask, c.offsets] for c in self.caches]
+        return [list(column) for column in zip(*per_part, strict=True)]
+
+    def columns(self) -> list[list[Tensor]]:
+        """Every input tensor as its parts along rows: x, x_next, steps, constants whole, then the cache's."""
+        return [[self.x], [self.x_next], [self.steps], [self.constants], *self._cache_columns()]
 
     def shape_key(self) -> tuple:
-        return tuple((tuple(t.shape), t.dtype) for t in self.tensors())
+        """The joined tensors' shapes and dtypes."""
+        return tuple(((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].dtype)
+                     for parts in self.columns())
 
     def clone(self) -> ReferenceInputs:
+        """A copy with every tensor joined (the graph's buffers)."""
         c = self.cache
         cache = PrefixCache([k.clone() for k in c.keys], [v.clone() for v in c.values], c.pad_mask.clone(),
                             c.offsets.clone())
-        return ReferenceInputs(**{f.name: getattr(self, f.name).clone() for f in fields(self) if f.name != "cache"},
-                               cache=cache)
+        return ReferenceInputs(self.x.clone(), self.x_next.clone(), self.steps.clone(), self.constants.clone(),
+                               [cache])
 
     def copy_from(self, other: ReferenceInputs) -> None:
-        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
-            mine.copy_(theirs)
+        """Write `other`'s values into these joined buffers (same shape_key): each part straight into its rows."""
+        for (mine,), theirs in zip(self.columns(), other.columns(), strict=True):
+            if len(theirs) == 1:
+                mine.copy_(theirs[0])
+            else:
+                torch.cat(theirs, out=mine)
+
+
+def _joined(parts: list[Tensor] | tuple[Tensor, ...]) -> Tensor:
+    """The parts concatenated along rows (one part: itself, no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 LogProbFn = Callable[[ReferenceInputs, Tensor, list[Tensor]], Tensor]  # (inputs, table, weights) -> log-probs

@@ -19,7 +19,19 @@ def inputs(rows: int, prefix: int, seed: int = 0) -> ReferenceInputs:
     cache = PrefixCache(keys, values, torch.rand(rows, prefix, generator=g) > 0.3,
                         torch.randint(0, prefix, (rows,), generator=g))
     return ReferenceInputs(torch.randn(rows, 3, 2, generator=g), torch.randn(rows, 3, 2, generator=g),
-                           torch.randint(0, 4, (rows,), generator=g), torch.rand(rows, 3, generator=g), cache)
+                           torch.randint(0, 4, (rows,), generator=g), torch.rand(rows, 3, generator=g), [cache])
+
+
+def split(inp: ReferenceInputs, rows: list[int]) -> ReferenceInputs:
+    """The same inputs with the prefix K/V in parts of `rows` rows each, as CallRun hands its chunks' caches."""
+    ends = torch.tensor(rows).cumsum(0).tolist()
+    parts = [inp.cache.index_select(torch.arange(end - n, end)) for n, end in zip(rows, ends, strict=True)]
+    return ReferenceInputs(inp.x, inp.x_next, inp.steps, inp.constants, parts)
+
+
+def flat(inp: ReferenceInputs) -> list[torch.Tensor]:
+    c = inp.cache
+    return [inp.x, inp.x_next, inp.steps, inp.constants, *c.keys, *c.values, c.pad_mask, c.offsets]
 
 
 def logprob(inp: ReferenceInputs, table: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -35,16 +47,19 @@ def eager(inp, leaves, grad):
 
 
 class FakeCaptured:
-    """What _capture returns, without CUDA: the weights read where they lived at capture, like the graph does."""
+    """What _capture returns, without CUDA: the inputs copied into buffers kept from the capture and the weights read
+    where they lived at capture, like the graph does."""
 
     def __init__(self, logprob_fn, inp, leaves, grad, addresses):
         self.addresses, self.weights, self.fn = addresses, [w.detach() for w in leaves[1:]], logprob_fn
         self.table_grad = leaves[0].requires_grad
+        self.buffers = inp.clone()
 
     def replay(self, inp, table, grad):
+        self.buffers.copy_from(inp)
         table = table.detach().requires_grad_(self.table_grad)
         weights = [w.detach().requires_grad_(True) for w in self.weights]
-        return eager(inp, [table, *weights], grad)
+        return eager(self.buffers, [table, *weights], grad)
 
 
 @pytest.fixture
@@ -62,17 +77,29 @@ def leaves(table_grad: bool = True):
 def test_inputs_clone_and_copy_every_tensor():
     a, b = inputs(3, 6, seed=0), inputs(3, 6, seed=1)
     copy = a.clone()
-    assert all(x is not y and torch.equal(x, y) for x, y in zip(copy.tensors(), a.tensors(), strict=True))
+    assert all(x is not y and torch.equal(x, y) for x, y in zip(flat(copy), flat(a), strict=True))
     copy.copy_from(b)
-    assert all(torch.equal(x, y) for x, y in zip(copy.tensors(), b.tensors(), strict=True))
-    assert len(a.tensors()) == 4 + 2 * 2 + 2
+    assert all(torch.equal(x, y) for x, y in zip(flat(copy), flat(b), strict=True))
+    assert len(a.columns()) == 4 + 2 * 2 + 2
     assert a.shape_key() == b.shape_key() != inputs(4, 6).shape_key() != inputs(3, 7).shape_key()
+
+
+def test_cache_parts_are_copied_straight_into_the_joined_buffers():
+    whole, other = inputs(5, 6, seed=0), inputs(5, 6, seed=1)
+    parts = split(other, [2, 1, 2])
+    assert parts.shape_key() == whole.shape_key()
+    assert all(torch.equal(x, y) for x, y in zip(flat(parts), flat(other), strict=True))  # `cache` joins them
+    buffers = whole.clone()
+    pointers = [t.data_ptr() for t in flat(buffers)]
+    buffers.copy_from(parts)
+    assert [t.data_ptr() for t in flat(buffers)] == pointers, "a buffer was reallocated: a graph would not see it"
+    assert all(torch.equal(x, y) for x, y in zip(flat(buffers), flat(other), strict=True))
 
 
 def test_a_shape_is_captured_once_and_its_replays_give_the_eager_gradients(graphs):
     ls = leaves()
-    for seed in range(3):
-        inp, grad = inputs(3, 6, seed), torch.randn(3, 3, 2)
+    for seed, rows in [(0, [3]), (1, [1, 2]), (2, [2, 1])]:
+        inp, grad = split(inputs(3, 6, seed), rows), torch.randn(3, 3, 2)  # one chunk's cache or several
         got = graphs.grads(logprob, inp, ls, grad, key=("bf16",))
         for a, b in zip(got, eager(inp, ls, grad), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
