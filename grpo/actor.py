@@ -169,7 +169,9 @@ class Actor:
                 prefix = keep.gather(idx, self.device) if bool(keep.kept(idx).all()) else None
                 rows = samples.select(idx, pixels=prefix is None)
                 out[to_device(idx, self.device)] = self.chunk_logprob(policy, rows, prefix)
-            return out.cpu()
+            out = out.cpu()
+            policy.settle_checks()  # the last call's restored prefixes were these rows' (read after the copy: no wait)
+            return out
         parts = [self.chunk_logprob(policy, samples.select(idx), keep=None if keep is None else (keep, idx))
                  for idx in self._micro(index)]
         return torch.cat(parts).cpu() if parts else torch.zeros(0)
@@ -253,6 +255,9 @@ class Actor:
                         acc.first_clip_frac = terms.ratio_outside.float().mean()
                         first = False
                 with timeline.span("actor_train/optimizer", gpu=True):
+                    # no step on log-probs of a wrong restored prefix: the checks of this batch's forwards (the host
+                    # waits for the last forward only; its backward is still queued, so the GPU does not idle)
+                    self.policy.settle_checks()
                     grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
                     acc.grad_norms.append(grad_norm.detach())
                     self.optimizer.step()

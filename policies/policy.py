@@ -175,6 +175,13 @@ class Policy(nn.Module):
             self._fast = FastSampler(self.model, self.cfg.fast)
         return self._fast
 
+    def settle_checks(self) -> None:
+        """Raise the error of any consistent log_prob call whose check of its given prefix is still pending on the
+        GPU (policies/fast/recompute.py reads it back without a wait: at the next call, or here). Call it before
+        acting on the results of the last such call, e.g. before an optimiser step."""
+        if self._fast is not None:
+            self._fast.layout_checks.settle()
+
     def fast_buckets(self) -> list[dict]:
         """The fast path's built buckets, each with its building call's seconds (FastSampler.bucket_report);
         [] before the fast path's first call."""

@@ -42,6 +42,7 @@ import functools
 import torch
 from torch import Tensor
 
+from common.deferred_checks import DeferredChecks
 from common.devices import to_device
 from policies import sampling
 from policies.fast import call_inputs
@@ -68,6 +69,7 @@ def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mo
         raise ValueError("consistent log_prob with gradients needs policy.train_expert_only=true: vision and "
                          "prefix run through the fast path without autograd")
     sampler = policy.fast_sampler()
+    sampler.layout_checks.settle()  # an earlier call's (its forward ran long ago: no wait in practice)
     b = inputs.batch_size
     columns = [0] if mode == "sde" else list(range(cfg.sampling.num_steps))
     keys = row_buckets(sampler.fast, b, fast_buckets)
@@ -93,7 +95,7 @@ def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mo
             else:
                 with torch.no_grad():
                     logp = run.forward()
-            planner.check_restored()
+            planner.check_restored(sampler.layout_checks)
             step_lp = step_lp.index_copy(0, torch.cat(index), logp)
         step_lp = step_lp.view(b, len(columns), *chains.shape[2:])
     if mode == "sde":
@@ -160,10 +162,13 @@ class _ChunkPlanner:
         self.kept: list[tuple[Tensor, PrefixCache]] | None = [] if keep_prefix else None  # (rows, their K/V)
         self.restored: list[Tensor] = []  # per chunk that restored the given prefix: its layout matched (device bool)
 
-    def check_restored(self) -> None:
-        """Refuse the call if a restored chunk's prefix was not its rows' (`_restore`): one read for all chunks."""
-        if self.restored and not bool(torch.stack(self.restored).all()):
-            raise _wrong_layout("other valid-token counts or masks than the bucket's: valid tokens first")
+    def check_restored(self, checks: DeferredChecks) -> None:
+        """Refuse the call if a restored chunk's prefix was not its rows' (`_restore`): one check for all chunks,
+        read back off CUDA at once, on CUDA at the sampler's next call or `Policy.settle_checks` (the GRPO actor
+        settles before each optimiser step), so the host does not wait for the forward here."""
+        if self.restored:
+            checks.add(torch.stack(self.restored).all(),
+                       lambda: _wrong_layout("other valid-token counts or masks than the bucket's: valid tokens first"))
 
     def plan(self, key: tuple[int, ...], part: Tensor) -> tuple[ChunkRun, Tensor]:
         """The chunk's run and the flat row*columns+column index of its (row, step) pairs, in the run's order."""
@@ -279,8 +284,8 @@ def _restore(bucket, cache: PrefixCache) -> Tensor:
     """`_snapshot`'s inverse: a chunk's kept prefix K/V back into the bucket's caches, after `prepare` laid out
     the same rows, before any expert step. Checked: the same prefix length (here) and the same valid-first layout
     with the same valid counts (a cache of other rows or from the plain path): returned as a device bool that
-    `_ChunkPlanner.check_restored` reads once per call, after the chunks ran (the actor is host-bound, and a read
-    per chunk made the host wait for the GPU four times a micro-batch)."""
+    `_ChunkPlanner.check_restored` checks once per call, read back without a wait (the actor is host-bound, and a
+    read per chunk made the host wait for the GPU four times a micro-batch)."""
     n = cache.offsets.shape[0]
     p, offsets, pad_mask = _layout(bucket, n)
     if cache.pad_mask.shape[1] != p:

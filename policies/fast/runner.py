@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from common.deferred_checks import DeferredChecks
 from common.devices import graph_capture, on_own_device
 from policies import flow
 from policies.fast import action_io, call_inputs, fp8, fused_mlp, geglu_gemm, gemm_search, overlap, pdl, skinny, tuning
@@ -95,6 +96,8 @@ class FastSampler:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # the consistent recompute's backward reference calls, captured (policy.fast.recompute_graph)
         self.reference_graphs = ReferenceGraphs() if self.use_graphs else None
+        # the consistent recompute's restored-prefix checks, read back without a wait in every call (recompute.py)
+        self.layout_checks = DeferredChecks()
         self._side_stream = None  # overlap.py's stream for denoise step 0, made on first use
         self.step0_pdl = False  # overlapped step 0 with the denoise graph's PDL; False: no PDL, MLP split (overlap.py)
         self._mask_staging: dict[tuple, tuple[Tensor, Tensor]] = {}  # pinned mask buffers (call_inputs.host_masks)

@@ -245,3 +245,26 @@ def test_the_captured_backward_replays_the_eager_gradients(backward):
         target.mul_(1.5)
     assert_same("a weight's storage replaced")
     assert graphs.captures > captured
+
+
+def test_a_wrong_kept_prefix_is_refused_on_cuda_at_the_next_call_or_settle():
+    """The restored-prefix check on CUDA is read back without a wait (common/deferred_checks.py): a call given other
+    rows' prefix returns, and the error comes at Policy.settle_checks or at the sampler's next consistent call."""
+    policy = build_policy(config("small", "sdpa", consistent_recompute=True), device="cuda")
+    inputs, chains, inds, _, buckets = rollout(policy)
+    one = (buckets[:, 1] == 32).nonzero().flatten()  # one prompt bucket: one prefix length to keep
+    sub = ModelInputs(*(t[one.cuda()] for t in (inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask)))
+    args = (sub, chains[one.cuda()], inds[one.cuda()])
+    with torch.no_grad():
+        kept = policy.log_prob(*args, consistent=True, fast_buckets=buckets[one], return_prefix=True).prefix
+        others = kept.index_select(torch.arange(len(one)).flip(0).cuda())
+        assert not torch.equal(others.offsets, kept.offsets)
+        policy.log_prob(*args, consistent=True, fast_buckets=buckets[one], prefix=kept)
+        policy.settle_checks()  # the right rows' prefix: nothing raised
+        policy.log_prob(*args, consistent=True, fast_buckets=buckets[one], prefix=others)  # returns: check pending
+        with pytest.raises(ValueError, match="not these rows' in their bucket's layout"):
+            policy.settle_checks()
+        policy.settle_checks()  # settled: nothing left to raise
+        policy.log_prob(*args, consistent=True, fast_buckets=buckets[one], prefix=others)
+        with pytest.raises(ValueError, match="not these rows' in their bucket's layout"):
+            policy.log_prob(*args, consistent=True, fast_buckets=buckets[one], prefix=kept)  # the next call settles
