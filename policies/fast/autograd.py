@@ -36,7 +36,7 @@ from common.devices import to_device
 from policies import flow
 from policies.fast.config import RECOMPUTE_BACKWARDS
 from policies.fast.flow_logprob import flow_logprob
-from policies.fast.reference_graph import ReferenceGraphs, ReferenceInputs
+from policies.fast.reference_graph import CacheRows, ReferenceGraphs, ReferenceInputs
 from policies.models.gemma import rope_cos_sin
 from policies.models.pi05 import PrefixCache
 
@@ -75,18 +75,18 @@ class ChunkRun:
     one bucket share its buffers, so each chunk's forward prepares it again: they run one after another."""
 
     sampler: object  # FastSampler
-    prepare: Callable[[], tuple[object, PrefixCache | None]]
+    prepare: Callable[[], tuple[object, CacheRows | None]]
     steps: list[int]  # distinct steps, in the order their rows are concatenated
     rows: list[Tensor]  # per step, (n_i,) positions in the bucket
     fill: Callable[[object, int], None]  # fill(bucket, step): its chains[:, step] and [:, step+1] for those rows
     x: Tensor  # (n, H, D) fp32 chains[:, k] of every row (rows of steps[0] first, then steps[1], ...)
     x_next: Tensor  # (n, H, D) fp32 chains[:, k+1]
-    cache: PrefixCache | None = None  # set by forward: the same rows' prefix K/V, for the backward
+    cache: CacheRows | None = None  # set by forward: the same rows' prefix K/V (gathered by the backward)
 
     def forward(self) -> Tensor:
         """(n, H, D) log-probs through the fast path's kernels (a CUDA graph per bucket and step)."""
         bucket, cache = self.prepare()
-        self.cache = None if cache is None else cache.index_select(torch.cat(self.rows))
+        self.cache = None if cache is None else cache.take(torch.cat(self.rows))
         out = []
         for k, rows in zip(self.steps, self.rows, strict=True):
             self.fill(bucket, k)
@@ -137,9 +137,9 @@ class CallRun:
         calls: dict[int, list[list[int]]] = {}
         sizes: dict[int, int] = {}
         for i, chunk in enumerate(self.chunks):
-            cache = chunk.cache
-            length = cache.pad_mask.shape[1]
-            size = 4 * sum(t.numel() for t in [*cache.keys, *cache.values])
+            source = chunk.cache.source
+            length = source.pad_mask.shape[1]
+            size = 4 * chunk.cache.rows * sum(t[0].numel() for t in [*source.keys, *source.values])
             open_calls = calls.setdefault(length, [])
             if not open_calls or sizes[length] + size > budget:
                 open_calls.append([])

@@ -47,6 +47,7 @@ from common.devices import to_device
 from policies import sampling
 from policies.fast import call_inputs
 from policies.fast.autograd import CallRun, ChunkRun, ConsistentCall, velocity_parameters
+from policies.fast.reference_graph import CacheRows
 from policies.models.pi05 import PrefixCache
 from policies.sampling import LogProbOutput
 
@@ -196,13 +197,15 @@ class _ChunkPlanner:
             bucket = self._prepare(key, part, ("vision", "prefix"))  # the K/V caches filled
             keep = self.needs_grad or self.kept is not None
             cache = _snapshot(bucket, len(part)) if keep else None
+            rows = None if cache is None else CacheRows(cache)
         else:
-            cache = _rows_of(self.prefix, part)
+            rows = _rows_of(self.prefix, part)  # the backward gathers them from the given prefix itself
+            cache = rows.gather()
             bucket = self._prepare(key, part)
             self.restored.append(_restore(bucket, cache))
         if self.kept is not None:
             self.kept.append((part, cache))
-        return bucket, cache if self.needs_grad else None
+        return bucket, rows if self.needs_grad else None
 
     def rows_prefix(self, batch: int) -> PrefixCache | None:
         """The kept chunks' prefix K/V as one cache in the call's row order (every row ran in one chunk)."""
@@ -223,7 +226,7 @@ class _ChunkPlanner:
                                  torch.cat([c.pad_mask for c in caches]), torch.cat([c.offsets for c in caches]))
         order = torch.empty(batch, dtype=torch.long)
         order[rows] = torch.arange(batch)  # row r's place in the chunks' concatenation
-        return _rows_of(joined, order)
+        return _rows_of(joined, order).gather()
 
     @torch.no_grad()
     def _prepare(self, key: tuple[int, ...], part: Tensor, stages: tuple[str, ...] = ()):
@@ -256,12 +259,12 @@ def _fill_chains(bucket, chains: Tensor, step: int) -> None:
         buf[n:, step: step + 2].copy_(buf[:1, step: step + 2].expand(len(buf) - n, -1, -1, -1))
 
 
-def _rows_of(cache: PrefixCache, rows: Tensor) -> PrefixCache:
-    """cache.index_select(rows), without the copy where `rows` are all of them in order (one chunk of a pinned
-    bucket holds a whole micro-batch)."""
+def _rows_of(cache: PrefixCache, rows: Tensor) -> CacheRows:
+    """Rows `rows` (host) of the cache, as an index on its device, or none where they are all of them in order (one
+    chunk of a pinned bucket holds a whole micro-batch): no gather then."""
     if len(rows) == cache.offsets.shape[0] and torch.equal(rows.cpu(), torch.arange(len(rows))):
-        return cache
-    return cache.index_select(to_device(rows, cache.offsets.device))
+        return CacheRows(cache)
+    return CacheRows(cache, to_device(rows, cache.offsets.device))
 
 
 def _layout(bucket, n: int) -> tuple[int, Tensor, Tensor]:

@@ -36,6 +36,38 @@ WARMUP_CALLS = 2  # eager runs on the capture stream before capturing (cuBLAS wo
 
 
 @dataclass
+class CacheRows:
+    """Rows of a PrefixCache, gathered only where they are read: a chunk's rows of its micro-batch's kept prefix (or of
+    its own snapshot), in the order its log-probs come out. The backward gathers every chunk's rows of one source in
+    one index_select per tensor, into the captured graph's buffers where it replays one; the forward keeps no copy."""
+
+    source: PrefixCache
+    index: Tensor | None = None  # (n,) long on the source's device; None: all of the source's rows, in order
+
+    @property
+    def rows(self) -> int:
+        return self.source.offsets.shape[0] if self.index is None else self.index.shape[0]
+
+    def gather(self) -> PrefixCache:
+        """The rows as a cache of their own (the source itself where they are all of it in order)."""
+        return self.source if self.index is None else self.source.index_select(self.index)
+
+    def take(self, order: Tensor) -> CacheRows:
+        """These rows in `order` (positions among them, on the source's device)."""
+        return CacheRows(self.source, order if self.index is None else self.index[order])
+
+
+def _tensors(cache: PrefixCache) -> list[Tensor]:
+    return [*cache.keys, *cache.values, cache.pad_mask, cache.offsets]
+
+
+def _cache(tensors: list[Tensor]) -> PrefixCache:
+    """_tensors' inverse."""
+    layers = (len(tensors) - 2) // 2
+    return PrefixCache(tensors[:layers], tensors[layers:2 * layers], tensors[-2], tensors[-1])
+
+
+@dataclass
 class ReferenceInputs:
     """What one reference call reads besides the weights and the modulation table."""
 
@@ -43,49 +75,55 @@ class ReferenceInputs:
     x_next: Tensor  # (n, H, D) fp32 chains[:, k + 1]
     steps: Tensor  # (n,) long, each row's denoise step: its modulation row
     constants: Tensor  # (n, 3) fp32 [t, delta, sigma] of each row's step
-    # the rows' prefix K/V as parts along rows, one a chunk: the eager call joins them (`cache`), a replay copies each
-    # into its rows of the graph's buffers, so the micro-batch's K/V are copied once, not joined and then copied
-    caches: list[PrefixCache]
+    caches: list[CacheRows]  # the rows' prefix K/V, one part a chunk, in the rows' order
+
+    def _sources(self) -> list[tuple[PrefixCache, Tensor | None, int]]:
+        """The parts merged where consecutive ones gather from one source: (source, index or None, rows)."""
+        merged: list[list] = []
+        for part in self.caches:
+            last = merged[-1] if merged else None
+            if last is not None and last[0] is part.source and last[1] is not None and part.index is not None:
+                last[1].append(part.index)
+                last[2] += part.rows
+            else:
+                merged.append([part.source, None if part.index is None else [part.index], part.rows])
+        return [(source, None if index is None else _joined(index), rows) for source, index, rows in merged]
 
     @property
     def cache(self) -> PrefixCache:
-        """The rows' prefix K/V joined (one part: itself, no copy)."""
-        if len(self.caches) == 1:
-            return self.caches[0]
-        layers = len(self.caches[0].keys)
-        joined = [_joined(parts) for parts in self._cache_columns()]
-        return PrefixCache(joined[:layers], joined[layers:2 * layers], joined[-2], joined[-1])
+        """The rows' prefix K/V as one cache (all of one source's rows in order: the source itself, no copy)."""
+        parts = [_tensors(CacheRows(source, index).gather()) for source, index, _ in self._sources()]
+        return _cache([_joined(column) for column in zip(*parts, strict=True)])
 
-    def _cache_columns(self) -> list[list[Tensor]]:
-        """Each cache tensor's parts, one a cache: every layer's keys, every layer's values, the pad mask, the
-        offsets."""
-        per_part = [[*c.keys, *c.values, c.pad_mask, c.offsets] for c in self.caches]
-        return [list(column) for column in zip(*per_part, strict=True)]
-
-    def columns(self) -> list[list[Tensor]]:
-        """Every input tensor as its parts along rows: x, x_next, steps, constants whole, then the cache's."""
-        return [[self.x], [self.x_next], [self.steps], [self.constants], *self._cache_columns()]
+    def tensors(self) -> list[Tensor]:
+        """x, x_next, steps, constants, then the cache's tensors (`cache`: joined, gathered where they are not)."""
+        return [self.x, self.x_next, self.steps, self.constants, *_tensors(self.cache)]
 
     def shape_key(self) -> tuple:
-        """The joined tensors' shapes and dtypes."""
-        return tuple(((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].dtype)
-                     for parts in self.columns())
+        """The joined tensors' shapes and dtypes (without joining them)."""
+        rows = sum(part.rows for part in self.caches)
+        cache = [((rows, *t.shape[1:]), t.dtype) for t in _tensors(self.caches[0].source)]
+        return (*(((tuple(t.shape)), t.dtype) for t in (self.x, self.x_next, self.steps, self.constants)), *cache)
 
     def clone(self) -> ReferenceInputs:
         """A copy with every tensor joined (the graph's buffers)."""
-        c = self.cache
-        cache = PrefixCache([k.clone() for k in c.keys], [v.clone() for v in c.values], c.pad_mask.clone(),
-                            c.offsets.clone())
-        return ReferenceInputs(self.x.clone(), self.x_next.clone(), self.steps.clone(), self.constants.clone(),
-                               [cache])
+        x, x_next, steps, constants, *cache = (t.clone() for t in self.tensors())
+        return ReferenceInputs(x, x_next, steps, constants, [CacheRows(_cache(cache))])
 
     def copy_from(self, other: ReferenceInputs) -> None:
-        """Write `other`'s values into these joined buffers (same shape_key): each part straight into its rows."""
-        for (mine,), theirs in zip(self.columns(), other.columns(), strict=True):
-            if len(theirs) == 1:
-                mine.copy_(theirs[0])
-            else:
-                torch.cat(theirs, out=mine)
+        """Write `other`'s values into these joined buffers (`clone`'s; same shape_key): each source's rows gathered
+        straight into theirs, one index_select per tensor."""
+        mine = self.tensors()
+        for buffer, value in zip(mine[:4], (other.x, other.x_next, other.steps, other.constants), strict=True):
+            buffer.copy_(value)
+        start = 0
+        for source, index, rows in other._sources():
+            for buffer, value in zip(mine[4:], _tensors(source), strict=True):
+                if index is None:
+                    buffer[start: start + rows].copy_(value)
+                else:
+                    torch.index_select(value, 0, index, out=buffer[start: start + rows])
+            start += rows
 
 
 def _joined(parts: list[Tensor] | tuple[Tensor, ...]) -> Tensor:

@@ -247,24 +247,56 @@ def test_the_captured_backward_replays_the_eager_gradients(backward):
     assert graphs.captures > captured
 
 
+def one_prompt_bucket(rows) -> tuple[tuple, torch.Tensor]:
+    """The rows that ran in prompt bucket 32 (one prefix length, whose K/V a call can keep): (inputs, chains,
+    denoise indices), their buckets."""
+    inputs, chains, inds, _, buckets = rows
+    one = (buckets[:, 1] == 32).nonzero().flatten()
+    sub = ModelInputs(*(t[one.cuda()] for t in (inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask)))
+    return (sub, chains[one.cuda()], inds[one.cuda()]), buckets[one]
+
+
+def test_the_captured_backward_with_a_kept_prefix_gathers_the_eager_gradients():
+    """policy.fast.recompute_graph with the rows' kept prefix given (grpo.prefix_cache): each chunk's rows are gathered
+    from that prefix straight into the graph's buffers (reference_graph.CacheRows); the gradients equal the eager
+    backward's (bf16 backward: bit for bit)."""
+    policy = build_policy(config("small", "sdpa", consistent_recompute=True, recompute_backward="bf16"),
+                          device="cuda")
+    args, buckets = one_prompt_bucket(rollout(policy))
+    with torch.no_grad():
+        kept = policy.log_prob(*args, consistent=True, fast_buckets=buckets, return_prefix=True).prefix
+    weights = torch.randn(len(buckets), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def gradients(graphed: bool) -> dict:
+        policy.cfg = policy.cfg.replace(fast={"recompute_graph": graphed})
+        policy.model.zero_grad(set_to_none=True)
+        out = policy.log_prob(*args, consistent=True, fast_buckets=buckets, prefix=kept)
+        (out.chunk_logprob * weights).sum().backward()
+        policy.settle_checks()
+        return {n: p.grad.float().clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+
+    want = gradients(False)
+    for _ in range(2):  # the capture, then a replay
+        _, worst = gradient_errors(gradients(True), want, "graphed bf16 backward with a kept prefix vs eager")
+        assert worst == 0.0
+    assert policy.fast_sampler().reference_graphs.replays >= 2
+
+
 def test_a_wrong_kept_prefix_is_refused_on_cuda_at_the_next_call_or_settle():
     """The restored-prefix check on CUDA is read back without a wait (common/deferred_checks.py): a call given other
     rows' prefix returns, and the error comes at Policy.settle_checks or at the sampler's next consistent call."""
     policy = build_policy(config("small", "sdpa", consistent_recompute=True), device="cuda")
-    inputs, chains, inds, _, buckets = rollout(policy)
-    one = (buckets[:, 1] == 32).nonzero().flatten()  # one prompt bucket: one prefix length to keep
-    sub = ModelInputs(*(t[one.cuda()] for t in (inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask)))
-    args = (sub, chains[one.cuda()], inds[one.cuda()])
+    args, buckets = one_prompt_bucket(rollout(policy))
     with torch.no_grad():
-        kept = policy.log_prob(*args, consistent=True, fast_buckets=buckets[one], return_prefix=True).prefix
-        others = kept.index_select(torch.arange(len(one)).flip(0).cuda())
+        kept = policy.log_prob(*args, consistent=True, fast_buckets=buckets, return_prefix=True).prefix
+        others = kept.index_select(torch.arange(len(buckets)).flip(0).cuda())
         assert not torch.equal(others.offsets, kept.offsets)
-        policy.log_prob(*args, consistent=True, fast_buckets=buckets[one], prefix=kept)
+        policy.log_prob(*args, consistent=True, fast_buckets=buckets, prefix=kept)
         policy.settle_checks()  # the right rows' prefix: nothing raised
-        policy.log_prob(*args, consistent=True, fast_buckets=buckets[one], prefix=others)  # returns: check pending
+        policy.log_prob(*args, consistent=True, fast_buckets=buckets, prefix=others)  # returns: check pending
         with pytest.raises(ValueError, match="not these rows' in their bucket's layout"):
             policy.settle_checks()
         policy.settle_checks()  # settled: nothing left to raise
-        policy.log_prob(*args, consistent=True, fast_buckets=buckets[one], prefix=others)
+        policy.log_prob(*args, consistent=True, fast_buckets=buckets, prefix=others)
         with pytest.raises(ValueError, match="not these rows' in their bucket's layout"):
-            policy.log_prob(*args, consistent=True, fast_buckets=buckets[one], prefix=kept)  # the next call settles
+            policy.log_prob(*args, consistent=True, fast_buckets=buckets, prefix=kept)  # the next call settles

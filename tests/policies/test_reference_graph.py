@@ -8,7 +8,7 @@ import torch
 
 from policies.fast import reference_graph
 from policies.fast.config import FastConfig
-from policies.fast.reference_graph import ReferenceGraphs, ReferenceInputs
+from policies.fast.reference_graph import CacheRows, ReferenceGraphs, ReferenceInputs
 from policies.models.pi05 import PrefixCache
 
 
@@ -19,19 +19,21 @@ def inputs(rows: int, prefix: int, seed: int = 0) -> ReferenceInputs:
     cache = PrefixCache(keys, values, torch.rand(rows, prefix, generator=g) > 0.3,
                         torch.randint(0, prefix, (rows,), generator=g))
     return ReferenceInputs(torch.randn(rows, 3, 2, generator=g), torch.randn(rows, 3, 2, generator=g),
-                           torch.randint(0, 4, (rows,), generator=g), torch.rand(rows, 3, generator=g), [cache])
+                           torch.randint(0, 4, (rows,), generator=g), torch.rand(rows, 3, generator=g),
+                           [CacheRows(cache)])
 
 
-def split(inp: ReferenceInputs, rows: list[int]) -> ReferenceInputs:
-    """The same inputs with the prefix K/V in parts of `rows` rows each, as CallRun hands its chunks' caches."""
+def split(inp: ReferenceInputs, rows: list[int], seed: int = 0) -> ReferenceInputs:
+    """The same inputs with the prefix K/V in parts of `rows` rows each, as CallRun hands its chunks' caches: rows of
+    one shuffled source (a micro-batch's kept prefix), gathered only where read."""
+    cache = inp.cache
+    perm = torch.randperm(len(inp.x), generator=torch.Generator().manual_seed(seed))
+    source = PrefixCache(*[[t[perm] for t in ts] for ts in (cache.keys, cache.values)], cache.pad_mask[perm],
+                         cache.offsets[perm])
+    back = torch.argsort(perm)  # source row back[i] is row i
     ends = torch.tensor(rows).cumsum(0).tolist()
-    parts = [inp.cache.index_select(torch.arange(end - n, end)) for n, end in zip(rows, ends, strict=True)]
+    parts = [CacheRows(source, back[end - n: end]) for n, end in zip(rows, ends, strict=True)]
     return ReferenceInputs(inp.x, inp.x_next, inp.steps, inp.constants, parts)
-
-
-def flat(inp: ReferenceInputs) -> list[torch.Tensor]:
-    c = inp.cache
-    return [inp.x, inp.x_next, inp.steps, inp.constants, *c.keys, *c.values, c.pad_mask, c.offsets]
 
 
 def logprob(inp: ReferenceInputs, table: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -77,23 +79,27 @@ def leaves(table_grad: bool = True):
 def test_inputs_clone_and_copy_every_tensor():
     a, b = inputs(3, 6, seed=0), inputs(3, 6, seed=1)
     copy = a.clone()
-    assert all(x is not y and torch.equal(x, y) for x, y in zip(flat(copy), flat(a), strict=True))
+    assert all(x is not y and torch.equal(x, y) for x, y in zip(copy.tensors(), a.tensors(), strict=True))
     copy.copy_from(b)
-    assert all(torch.equal(x, y) for x, y in zip(flat(copy), flat(b), strict=True))
-    assert len(a.columns()) == 4 + 2 * 2 + 2
+    assert all(torch.equal(x, y) for x, y in zip(copy.tensors(), b.tensors(), strict=True))
+    assert len(a.tensors()) == 4 + 2 * 2 + 2
     assert a.shape_key() == b.shape_key() != inputs(4, 6).shape_key() != inputs(3, 7).shape_key()
 
 
-def test_cache_parts_are_copied_straight_into_the_joined_buffers():
-    whole, other = inputs(5, 6, seed=0), inputs(5, 6, seed=1)
-    parts = split(other, [2, 1, 2])
+def test_cache_parts_are_gathered_straight_into_the_joined_buffers():
+    whole, other = inputs(6, 5, seed=0), inputs(6, 5, seed=1)
+    indexed = split(other, [2, 1, 1])  # rows 0-3 from one shuffled source, in three chunks
+    own = other.cache.index_select(torch.arange(4, 6))  # rows 4-5: a chunk's own snapshot, all of it
+    parts = ReferenceInputs(other.x, other.x_next, other.steps, other.constants, [*indexed.caches, CacheRows(own)])
+    assert len(parts._sources()) == 2, "the chunks of one source are gathered together"
     assert parts.shape_key() == whole.shape_key()
-    assert all(torch.equal(x, y) for x, y in zip(flat(parts), flat(other), strict=True))  # `cache` joins them
+    assert all(torch.equal(x, y) for x, y in zip(parts.tensors(), other.tensors(), strict=True))  # `cache` gathers them
     buffers = whole.clone()
-    pointers = [t.data_ptr() for t in flat(buffers)]
+    pointers = [t.data_ptr() for t in buffers.tensors()]
     buffers.copy_from(parts)
-    assert [t.data_ptr() for t in flat(buffers)] == pointers, "a buffer was reallocated: a graph would not see it"
-    assert all(torch.equal(x, y) for x, y in zip(flat(buffers), flat(other), strict=True))
+    assert [t.data_ptr() for t in buffers.tensors()] == pointers, "a buffer was reallocated: a graph would not see it"
+    assert all(torch.equal(x, y) for x, y in zip(buffers.tensors(), other.tensors(), strict=True))
+    assert buffers.tensors()[4] is buffers.cache.keys[0], "the buffers' cache is read as it is, not gathered"
 
 
 def test_a_shape_is_captured_once_and_its_replays_give_the_eager_gradients(graphs):
