@@ -6,7 +6,8 @@ a layer stack, forward and backward, launched one by one from Python: on the GPU
 bounded it (round 49's profile: 55 ms of host time a call against 7 ms of kernels). Here the whole call, forward and
 `torch.autograd.grad`, is captured once per input shape and replayed:
 - the inputs (the rows' x, x_next, step index and constants, their prefix K/V), the modulation table and the
-  incoming gradient are copied into the graph's own buffers before each replay;
+  incoming gradient are copied into the graph's own buffers before each replay, the K/V gathered straight from where
+  the chunks' rows live (CacheRows: one index_select per tensor and source);
 - the trained weights are read where they live: the graph holds views of their storage, so optimizer steps and
   weight loads that write in place are seen without a re-capture; a weight whose storage moved (`param.data = ...`)
   is caught by its address and the shape captured again;
