@@ -161,6 +161,10 @@ def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: 
            **gap_metrics(old[0], rows.rollout_logprob, 0.2, 0.2)}
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        # reserved: with it the pools of captured graphs (policy.fast.recompute_graph), which hold their activations
+        # outside any tensor allocation, so peak_memory_gib leaves them out (the pools of an earlier variant's
+        # captures too: they stay with the sampler)
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
     out["prefix_cache_rows"] = metrics.get("train/prefix_cache_rows")
     out["prefix_cache_spilled_rows"] = metrics.get("train/prefix_cache_spilled_rows")
     print(f"prefix_cache={prefix_cache}: recompute {recompute_s:.2f} s, train {train_s:.2f} s "

@@ -22,7 +22,9 @@ def test_a_small_run_times_each_setting_and_labels_the_stages(monkeypatch, tmp_p
     record = json.loads(path.read_text())
     assert set(record["timed"]) == {"off", "host"}
     for timed in record["timed"].values():
-        assert timed["train_s"] > timed["recompute_s"] > 0
+        # both timed (not compared: the update's own old-log-prob pass makes train_s the larger as a rule, but a
+        # busy machine can slow either one; round 64 saw it fail once beside a CI run)
+        assert timed["train_s"] > 0 and timed["recompute_s"] > 0
     # each setting starts from the engine's weights (the earlier setting's update is undone): the same gap
     gaps = [timed["rollout/logprob_gap"] for timed in record["timed"].values()]
     assert gaps[1] == pytest.approx(gaps[0], abs=1e-6)
