@@ -8,11 +8,12 @@ LIBERO-like observations (two cameras in the preset's camera slots, as `+experim
 train mode after the trainer's fp32 weights were pushed into it, as in training (experiments.logprob_gap
 builds them the same way); their advantages are random normals, so every backward carries a gradient.
 After one untimed update of the same rows (warm-up), for each `--prefix-cache` setting a fresh
-`grpo.actor.Actor` (the trainer's class, unchanged) then runs,
-timed with the device synchronised:
-- `recompute`: the no-grad old-log-prob pass alone, once;
+`grpo.actor.Actor` (the trainer's class, unchanged) then runs, `--repeats` times (default 3; a fresh actor from the
+engine's weights each time; the JSON keeps each run's seconds and the medians: round 64 saw one eager update take
+0.955 s and then 1.351 s in two runs of one tree), timed with the device synchronised:
+- `recompute`: the no-grad old-log-prob pass alone;
 - `train`: a whole update (old-log-prob pass + `--epochs` epochs, one optimiser step an epoch);
-and its peak device memory. A setting that runs out of device memory is recorded as such.
+and the peak device memory over the runs. A setting that runs out of device memory is recorded as such.
 Then one more update of one epoch runs under torch.profiler. The policy's stages are labelled
 (`Policy.inputs`, vision, the prefix stack, the expert's velocity, the prefix store), and the JSON keeps each
 label's CPU and device time, the device time of the top ops, and the device's busy time against the wall
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import statistics
 import time
 from collections.abc import Callable, Iterator
 
@@ -138,23 +140,26 @@ def make_actor(policy, args: argparse.Namespace, prefix_cache: str, epochs: int,
 
 def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: str,
                  device: torch.device, engine_store: RowPrefixes | None = None) -> dict:
-    actor = make_actor(policy, args, prefix_cache, args.epochs, engine_store)
+    """The setting's update timed --repeats times, each from the engine's weights with a fresh actor (no optimiser
+    state carried over): the medians, each run's seconds, the first run's gap to the engine."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    try:
-        with weights_restored(policy):
-            old = []
-            # "engine": the pass reads the engine's kept prefix, as the update's own pass does
-            keep = engine_store.view(rows.prefix_row) if prefix_cache == "engine" else None
-            recompute_s = synchronised_seconds(device, lambda: old.append(actor.recompute(rows, keep=keep)))
-            metrics = {}
-            train_s = synchronised_seconds(device, lambda: metrics.update(actor.train(rows)))
-    except torch.OutOfMemoryError as error:
-        return {"out_of_memory": str(error).splitlines()[0]}
-    finally:
-        actor.optimizer.zero_grad(set_to_none=True)
-    out = {"recompute_s": recompute_s, "train_s": train_s,
+    recomputes, trains, old, metrics = [], [], [], {}
+    for _ in range(args.repeats):
+        actor = make_actor(policy, args, prefix_cache, args.epochs, engine_store)
+        try:
+            with weights_restored(policy):
+                # "engine": the pass reads the engine's kept prefix, as the update's own pass does
+                keep = engine_store.view(rows.prefix_row) if prefix_cache == "engine" else None
+                recomputes.append(synchronised_seconds(device, lambda: old.append(actor.recompute(rows, keep=keep))))
+                trains.append(synchronised_seconds(device, lambda: metrics.update(actor.train(rows))))
+        except torch.OutOfMemoryError as error:
+            return {"out_of_memory": str(error).splitlines()[0]}
+        finally:
+            actor.optimizer.zero_grad(set_to_none=True)
+    recompute_s, train_s = statistics.median(recomputes), statistics.median(trains)
+    out = {"recompute_s": recompute_s, "train_s": train_s, "recompute_s_runs": recomputes, "train_s_runs": trains,
            "epoch_s_estimate": (train_s - recompute_s) / args.epochs,
            "recompute_ms_per_row": 1e3 * recompute_s / len(rows),
            # the engine's log-probs against this recompute's, before any update (grpo.actor.gap_metrics)
@@ -294,6 +299,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="rows per engine predict call")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=2, help="update epochs of the timed updates")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed updates per setting, each from the engine's weights (the JSON has their medians)")
     caches = ["off", "host", "device", "engine"]  # engine: the engine keeps the rows' prefix (needs --consistent)
     parser.add_argument("--prefix-cache", nargs="+", default=["off", "host"], choices=caches,
                         help="grpo.prefix_cache settings to time, in order")
@@ -332,6 +339,8 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.rows % args.batch:
         parser.error(f"--rows {args.rows} must be a multiple of --batch {args.batch}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if len(set(args.prefix_cache)) != len(args.prefix_cache):
         parser.error(f"--prefix-cache names a setting twice: {args.prefix_cache}")
     if len(set(args.recompute_backward)) != len(args.recompute_backward):

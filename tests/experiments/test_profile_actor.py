@@ -25,6 +25,8 @@ def test_a_small_run_times_each_setting_and_labels_the_stages(monkeypatch, tmp_p
         # both timed (not compared: the update's own old-log-prob pass makes train_s the larger as a rule, but a
         # busy machine can slow either one; round 64 saw it fail once beside a CI run)
         assert timed["train_s"] > 0 and timed["recompute_s"] > 0
+        assert len(timed["train_s_runs"]) == len(timed["recompute_s_runs"]) == 3  # --repeats' default
+        assert timed["train_s"] == sorted(timed["train_s_runs"])[1]  # the median
     # each setting starts from the engine's weights (the earlier setting's update is undone): the same gap
     gaps = [timed["rollout/logprob_gap"] for timed in record["timed"].values()]
     assert gaps[1] == pytest.approx(gaps[0], abs=1e-6)
@@ -133,3 +135,9 @@ def test_fp8_without_the_fast_path_is_refused_with_the_flag_to_add(monkeypatch, 
 def test_bad_sizes_and_repeats_are_refused(monkeypatch, argv):
     with pytest.raises(SystemExit):
         run(monkeypatch, *argv)
+
+
+def test_repeats_must_be_positive(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        run(monkeypatch, "--repeats", "0")
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
