@@ -36,7 +36,7 @@ from common.devices import to_device
 from policies import flow
 from policies.fast.config import RECOMPUTE_BACKWARDS
 from policies.fast.flow_logprob import flow_logprob
-from policies.fast.reference_graph import CacheRows, ReferenceGraphs, ReferenceInputs
+from policies.fast.reference_graph import CacheRows, ReferenceGraphs, ReferenceInputs, eager_grads
 from policies.models.gemma import rope_cos_sin
 from policies.models.pi05 import PrefixCache
 
@@ -179,9 +179,7 @@ class CallRun:
         inputs = self.reference_inputs(members)
         if self.graphs is not None:
             return self.graphs.grads(self.reference, inputs, leaves, grad, key=(self.backward,))
-        wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        return list(torch.autograd.grad(self.reference(inputs, leaves[0], leaves[1:]), wanted, grad,
-                                        allow_unused=True))
+        return eager_grads(self.reference, inputs, leaves, grad)
 
 
 @contextlib.contextmanager

@@ -218,15 +218,9 @@ class _ChunkPlanner:
             raise ValueError(f"consistent log_prob: these rows ran in buckets of several prefix lengths {lengths}, "
                              "whose K/V cannot be kept as one cache; pin one prompt bucket "
                              "(a one-entry policy.fast.prompt_buckets)")
-        if len(caches) == 1:
-            joined = caches[0]
-        else:
-            joined = PrefixCache(*[[torch.cat(layer) for layer in zip(*parts, strict=True)]
-                                   for parts in ([c.keys for c in caches], [c.values for c in caches])],
-                                 torch.cat([c.pad_mask for c in caches]), torch.cat([c.offsets for c in caches]))
         order = torch.empty(batch, dtype=torch.long)
         order[rows] = torch.arange(batch)  # row r's place in the chunks' concatenation
-        return _rows_of(joined, order).gather()
+        return _rows_of(PrefixCache.cat(caches), order).gather()
 
     @torch.no_grad()
     def _prepare(self, key: tuple[int, ...], part: Tensor, stages: tuple[str, ...] = ()):

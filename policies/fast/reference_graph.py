@@ -93,8 +93,7 @@ class ReferenceInputs:
     @property
     def cache(self) -> PrefixCache:
         """The rows' prefix K/V as one cache (all of one source's rows in order: the source itself, no copy)."""
-        parts = [_tensors(CacheRows(source, index).gather()) for source, index, _ in self._sources()]
-        return _cache([_joined(column) for column in zip(*parts, strict=True)])
+        return PrefixCache.cat([CacheRows(source, index).gather() for source, index, _ in self._sources()])
 
     def tensors(self) -> list[Tensor]:
         """x, x_next, steps, constants, then the cache's tensors (`cache`: joined, gathered where they are not)."""
@@ -135,6 +134,13 @@ def _joined(parts: list[Tensor] | tuple[Tensor, ...]) -> Tensor:
 LogProbFn = Callable[[ReferenceInputs, Tensor, list[Tensor]], Tensor]  # (inputs, table, weights) -> log-probs
 
 
+def eager_grads(logprob: LogProbFn, inputs: ReferenceInputs, leaves: list[Tensor], grad: Tensor) -> list[Tensor | None]:
+    """torch.autograd.grad(logprob(inputs, leaves[0], leaves[1:]), the leaves that require grad, grad): their
+    gradients in order, None where unused. What a captured graph records and replays (ReferenceGraphs.grads)."""
+    wanted = [leaf for leaf in leaves if leaf.requires_grad]
+    return list(torch.autograd.grad(logprob(inputs, leaves[0], leaves[1:]), wanted, grad, allow_unused=True))
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -168,9 +174,8 @@ class ReferenceGraphs:
 
     def grads(self, logprob: LogProbFn, inputs: ReferenceInputs, leaves: list[Tensor], grad: Tensor,
               key: tuple = ()) -> list[Tensor | None]:
-        """torch.autograd.grad(logprob(inputs, leaves[0], leaves[1:]), the leaves that require grad, grad): their
-        gradients in order (None where unused), by replaying the shape's graph, captured at the shape's first call.
-        `key`: what else the call's kernels depend on (the backward's precision)."""
+        """eager_grads(logprob, inputs, leaves, grad) by replaying the shape's graph, captured at the shape's first
+        call. `key`: what else the call's kernels depend on (the backward's precision)."""
         full_key = (key, inputs.shape_key(), tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in leaves),
                     tuple(grad.shape), grad.dtype)
         addresses = tuple(w.data_ptr() for w in leaves[1:])
@@ -196,10 +201,9 @@ def _capture(logprob: LogProbFn, inputs: ReferenceInputs, leaves: list[Tensor], 
     table = leaves[0].detach().clone().requires_grad_(leaves[0].requires_grad)
     weights = list(leaves[1:])  # the backward's leaves: detached views of the weights' storage
     static_grad = grad.detach().clone()
-    wanted = [leaf for leaf in (table, *weights) if leaf.requires_grad]
 
-    def call() -> tuple[Tensor | None, ...]:
-        return torch.autograd.grad(logprob(static, table, weights), wanted, static_grad, allow_unused=True)
+    def call() -> list[Tensor | None]:
+        return eager_grads(logprob, static, [table, *weights], static_grad)
 
     device = grad.device
     stream = torch.cuda.Stream(device)
@@ -214,4 +218,4 @@ def _capture(logprob: LogProbFn, inputs: ReferenceInputs, leaves: list[Tensor], 
     # the capturing stream, recorded either way
     with graph_capture(graph, stream):
         out = call()
-    return _Captured(graph, static, table, weights, static_grad, list(out), addresses)
+    return _Captured(graph, static, table, weights, static_grad, out, addresses)

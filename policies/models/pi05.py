@@ -58,6 +58,18 @@ class PrefixCache:
             self.offsets[index],
         )
 
+    @staticmethod
+    def cat(caches: list[PrefixCache]) -> PrefixCache:
+        """The caches' rows one after another (one cache: itself, no copy)."""
+        if len(caches) == 1:
+            return caches[0]
+        return PrefixCache(
+            [torch.cat(layer) for layer in zip(*[c.keys for c in caches], strict=True)],
+            [torch.cat(layer) for layer in zip(*[c.values for c in caches], strict=True)],
+            torch.cat([c.pad_mask for c in caches]),
+            torch.cat([c.offsets for c in caches]),
+        )
+
 
 class PI05Model(nn.Module):
     def __init__(self, cfg: PolicyConfig):
