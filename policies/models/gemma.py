@@ -83,6 +83,20 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+def join_keys(cached: Tensor, new: Tensor) -> Tensor:
+    """cat([cached, new], dim=2) in the dtype attention will read it in: under autocast (CPU and CUDA alike put
+    scaled_dot_product_attention in their lower-precision lists) each part is cast to the autocast dtype first.
+    The same values as casting the promoted join, since a cast is elementwise, and the same gradients, which are
+    cast back per part. Why: under bf16 autocast the suffix's keys are fp32 (RoPE in the residual stream's dtype),
+    so a plain cat promoted the whole bf16 prefix to fp32 (4 bytes a value, ~84 MB a layer for 128 rows of LIBERO's
+    640-slot prefix) only for the attention to cast it back, and its backward cast the prefix's dK/dV up again."""
+    device = new.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return torch.cat([cached.to(dtype), new.to(dtype)], dim=2)
+    return torch.cat([cached, new], dim=2)
+
+
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor) -> Tensor:
     """q (B, H, S, hd), k and v (B, KV, T, hd), key_mask (B, 1, 1, T) bool, the same for every query -> (B, H, S, hd).
 

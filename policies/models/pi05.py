@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from common.config import check_choice
 from policies.config import DTYPES, PolicyConfig
 from policies.flow import sincos_time_embedding
-from policies.models.gemma import AdaRMSNorm, GemmaStack, RMSNorm, apply_rope, grouped_attention
+from policies.models.gemma import AdaRMSNorm, GemmaStack, RMSNorm, apply_rope, grouped_attention, join_keys
 from policies.models.siglip import SiglipVision
 
 
@@ -228,9 +228,7 @@ class PI05Model(nn.Module):
             normed, gate = layer.input_norm(h, modulation[:, 2 * i])
             q, k, v = layer.project_qkv(normed)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k_all = torch.cat([cache.keys[i], k], dim=2)
-            v_all = torch.cat([cache.values[i], v], dim=2)
-            attn = grouped_attention(q, k_all, v_all, key_mask)
+            attn = grouped_attention(q, join_keys(cache.keys[i], k), join_keys(cache.values[i], v), key_mask)
             h = h + layer.attention_output(attn) * gate
             normed, gate = layer.post_norm(h, modulation[:, 2 * i + 1])
             h = h + layer.mlp(normed) * gate

@@ -115,6 +115,45 @@ def test_velocity_depends_on_time_and_prompt(tiny_policy):
     )
 
 
+def test_keys_joined_in_the_autocast_dtype_give_the_promoting_joins_bits(tiny_policy, monkeypatch):
+    """Under bf16 autocast the velocity joins each layer's cached and new K/V in bf16 (gemma.join_keys); the plain
+    join promoted the bf16 prefix to fp32 and the attention cast it back. Outputs and every gradient (weights, x,
+    the cache) must be the promoting join's, bit for bit."""
+    from policies.models import gemma, pi05
+
+    model = tiny_policy.model
+    inputs = tiny_policy.inputs(tiny_policy.make_batch(raw_obs(3, seed=4)))
+    with torch.no_grad():
+        cache = tiny_policy.prefix_cache(inputs)
+    cache = type(cache)([k.bfloat16() for k in cache.keys], [v.bfloat16() for v in cache.values], cache.pad_mask,
+                        cache.offsets)
+    x = torch.randn(3, tiny_policy.cfg.chunk_size, tiny_policy.cfg.max_action_dim)
+    table = model.modulation_table(torch.tensor([0.75])).detach()
+
+    def run():
+        keys = [k.clone().requires_grad_() for k in cache.keys]
+        values = [v.clone().requires_grad_() for v in cache.values]
+        xs = x.clone().requires_grad_()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            v = model.velocity(type(cache)(keys, values, cache.pad_mask, cache.offsets), xs, table)
+        (v * torch.linspace(-1, 1, v.numel()).reshape(v.shape)).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return v.detach(), xs.grad, [k.grad for k in keys + values], grads
+
+    joined = run()
+    assert gemma.join_keys(cache.keys[0], x[:, None, :, :1].expand(-1, 1, -1, cache.keys[0].shape[-1])).dtype \
+        == torch.float32  # outside autocast the join promotes, as before
+    monkeypatch.setattr(pi05, "join_keys", lambda cached, new: torch.cat([cached, new], dim=2))
+    promoted = run()
+    assert torch.equal(joined[0], promoted[0]) and torch.equal(joined[1], promoted[1])
+    for a, b in zip(joined[2], promoted[2], strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
+    assert joined[3].keys() == promoted[3].keys() and len(joined[3]) > 10
+    for name in joined[3]:
+        assert torch.equal(joined[3][name], promoted[3][name]), name
+
+
 def test_bfloat16_precision_policy():
     from policies import PolicyConfig, build_policy
 
