@@ -28,7 +28,10 @@ and both the timed pass and the update read them. `--recompute-backward fp32 bf1
 micro-batch's gradients under each mode are compared with the fp32 backward's (`gradient_errors`: relative L2 per
 parameter, worst and median, and of all of them together). `--host-profile`: one more update of one epoch under
 experiments.host_profile (this repository's Python functions by cProfile, and on CUDA every call site that waited
-for the GPU, counted), kept as `host_profile`. `--precision fp8`: the engine's fast path and the consistent
+for the GPU, counted), kept as `host_profile`. `--recompute-graph off on` / `--recompute-compile off inductor` (with
+`--consistent`): each backward is also timed captured as CUDA graphs and/or with its reference velocity compiled
+(policy.fast.recompute_graph / recompute_compile; keys `SETTING/graph`, `SETTING/inductor`; a compiled setting's
+untimed warm-up update compiles it). `--precision fp8`: the engine's fast path and the consistent
 recompute run their FP8 GEMMs (policy.fast.precision).
 JSON `profile_actor_*` via experiments.results.
 """
@@ -57,7 +60,7 @@ from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
 from policies.fast import recompute
 from policies.fast.autograd import CallRun, ChunkRun
-from policies.fast.config import PRECISIONS, RECOMPUTE_BACKWARDS
+from policies.fast.config import PRECISIONS, RECOMPUTE_BACKWARDS, RECOMPUTE_COMPILES
 from policies.fast.runner import FastSampler
 from policies.lerobot_bridge import relative_l2
 from policies.models.pi05 import PI05Model
@@ -203,11 +206,15 @@ def stage_times(events) -> dict[str, dict]:
 
 
 @contextlib.contextmanager
-def recompute_backward(policy, mode: str, graph: bool = False) -> Iterator[None]:
+def recompute_backward(policy, mode: str, graph: bool = False, compile_backend: str = "off") -> Iterator[None]:
     """The policy's consistent recompute with its backward in `mode` (policy.fast.recompute_backward), captured as
-    CUDA graphs where `graph` (policy.fast.recompute_graph), meanwhile."""
+    CUDA graphs where `graph` (policy.fast.recompute_graph), its reference velocity built by `compile_backend`
+    (policy.fast.recompute_compile), meanwhile."""
     before = policy.cfg
-    policy.cfg = before.replace(fast={"recompute_backward": mode, "recompute_graph": graph})
+    fast = {"recompute_backward": mode, "recompute_graph": graph}
+    if compile_backend != "off":  # set only when asked (the key is newer than recompute_graph)
+        fast["recompute_compile"] = compile_backend
+    policy.cfg = before.replace(fast=fast)
     try:
         yield
     finally:
@@ -326,6 +333,11 @@ def main() -> None:
                         help="with --consistent: policy.fast.recompute_graph settings to time with each backward, in "
                              "order (on: the backward's reference call replayed as a CUDA graph)")
     parser.add_argument("--profile-recompute-graph", default="off", choices=["off", "on"])
+    parser.add_argument("--recompute-compile", nargs="+", default=["off"], choices=list(RECOMPUTE_COMPILES),
+                        help="with --consistent: policy.fast.recompute_compile settings to time with each backward and "
+                             "graph setting, in order (inductor: the backward's reference velocity through "
+                             "torch.compile; its first update compiles, untimed)")
+    parser.add_argument("--profile-recompute-compile", default="off", choices=list(RECOMPUTE_COMPILES))
     parser.add_argument("--top", type=int, default=40, help="ops kept in the JSON, by device time")
     parser.add_argument("--host-profile", action="store_true",
                         help="one more update under cProfile and CUDA's sync watch (experiments.host_profile)")
@@ -349,6 +361,11 @@ def main() -> None:
         parser.error("--recompute-graph on needs --consistent (it captures the consistent recompute's backward)")
     if len(set(args.recompute_graph)) != len(args.recompute_graph):
         parser.error(f"--recompute-graph names a setting twice: {args.recompute_graph}")
+    if {*args.recompute_compile, args.profile_recompute_compile} != {"off"} and not args.consistent:
+        parser.error("--recompute-compile other than off needs --consistent (it compiles the consistent recompute's "
+                     "backward)")
+    if len(set(args.recompute_compile)) != len(args.recompute_compile):
+        parser.error(f"--recompute-compile names a setting twice: {args.recompute_compile}")
     if {*args.recompute_backward, args.profile_recompute_backward} != {"fp32"} and not args.consistent:
         parser.error("--recompute-backward other than fp32 needs --consistent (the consistent recompute's backward)")
     keep_engine = "engine" in (*args.prefix_cache, args.profile_prefix_cache)
@@ -394,21 +411,24 @@ def main() -> None:
     with weights_restored(policy):
         make_actor(policy, args, "off", 1).train(rows)
     modes = args.recompute_backward
-    variants = [(mode, graph == "on") for mode in modes for graph in args.recompute_graph]
+    variants = [(mode, graph == "on", backend) for mode in modes for graph in args.recompute_graph
+                for backend in args.recompute_compile]
     timed = {}
-    for mode, graph in variants:
-        with recompute_backward(policy, mode, graph):
-            if len(variants) > 1:  # each mode's first update pays for new kernels (its own warm-up: round 52's first
-                # run timed bf16 without one, 1.08 s against fp32's 0.89, where the GRPO step had it 27% faster), and
-                # a captured backward for its capture
+    for mode, graph, backend in variants:
+        with recompute_backward(policy, mode, graph, backend):
+            if len(variants) > 1 or backend != "off":  # each mode's first update pays for new kernels (its own
+                # warm-up: round 52's first run timed bf16 without one, 1.08 s against fp32's 0.89, where the GRPO step
+                # had it 27% faster), a captured backward for its capture, a compiled one for its compile
                 with weights_restored(policy):
                     make_actor(policy, args, args.prefix_cache[0], 1, store).train(rows)
             for setting in args.prefix_cache:
                 print(f"recompute_backward={mode}{' graphed' if graph else ''}:", end=" ")
                 label = setting if len(modes) == 1 else f"{setting}/{mode}"
                 label += "/graph" if graph and len(args.recompute_graph) > 1 else ""
+                label += f"/{backend}" if backend != "off" else ""
                 timed[label] = time_setting(policy, rows, args, setting, device, store)
-    with recompute_backward(policy, args.profile_recompute_backward, args.profile_recompute_graph == "on"):
+    with recompute_backward(policy, args.profile_recompute_backward, args.profile_recompute_graph == "on",
+                            args.profile_recompute_compile):
         profile = profile_update(policy, rows, args, device, store)
         host = host_profile_update(policy, rows, args, device, store) if args.host_profile else None
     errors = gradient_errors(policy, rows, args, modes) if len(set(modes) | {"fp32"}) > 1 else {}

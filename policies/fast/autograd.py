@@ -67,6 +67,28 @@ class _VelocityCall(nn.Module):
         return self.model.velocity(cache, x, modulation)
 
 
+VelocityFn = Callable[[dict[str, Tensor], PrefixCache, Tensor, Tensor], Tensor]  # (params, cache, x, modulation) -> v
+
+
+def reference_velocity(sampler, compile_backend: str = "off") -> VelocityFn:
+    """The backward's reference velocity of the sampler's model, params -> v (fp32): plain PyTorch through
+    functional_call, or that through torch.compile with `compile_backend` (policy.fast.recompute_compile), made once
+    per sampler and backend (dynamo keeps the compiled code per input shape; a new row count compiles again, then
+    dynamic). Why compile: a 128-row bf16 reference call is a few thousand kernels, most of them element-wise on
+    (rows x 10, 1024) activations, each a few microseconds on the GPU even inside a CUDA graph (round 64's profile:
+    its captured backward 30 ms a micro-batch for ~3 ms of GEMM work)."""
+    made = sampler.reference_velocities
+    if compile_backend not in made:
+        call = _VelocityCall(sampler.model)
+
+        def velocity(params: dict[str, Tensor], cache: PrefixCache, x: Tensor, modulation: Tensor) -> Tensor:
+            return functional_call(call, params, (cache, x, modulation))
+
+        compiled = compile_backend != "off"
+        made[compile_backend] = torch.compile(velocity, backend=compile_backend) if compiled else velocity
+    return made[compile_backend]
+
+
 @dataclass
 class ChunkRun:
     """The needed steps of one chunk of rows (at most one bucket): `prepare()` lays the rows into their bucket
@@ -120,6 +142,7 @@ class CallRun:
     weight_names: tuple[str, ...] = ()
     backward: str = "fp32"  # policy.fast.recompute_backward: the reference velocity's precision
     graphs: ReferenceGraphs | None = None  # policy.fast.recompute_graph: the sampler's captured reference calls
+    compile: str = "off"  # policy.fast.recompute_compile: how the reference velocity is built (reference_velocity)
 
     def forward(self) -> Tensor:
         """(n, H, D) the chunks' log-probs, concatenated in chunk order."""
@@ -167,7 +190,7 @@ class CallRun:
         x = inputs.x
         modulation = table.float()[inputs.steps]
         with reference_precision(self.backward, x.device.type):
-            v = functional_call(_VelocityCall(self.sampler.model), params, (inputs.cache, x, modulation))  # fp32 out
+            v = reference_velocity(self.sampler, self.compile)(params, inputs.cache, x, modulation)  # fp32 out
         t, delta, sigma = (inputs.constants[:, i, None, None] for i in range(3))
         mean, std = flow.sde_step_mean_std(x, v, t, delta, sigma)
         return flow.gaussian_log_prob(inputs.x_next, mean, std)

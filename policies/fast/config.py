@@ -23,9 +23,13 @@ OVERLAP_CHOICES = ("auto", "off", "on")  # policies/fast/overlap.py
 SEARCH_CHOICES = ("auto", "off")  # policies/fast/gemm_search.py
 # The math the consistent recompute's backward differentiates (policies/fast/autograd.py, reference_precision)
 RECOMPUTE_BACKWARDS = ("fp32", "tf32", "bf16")
+# How that backward's reference velocity is built (policies/fast/autograd.py, reference_velocity): plain PyTorch, or
+# through torch.compile with inductor (fused kernels) or aot_eager (traced, not fused: to tell a trace from a kernel)
+RECOMPUTE_COMPILES = ("off", "inductor", "aot_eager")
 # policy.fast overrides for a plain-path copy of a config (a trainer, a baseline): the keys that need the fast path
 # set back too, so that the copy validates whatever the original had
-FAST_OFF = {"enabled": False, "consistent_recompute": False, "recompute_backward": "fp32", "recompute_graph": False}
+FAST_OFF = {"enabled": False, "consistent_recompute": False, "recompute_backward": "fp32", "recompute_graph": False,
+            "recompute_compile": "off"}
 # GEMM groups precision "fp8" can run in FP8 (policies/fast/weights.py maps them to projections)
 FP8_GEMM_GROUPS = ("vision_attention", "vision_mlp", "vision_projector", "prefix_qkv", "prefix_o",
                    "prefix_gate_up", "prefix_down")
@@ -74,6 +78,12 @@ class FastConfig:
     replayed (policies/fast/reference_graph.py): the same kernels, without their Python launches, which bounded it
     (round 49: 55 ms of host time a call against 7 ms of kernels). Each shape's graph keeps its memory: at most
     reference_graph.CAPACITY shapes are kept (GRPO with one pinned bucket and a fixed micro-batch has one).
+    recompute_compile: with consistent_recompute, that reference velocity through torch.compile: "inductor" fuses
+    its element-wise work (norms, RoPE, GeGLU, residuals and their backward: most of the few thousand kernels of a
+    128-row call) into fewer kernels, compiled at a shape's first call (a minute or more); with recompute_graph the
+    compiled kernels are what the graph captures. Its gradients round differently from plain PyTorch's (inductor
+    keeps bf16 intermediates in fp32 inside a fused kernel). "aot_eager" traces without fusing (the same kernels
+    as "off"). Default "off".
     precision: "bf16" runs every GEMM in `dtype`; "fp8" runs the GEMMs of `fp8_gemms` in FP8 e4m3
     (per-channel weight and per-token activation scales, policies/fast/fp8.py), the expert always
     in `dtype`; needs dtype "bfloat16".
@@ -122,6 +132,7 @@ class FastConfig:
     consistent_recompute: bool = False
     recompute_backward: str = "fp32"
     recompute_graph: bool = False
+    recompute_compile: str = "off"
     precision: str = "bf16"
     gemm: str = "auto"
     pdl: str = "auto"
@@ -189,6 +200,12 @@ class FastConfig:
         if self.recompute_backward != "fp32" and not self.consistent_recompute:
             raise ValueError(f"{key}.recompute_backward={self.recompute_backward!r} changes the consistent recompute's "
                              f"backward only: it needs {key}.consistent_recompute=true")
+        if self.recompute_compile not in RECOMPUTE_COMPILES:
+            raise ValueError(f"{key}.recompute_compile must be one of {RECOMPUTE_COMPILES}, "
+                             f"got {self.recompute_compile!r}")
+        if self.recompute_compile != "off" and not self.consistent_recompute:
+            raise ValueError(f"{key}.recompute_compile={self.recompute_compile!r} compiles the consistent recompute's "
+                             f"backward: it needs {key}.consistent_recompute=true")
         if self.recompute_graph and not (self.consistent_recompute and self.cuda_graphs):
             raise ValueError(f"{key}.recompute_graph=true captures the consistent recompute's backward as CUDA graphs: "
                              f"it needs {key}.consistent_recompute=true and {key}.cuda_graphs=true")

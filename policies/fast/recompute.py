@@ -90,7 +90,8 @@ def consistent_log_prob(policy, inputs, chains: Tensor, denoise_inds: Tensor, mo
         step_lp = chains.new_zeros(b * len(columns), *chains.shape[2:])
         if chunks:
             graphs = sampler.reference_graphs if cfg.fast.recompute_graph else None  # None off CUDA graphs
-            run = CallRun(sampler, chunks, tuple(name for name, _ in named), cfg.fast.recompute_backward, graphs)
+            run = CallRun(sampler, chunks, tuple(name for name, _ in named), cfg.fast.recompute_backward, graphs,
+                          cfg.fast.recompute_compile)
             if needs_grad:
                 logp = ConsistentCall.apply(run, table, *weights)
             else:

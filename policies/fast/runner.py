@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +97,8 @@ class FastSampler:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # the consistent recompute's backward reference calls, captured (policy.fast.recompute_graph)
         self.reference_graphs = ReferenceGraphs() if self.use_graphs else None
+        # the backward's reference velocity per policy.fast.recompute_compile backend (autograd.reference_velocity)
+        self.reference_velocities: dict[str, Callable] = {}
         # the consistent recompute's restored-prefix checks, read back without a wait in every call (recompute.py)
         self.layout_checks = DeferredChecks()
         self._side_stream = None  # overlap.py's stream for denoise step 0, made on first use

@@ -92,7 +92,7 @@ def fingerprint(device: torch.device) -> dict:
 # FastConfig fields that do not change what a bucket runs (which buckets exist, where things are kept)
 CONTEXT_IGNORES = ("enabled", "batch_buckets", "prompt_buckets", "attention_profile_path", "compile_workers",
                    "tuning_cache", "consistent_recompute", "recompute_backward",
-                   "recompute_graph")
+                   "recompute_graph", "recompute_compile")
 # PolicyConfig fields that do not either: which weights and tokenizer (not their shapes), how env observations
 # map onto the inputs, and the fast path's own settings (taken from `fast_cfg` above, without CONTEXT_IGNORES)
 MODEL_IGNORES = ("name", "tokenizer_path", "checkpoint", "checkpoint_format", "seed", "init_scale", "inputs", "fast")

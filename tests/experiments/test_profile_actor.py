@@ -57,6 +57,18 @@ def test_an_fp8_rollout_is_rescored_through_its_fp8_gemms(monkeypatch, tmp_path)
     assert record["timed"]["engine"]["rollout/logprob_gap"] == 0.0  # the FP8 rollout's own bits
 
 
+def test_a_traced_backward_is_timed_beside_the_plain_one(monkeypatch, tmp_path):
+    run(monkeypatch, "--consistent", "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1",
+        "--repeats", "1", "--prefix-cache", "engine", "--profile-prefix-cache", "engine", "--recompute-compile", "off",
+        "aot_eager", "--profile-recompute-compile", "aot_eager", "--out", str(tmp_path))
+    (path,) = tmp_path.glob("profile_actor_*.json")
+    record = json.loads(path.read_text())
+    assert set(record["timed"]) == {"engine", "engine/aot_eager"}
+    assert record["config"]["profile_recompute_compile"] == "aot_eager"
+    for timed in record["timed"].values():
+        assert timed["rollout/logprob_gap"] == 0.0  # the forward stays the rollout's in both
+
+
 def test_a_budget_keeps_only_the_rows_that_fit(monkeypatch, tmp_path):
     run(monkeypatch, "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1", "--prefix-cache",
         "device", "--prefix-cache-gib", "0", "--out", str(tmp_path))

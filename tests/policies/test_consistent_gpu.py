@@ -247,6 +247,49 @@ def test_the_captured_backward_replays_the_eager_gradients(backward):
     assert graphs.captures > captured
 
 
+def all_parameters_error(got: dict, want: dict) -> float:
+    """Relative L2 of every parameter's gradient at once (one vector), against `want`'s."""
+    names = sorted(want)
+    return relative_l2(torch.cat([got[n].flatten() for n in names]), torch.cat([want[n].flatten() for n in names]))
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_an_inductor_compiled_backward_rounds_like_the_eager_one(graphed):
+    """policy.fast.recompute_compile=inductor with the bf16 backward: the log-probs the rollout's bits, the
+    gradients as near the fp32 backward's as the eager bf16 backward's are (printed; inductor keeps bf16
+    intermediates in fp32 inside its fused kernels, so it rounds differently, not more). Captured as a CUDA graph
+    (recompute_graph), its replays give the uncaptured compiled call's gradients and a second call captures nothing."""
+    policy = build_policy(config("small", "sdpa", consistent_recompute=True), device="cuda")
+    rows = rollout(policy)
+    weights = torch.randn(len(rows[1]), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def gradients(**fast) -> tuple[dict, torch.Tensor]:
+        policy.cfg = policy.cfg.replace(fast=fast)
+        policy.model.zero_grad(set_to_none=True)
+        lp, order = rescore(policy, rows, len(rows[1]), consistent=True, grad=True)
+        (lp.flatten(1).sum(1) * weights[order.cuda()]).sum().backward()
+        return {n: p.grad.float().clone() for n, p in policy.model.named_parameters() if p.grad is not None}, lp
+
+    fp32, want_lp = gradients(recompute_backward="fp32", recompute_compile="off", recompute_graph=False)
+    eager, _ = gradients(recompute_backward="bf16", recompute_compile="off", recompute_graph=False)
+    compiled, lp = gradients(recompute_backward="bf16", recompute_compile="inductor", recompute_graph=False)
+    assert torch.equal(lp, want_lp)
+    eager_error, compiled_error = all_parameters_error(eager, fp32), all_parameters_error(compiled, fp32)
+    print(f"\nconsistent_gpu bf16 backward vs fp32, all parameters: eager {eager_error:.3e}, inductor "
+          f"{compiled_error:.3e}, inductor vs eager {all_parameters_error(compiled, eager):.3e}")
+    assert 0.0 < compiled_error <= 1.5 * eager_error + 1e-3
+    if graphed:
+        graphs = policy.fast_sampler().reference_graphs
+        captured = graphs.captures
+        first, _ = gradients(recompute_backward="bf16", recompute_compile="inductor", recompute_graph=True)
+        after_first = graphs.captures
+        again, _ = gradients(recompute_backward="bf16", recompute_compile="inductor", recompute_graph=True)
+        assert graphs.captures == after_first > captured  # one capture per prompt bucket, then replays
+        for got, label in ((first, "captured"), (again, "replayed")):
+            _, worst = gradient_errors(got, compiled, f"inductor bf16 backward {label} vs uncaptured")
+            assert worst <= 1e-6, (label, worst)  # the same compiled kernels (round 63's eager bound)
+
+
 def one_prompt_bucket(rows) -> tuple[tuple, torch.Tensor]:
     """The rows that ran in prompt bucket 32 (one prefix length, whose K/V a call can keep): (inputs, chains,
     denoise indices), their buckets."""

@@ -7,6 +7,7 @@ the fp32 ones). The CUDA numbers: tests/policies/test_consistent_gpu.py.
 """
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -92,10 +93,61 @@ def test_a_plain_path_copy_of_a_bf16_backward_config_validates():
     from policies.fast.config import FAST_OFF
 
     cfg = PolicyConfig.preset("tiny", fast={"enabled": True, "consistent_recompute": True, "attention": "sdpa",
-                                            "recompute_backward": "bf16", "recompute_graph": True})
+                                            "recompute_backward": "bf16", "recompute_graph": True,
+                                            "recompute_compile": "inductor"})
     plain = cfg.replace(fast=FAST_OFF)
     assert plain.fast.recompute_backward == "fp32" and not plain.fast.enabled and not plain.fast.recompute_graph
-    kept = trainer_policy_config(cfg).fast  # the consistent trainer keeps both
-    assert kept.recompute_backward == "bf16" and kept.recompute_graph
+    assert plain.fast.recompute_compile == "off"
+    kept = trainer_policy_config(cfg).fast  # the consistent trainer keeps them
+    assert kept.recompute_backward == "bf16" and kept.recompute_graph and kept.recompute_compile == "inductor"
     assert FAST_OFF == {"enabled": False, "consistent_recompute": False, "recompute_backward": "fp32",
-                        "recompute_graph": False}
+                        "recompute_graph": False, "recompute_compile": "off"}
+
+
+def with_compile(policy, backend: str):
+    policy.cfg = policy.cfg.replace(fast={"recompute_compile": backend})
+    return policy
+
+
+@pytest.mark.parametrize("backward", ["fp32", "bf16"])
+def test_a_traced_reference_gives_the_plain_gradients(rows_and_policy, backward):
+    """recompute_compile=aot_eager: the reference velocity traced by dynamo and AOTAutograd, not fused, so the same
+    kernels: the same gradients bit for bit. Shows the trace (functional_call over the weights, the prefix cache,
+    autocast from outside) is the plain call's."""
+    policy, rows, weights = rows_and_policy
+    with_backward(policy, backward)
+    try:
+        plain = gradients(with_compile(policy, "off"), rows, weights)
+        traced = gradients(with_compile(policy, "aot_eager"), rows, weights)
+        again = gradients(policy, rows, weights)  # the compiled code, reused
+    finally:
+        with_compile(with_backward(policy, "fp32"), "off")
+    assert set(traced) == set(plain) and plain
+    for name, want in plain.items():
+        assert torch.equal(traced[name], want) and torch.equal(again[name], want), name
+    sampler = policy.fast_sampler()
+    assert set(sampler.reference_velocities) >= {"off", "aot_eager"}
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor on the CPU compiles C++")
+def test_an_inductor_reference_rounds_the_gradients_only(rows_and_policy):
+    """recompute_compile=inductor (fused kernels) with the fp32 backward: the plain gradients to fp32 rounding,
+    the forward still the rollout's bits (`gradients` asserts it). The GPU's bf16 case:
+    tests/policies/test_consistent_gpu.py."""
+    policy, rows, weights = rows_and_policy
+    try:
+        plain = gradients(with_compile(policy, "off"), rows, weights)
+        fused = gradients(with_compile(policy, "inductor"), rows, weights)
+    finally:
+        with_compile(policy, "off")
+    errors = relative_errors(fused, plain)
+    assert max(errors.values()) < 1e-4, max(errors.items(), key=lambda kv: kv[1])
+
+
+def test_recompute_compile_is_validated_by_name():
+    with pytest.raises(ValueError, match=r"policy.fast.recompute_compile must be one of .*'max'"):
+        PolicyConfig.preset("tiny", fast={"enabled": True, "consistent_recompute": True, "attention": "sdpa",
+                                          "recompute_compile": "max"})
+    with pytest.raises(ValueError, match=r"recompute_compile='inductor'.*needs policy.fast.consistent_recompute=true"):
+        PolicyConfig.preset("tiny", fast={"enabled": True, "recompute_compile": "inductor"})
