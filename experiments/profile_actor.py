@@ -16,8 +16,8 @@ engine's weights each time; the JSON keeps each run's seconds and the medians: r
 and the peak device memory over the runs. A setting that runs out of device memory is recorded as such.
 Then one more update of one epoch runs under torch.profiler. The policy's stages are labelled
 (`Policy.inputs`, vision, the prefix stack, the expert's velocity, the prefix store), and the JSON keeps each
-label's CPU and device time, the device time of the top ops, and the device's busy time against the wall
-time (a low share means the update waits on the host, not on the GPU).
+label's CPU and device time, the device time of the top ops and of the top kernels by name, and the device's busy
+time against the wall time (a low share means the update waits on the host, not on the GPU).
 `--consistent`: the trainer re-scores through the fast path (policy.fast.consistent_recompute, pinned to --batch
 rows and --prompt-bucket tokens, sdpa attention; also on the CPU, through the kernels' PyTorch twins), labelled by
 its own stages (the fast path's vision/prefix graphs, the kept prefix restored into a bucket, the expert step's
@@ -270,6 +270,9 @@ def profile_update(policy, rows: Samples, args: argparse.Namespace, device: torc
                  reverse=True)[: args.top]
     top_ops = [{"op": e.key, "calls": e.count, "self_device_s": event_device_us(e, own=True) / 1e6,
                 "self_cpu_s": e.self_cpu_time_total / 1e6} for e in top]
+    # the kernels by name: inside a replayed CUDA graph or a compiled function the ops above hide which kernels ran
+    top_kernels = [{"kernel": e.key, "calls": e.count, "device_s": event_device_us(e, own=True) / 1e6}
+                   for e in sorted(kernels, key=lambda e: event_device_us(e, own=True), reverse=True)[: args.top]]
     print(f"profiled update (1 epoch, prefix_cache={args.profile_prefix_cache}): wall {wall_s:.2f} s, "
           f"device busy {busy_s:.2f} s")
     for label, value in sorted(stages.items()):
@@ -279,7 +282,7 @@ def profile_update(policy, rows: Samples, args: argparse.Namespace, device: torc
     for op in top_ops[:15]:
         print(f"  {op['op'][:60]:60s} device {op['self_device_s']:8.3f} s  cpu {op['self_cpu_s']:8.3f} s")
     return {"wall_s": wall_s, "device_busy_s": busy_s, "stages": stages, "top_ops": top_ops,
-            "prefix_cache": args.profile_prefix_cache}
+            "top_kernels": top_kernels, "prefix_cache": args.profile_prefix_cache}
 
 
 def host_profile_update(policy, rows: Samples, args: argparse.Namespace, device: torch.device,
