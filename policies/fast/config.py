@@ -194,18 +194,15 @@ class FastConfig:
             values = check_int_list(f"{key}.{name}", getattr(self, name), 1)
             if values != sorted(set(values)):
                 raise ValueError(f"{key}.{name} must be strictly increasing, got {values}")
-        if self.recompute_backward not in RECOMPUTE_BACKWARDS:
-            raise ValueError(f"{key}.recompute_backward must be one of {RECOMPUTE_BACKWARDS}, "
-                             f"got {self.recompute_backward!r}")
-        if self.recompute_backward != "fp32" and not self.consistent_recompute:
-            raise ValueError(f"{key}.recompute_backward={self.recompute_backward!r} changes the consistent recompute's "
-                             f"backward only: it needs {key}.consistent_recompute=true")
-        if self.recompute_compile not in RECOMPUTE_COMPILES:
-            raise ValueError(f"{key}.recompute_compile must be one of {RECOMPUTE_COMPILES}, "
-                             f"got {self.recompute_compile!r}")
-        if self.recompute_compile != "off" and not self.consistent_recompute:
-            raise ValueError(f"{key}.recompute_compile={self.recompute_compile!r} compiles the consistent recompute's "
-                             f"backward: it needs {key}.consistent_recompute=true")
+        for name, choices, what in (("recompute_backward", RECOMPUTE_BACKWARDS, "changes the consistent recompute's "
+                                     "backward only"),
+                                    ("recompute_compile", RECOMPUTE_COMPILES, "compiles the consistent recompute's "
+                                     "backward")):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{key}.{name} must be one of {choices}, got {value!r}")
+            if value != choices[0] and not self.consistent_recompute:  # the first choice is the default
+                raise ValueError(f"{key}.{name}={value!r} {what}: it needs {key}.consistent_recompute=true")
         if self.recompute_graph and not (self.consistent_recompute and self.cuda_graphs):
             raise ValueError(f"{key}.recompute_graph=true captures the consistent recompute's backward as CUDA graphs: "
                              f"it needs {key}.consistent_recompute=true and {key}.cuda_graphs=true")
