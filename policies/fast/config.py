@@ -81,7 +81,7 @@ class FastConfig:
     recompute_compile: with consistent_recompute, that reference velocity through torch.compile: "inductor" fuses
     its element-wise work (norms, RoPE, GeGLU, residuals and their backward) into fewer kernels, compiled once per
     process at a shape's first call (pi0.5 on an H100, round 65: ~65 s cold, ~16 s from a warm compile cache, for
-    an update 4-7% faster after); with recompute_graph the compiled kernels are what the graph captures. Its
+    an update 5-7% faster after); with recompute_graph the compiled kernels are what the graph captures. Its
     gradients round differently from plain PyTorch's (inductor keeps bf16 intermediates in fp32 inside a fused
     kernel). "aot_eager" traces without fusing (the same kernels as "off"). Default "off".
     precision: "bf16" runs every GEMM in `dtype`; "fp8" runs the GEMMs of `fp8_gemms` in FP8 e4m3
