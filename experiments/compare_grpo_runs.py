@@ -9,8 +9,9 @@ over the call; here they are grouped back by NAME. Runs vary between repeats on 
 command moved 0.4-1.2 s between identical runs in rounds 53-54), so each setting's mean, min and max are given, and
 each setting's mean against the first setting's. Per run: the step, the rollout (its predict and env-step sums), the
 actor (and its old-log-prob pass, `step_time/actor_old_logprob`, where the metrics have it), the rollout/trainer gap,
-the peak allocated memory, and the median predict call inside the rollout (the report's control roofline, over the
-chunks it recorded). A run without a report (stopped by the budget) is named and left out.
+the peak allocated memory, the card's memory in use (all processes), and the median predict call inside the
+rollout (the report's control roofline, over the chunks it recorded). A run without a report (stopped by the
+budget) is named and left out.
 JSON `compare_grpo_runs_*` via experiments.results (its provenance is where the comparison ran; the runs'
 devices, from their reports, are `runs_devices`).
 """
@@ -37,6 +38,9 @@ COLUMNS = [
     ("old_logprob_s", "step_time/actor_old_logprob", "metrics"),
     ("gap_nats", "rollout/logprob_gap", "metrics"),
     ("peak_allocated_gib", "memory/cuda0/peak_allocated_gib", "metrics"),
+    # the card's memory in use after the step, every process's (the env workers' EGL contexts, graph pools): what
+    # decides whether a setting fits (round 65 read it from each run's metrics by hand)
+    ("device_used_gib", "memory/cuda0/device_used_gib", "metrics"),
 ]
 SUMMARISED = ("step_s", "rollout_s", "actor_s")
 REPEAT = re.compile(r"^(?P<setting>.+)\.r(?P<repeat>\d+)$")
@@ -116,12 +120,13 @@ def table(rows: list[dict], summary: dict[str, dict]) -> str:
         return "-" if value is None else format(value, fmt)
 
     lines = [f"{'run':<16} {'step':>7} {'rollout':>8} {'predict':>8} {'env':>7} {'median predict':>14} "
-             f"{'actor':>7} {'old_lp':>7} {'gap':>7} {'peak GiB':>8}"]
+             f"{'actor':>7} {'old_lp':>7} {'gap':>7} {'peak GiB':>8} {'card GiB':>8}"]
     for r in rows:
         lines.append(f"{r['run']:<16} {cell(r['step_s']):>7} {cell(r['rollout_s']):>8} {cell(r['predict_s']):>8} "
                      f"{cell(r['env_step_s']):>7} {cell(r['median_predict_s'], '.3f'):>14} {cell(r['actor_s']):>7} "
                      f"{cell(r['old_logprob_s']):>7} "
-                     f"{cell(r['gap_nats'], '.4f'):>7} {cell(r['peak_allocated_gib'], '.1f'):>8}")
+                     f"{cell(r['gap_nats'], '.4f'):>7} {cell(r['peak_allocated_gib'], '.1f'):>8} "
+                     f"{cell(r['device_used_gib'], '.1f'):>8}")
     lines.append("")
     for name, stats in summary.items():
         parts = [f"{name} ({stats['runs']} run{'s' if stats['runs'] > 1 else ''}):"]

@@ -27,9 +27,8 @@ cat > "$dir/report.json" <<EOF
  "steps": [{"step": 1, "total_s": 30, "phases": {}},
            {"step": 2, "total_s": $count, "phases": {"rollout": $count, "actor_train": 0.5}}]}
 EOF
-cat > "$dir/metrics.jsonl" <<EOF
-{"kind": "train", "step": 2, "step_time/actor_old_logprob": 0.25, "rollout/logprob_gap": 0.0}
-EOF
+printf '%s%s\n' '{"kind": "train", "step": 2, "step_time/actor_old_logprob": 0.25, "rollout/logprob_gap": 0.0,' \
+    ' "memory/cuda0/device_used_gib": 67.5}' > "$dir/metrics.jsonl"
 printf 'step 2/2 | fake\n'
 """
 
@@ -67,6 +66,7 @@ def test_repeats_alternate_the_settings_and_the_comparison_groups_them(tmp_path)
     by_run = {row["run"]: row for row in record["runs"]}
     assert [by_run[r]["step_s"] for r in runs] == [1.0, 2.0, 3.0, 4.0]
     assert by_run["b.r2"]["old_logprob_s"] == 0.25 and by_run["b.r2"]["gap_nats"] == 0.0  # from the tgz's metrics
+    assert by_run["b.r2"]["device_used_gib"] == 67.5 and by_run["b.r2"]["peak_allocated_gib"] is None
     assert by_run["a.r1"]["setting"] == "a" and by_run["a.r1"]["predict_s"] is None  # no such phase: None
     assert by_run["a.r1"]["median_predict_s"] is None  # no control roofline in the report
     settings = record["summary"]["settings"]
