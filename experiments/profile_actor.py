@@ -211,10 +211,8 @@ def recompute_backward(policy, mode: str, graph: bool = False, compile_backend: 
     CUDA graphs where `graph` (policy.fast.recompute_graph), its reference velocity built by `compile_backend`
     (policy.fast.recompute_compile), meanwhile."""
     before = policy.cfg
-    fast = {"recompute_backward": mode, "recompute_graph": graph}
-    if compile_backend != "off":  # set only when asked (the key is newer than recompute_graph)
-        fast["recompute_compile"] = compile_backend
-    policy.cfg = before.replace(fast=fast)
+    policy.cfg = before.replace(fast={"recompute_backward": mode, "recompute_graph": graph,
+                                      "recompute_compile": compile_backend})
     try:
         yield
     finally:
@@ -425,7 +423,8 @@ def main() -> None:
                 with weights_restored(policy):
                     make_actor(policy, args, args.prefix_cache[0], 1, store).train(rows)
             for setting in args.prefix_cache:
-                print(f"recompute_backward={mode}{' graphed' if graph else ''}:", end=" ")
+                print(f"recompute_backward={mode}{' graphed' if graph else ''}"
+                      f"{f' compiled by {backend}' if backend != 'off' else ''}:", end=" ")
                 label = setting if len(modes) == 1 else f"{setting}/{mode}"
                 label += "/graph" if graph and len(args.recompute_graph) > 1 else ""
                 label += f"/{backend}" if backend != "off" else ""

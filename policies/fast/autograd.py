@@ -122,7 +122,8 @@ class ChunkRun:
 
 
 # The most prefix K/V, counted in fp32, one reference call of the backward takes (its autograd keeps each layer's
-# fp32 concatenation with the suffix until that call's gradients are taken): larger calls are split by chunks, their
+# concatenation with the suffix until that call's gradients are taken: fp32 in the fp32 and tf32 backwards, half
+# that in bf16 since round 65's join_keys, so the count is the fp32 bound): larger calls are split by chunks, their
 # gradients summed. 4 GiB holds one 128-row micro-batch of LIBERO's pi0.5 in one call (23.6 MB a row: 18 layers x
 # K and V x 640 slots x 256 x 4 bytes), the setting round 49 measured.
 REFERENCE_BYTES = 4 << 30
@@ -179,8 +180,9 @@ class CallRun:
         steps = to_device(torch.tensor(per_row), x.device)  # built on the host: no wait
         constants = to_device(torch.tensor([self.sampler.step_constants[k][:3] for k in per_row],
                                            dtype=torch.float32), x.device)
-        # the K/V stay in the fast path's dtype: the plain model's torch.cat with the suffix's fp32 keys promotes
-        # them exactly, per layer, so no fp32 copy of the whole prefix is held beside the one autograd saves
+        # the K/V stay in the fast path's dtype: the plain model joins them with the suffix's per layer
+        # (gemma.join_keys: promoted exactly to fp32 by the fp32 and tf32 backwards, kept in bf16 under the bf16
+        # one's autocast), so no copy of the whole prefix is held beside the one autograd saves
         return ReferenceInputs(x, x_next, steps, constants, [c.cache for c in chunks])
 
     def reference(self, inputs: ReferenceInputs, table: Tensor, weights: list[Tensor]) -> Tensor:

@@ -103,7 +103,7 @@ class ReferenceInputs:
         """The joined tensors' shapes and dtypes (without joining them)."""
         rows = sum(part.rows for part in self.caches)
         cache = [((rows, *t.shape[1:]), t.dtype) for t in _tensors(self.caches[0].source)]
-        return (*(((tuple(t.shape)), t.dtype) for t in (self.x, self.x_next, self.steps, self.constants)), *cache)
+        return (*((tuple(t.shape), t.dtype) for t in (self.x, self.x_next, self.steps, self.constants)), *cache)
 
     def clone(self) -> ReferenceInputs:
         """A copy with every tensor joined (the graph's buffers)."""
