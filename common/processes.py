@@ -18,8 +18,8 @@ def terminate_as_exit() -> Iterator[None]:
     """SIGTERM (`timeout`'s or a scheduler's stop) raised in this process's main thread as SystemExit(143), so the
     `finally` blocks run: worker processes are closed and shared memory unlinked, the trace flushed, instead of the
     process vanishing mid-step. A second SIGTERM during that cleanup kills as before. A process forked meanwhile
-    inherits the handler but keeps the default: it re-sends the signal to itself under SIG_DFL. Outside the main
-    thread (where Python cannot set handlers) it changes nothing."""
+    dies of SIGTERM as before: the fork hooks below hand it the default action. Outside the main thread (where
+    Python cannot set handlers) it changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -27,16 +27,52 @@ def terminate_as_exit() -> Iterator[None]:
 
     def handler(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if os.getpid() != owner:  # a forked worker: die as it would have
+        if os.getpid() != owner:  # forked by code that skips Python's fork hooks: die as it would have
             os.kill(os.getpid(), signum)
             return
         raise SystemExit(128 + signum)
 
+    handler.terminates_as_exit = True  # type: ignore[attr-defined]  # what the fork hooks look for
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _handler_installed() -> bool:
+    return getattr(signal.getsignal(signal.SIGTERM), "terminates_as_exit", False)
+
+
+_unblock_after_fork = False  # the GIL is held from the before-hook to the after-hooks: no other fork interleaves
+
+
+def _block_sigterm_before_fork() -> None:
+    """A SIGTERM sent to a child as it starts (a worker terminated right after start()) reaches the handler's C
+    part on the child's first return from fork(), and CPython's after-fork reset then drops it: the child would
+    sleep on. Blocked across the fork, it stays pending until the child has the default action back."""
+    global _unblock_after_fork
+    _unblock_after_fork = False
+    if _handler_installed():
+        was_blocked = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        _unblock_after_fork = not was_blocked
+
+
+def _unblock_sigterm_after_fork() -> None:
+    if _unblock_after_fork:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _default_sigterm_in_child() -> None:
+    try:
+        if _handler_installed():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    finally:
+        _unblock_sigterm_after_fork()  # a SIGTERM pending since the fork kills the child here
+
+
+os.register_at_fork(before=_block_sigterm_before_fork, after_in_parent=_unblock_sigterm_after_fork,
+                    after_in_child=_default_sigterm_in_child)
 
 
 def send_quietly(conn: Any, message: tuple) -> bool:

@@ -56,6 +56,50 @@ def test_sigterm_runs_the_finally_blocks_and_exits_143_while_forked_children_die
     assert (tmp_path / "out").read_text() == "cleaned up"
 
 
+EARLY_TERMINATE_SCRIPT = r"""
+import multiprocessing as mp, signal, time
+from common.processes import terminate_as_exit
+
+def report_and_sleep(conn):
+    conn.send(str(signal.getsignal(signal.SIGTERM)))
+    time.sleep(60)
+
+with terminate_as_exit():
+    codes = []
+    for _ in range(200):  # each terminated as it starts: without the fork hooks some of them slept on
+        child = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+        child.start()
+        child.terminate()
+        child.join(10)
+        codes.append(child.exitcode)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            break
+    print("codes", sorted(set(codes), key=str))
+    ours, theirs = mp.get_context("fork").Pipe()
+    child = mp.get_context("fork").Process(target=report_and_sleep, args=(theirs,))
+    child.start()
+    print("child handler", ours.recv())
+    child.kill()
+    child.join()
+    print("parent blocks", sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    child = mp.get_context("fork").Process(target=time.sleep, args=(0,))
+    child.start()
+    child.join()
+    print("still blocked", signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+"""
+
+
+def test_a_child_terminated_as_it_starts_dies_and_the_fork_leaves_the_parents_signal_mask_as_it_was():
+    out = subprocess.run([sys.executable, "-c", EARLY_TERMINATE_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [f"codes [{-signal.SIGTERM}]", f"child handler {signal.SIG_DFL}",
+                                       "parent blocks []", "still blocked True"]
+
+
 def test_terminate_as_exit_restores_the_previous_handler():
     before = signal.getsignal(signal.SIGTERM)
     with terminate_as_exit():
