@@ -129,6 +129,41 @@ def test_a_traced_reference_gives_the_plain_gradients(rows_and_policy, backward)
     assert set(sampler.reference_velocities) >= {"off", "aot_eager"}
 
 
+def test_optimiser_steps_reuse_the_traced_reference(rows_and_policy):
+    """The compile is a once-per-process cost (README, `recompute_compile`): weights changed in place between calls,
+    as an optimiser step changes them, pass dynamo's guards, so later calls of the same shapes trace nothing."""
+    from torch._dynamo.utils import counters
+
+    policy, rows, weights = rows_and_policy
+    inputs, chains, inds, _, _, buckets = rows
+    trained = [p for p in policy.model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in trained]
+
+    def update() -> None:
+        policy.model.zero_grad(set_to_none=True)
+        out = policy.log_prob(inputs, chains, inds, consistent=True, fast_buckets=buckets)
+        (out.chunk_logprob * weights).sum().backward()
+        with torch.no_grad():
+            for param in trained:
+                if param.grad is not None:
+                    param.sub_(1e-3 * param.grad)
+
+    try:
+        with_compile(policy, "aot_eager")
+        update()  # traces (or finds the trace of an earlier test)
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0, "nothing was traced: the reference did not go through torch.compile"
+        update()
+        update()
+        assert counters["stats"]["unique_graphs"] == graphs, "an optimiser step made dynamo trace the reference again"
+    finally:
+        with torch.no_grad():
+            for param, value in zip(trained, before, strict=True):
+                param.copy_(value)
+        with_compile(policy, "off")
+    gradients(policy, rows, weights)  # the weights restored: the forward is the rollout's bits again (asserted)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor on the CPU compiles C++")
 def test_an_inductor_reference_rounds_the_gradients_only(rows_and_policy):
