@@ -1,0 +1,65 @@
+"""README, GRPO: "A run stopped by SIGTERM (`timeout`, a scheduler) exits 143 after closing its env workers, engine
+and trace, as after an error." End to end: a countdown run with env worker processes and an engine of two rank
+processes, stopped mid-run by SIGTERM to its main process alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.experiments.test_grpo_runs import COUNTDOWN, ROOT
+
+SHM = Path("/dev/shm")
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir(SHM)) if SHM.is_dir() else set()
+
+
+def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float) -> list[str]:
+    """Lines of the run's merged output up to the first containing `text`."""
+    seen, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break  # the run ended before the line came
+        seen.append(line)
+        if text in line:
+            return seen
+    raise AssertionError(f"no {text!r} within {timeout_s} s; the run printed:\n" + "".join(seen[-40:]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])  # env.start_method (never fork)
+def test_a_sigterm_mid_run_exits_143_and_leaves_no_process_or_shared_memory(tmp_path, start_method):
+    run_dir, before = tmp_path / "run", shm_entries()
+    overrides = [arg for arg in COUNTDOWN if not arg.startswith(("rollout.collector.in_process", "env.num_workers"))]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.grpo", *overrides, "rollout=local", "env.num_workers=2",
+         f"env.start_method={start_method}",
+         "grpo.steps=1000", "logger=none", f"run.dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_line(proc, "rollout epoch", timeout_s=300)  # workers and ranks are up, a step is under way
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 4, [c.name() for c in children]  # 2 env workers, 2 engine ranks (and helpers)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, output[-3000:]
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, [(c.pid, c.name()) for c in alive]
+    assert shm_entries() - before == set(), "shared memory left behind"
+    driver = list((run_dir / "trace").glob("spans_*driver*.jsonl"))  # the spans so far, flushed by the close
+    assert len(driver) == 1, sorted(p.name for p in (run_dir / "trace").iterdir())
+    spans = [json.loads(line) for line in driver[0].read_text().splitlines()]
+    assert any(span.get("name") == "weight_sync" for span in spans), "the driver's spans were not flushed"
