@@ -1,6 +1,7 @@
 """README, GRPO: "A run stopped by SIGTERM (`timeout`, a scheduler) exits 143 after closing its env workers, engine
 and trace, as after an error." End to end: a countdown run with env worker processes and an engine of two rank
-processes, stopped mid-run by SIGTERM to its main process alone."""
+processes, stopped mid-run by SIGTERM to its main process alone, or by a terminal's Ctrl-C (SIGINT to the whole
+process group: the workers and ranks ignore it, the main process closes them)."""
 
 from __future__ import annotations
 
@@ -37,29 +38,42 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float) -> list[s
     raise AssertionError(f"no {text!r} within {timeout_s} s; the run printed:\n" + "".join(seen[-40:]))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])  # env.start_method (never fork)
-def test_a_sigterm_mid_run_exits_143_and_leaves_no_process_or_shared_memory(tmp_path, start_method):
+def stop_mid_run(tmp_path: Path, start_method: str, stop) -> tuple[int, str, Path]:
+    """Start a long run, call stop(proc) once a step is under way; (exit code, output, run dir), after checking
+    that no process of the run and no shared-memory segment it made are left."""
     run_dir, before = tmp_path / "run", shm_entries()
     overrides = [arg for arg in COUNTDOWN if not arg.startswith(("rollout.collector.in_process", "env.num_workers"))]
     proc = subprocess.Popen(
         [sys.executable, "-m", "experiments.grpo", *overrides, "rollout=local", "env.num_workers=2",
-         f"env.start_method={start_method}",
-         "grpo.steps=1000", "logger=none", f"run.dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         f"env.start_method={start_method}", "grpo.steps=1000", "logger=none", f"run.dir={run_dir}",
+         f"hydra.run.dir={tmp_path / 'hydra'}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         wait_for_line(proc, "rollout epoch", timeout_s=300)  # workers and ranks are up, a step is under way
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 4, [c.name() for c in children]  # 2 env workers, 2 engine ranks (and helpers)
-        proc.send_signal(signal.SIGTERM)
+        stop(proc)
         output, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 143, output[-3000:]
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, [(c.pid, c.name()) for c in alive]
     assert shm_entries() - before == set(), "shared memory left behind"
+    return proc.returncode, output, run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])  # env.start_method (never fork)
+def test_a_sigterm_mid_run_exits_143_and_leaves_no_process_or_shared_memory(tmp_path, start_method):
+    code, output, run_dir = stop_mid_run(tmp_path, start_method, lambda proc: proc.send_signal(signal.SIGTERM))
+    assert code == 143, output[-3000:]
     driver = list((run_dir / "trace").glob("spans_*driver*.jsonl"))  # the spans so far, flushed by the close
     assert len(driver) == 1, sorted(p.name for p in (run_dir / "trace").iterdir())
     spans = [json.loads(line) for line in driver[0].read_text().splitlines()]
     assert any(span.get("name") == "weight_sync" for span in spans), "the driver's spans were not flushed"
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_run_stops_every_process_of_the_run(tmp_path):
+    code, output, _ = stop_mid_run(tmp_path, "spawn", lambda proc: os.killpg(proc.pid, signal.SIGINT))
+    assert code == -signal.SIGINT and "KeyboardInterrupt" in output, output[-3000:]
