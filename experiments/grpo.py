@@ -180,13 +180,36 @@ def _run(cfg: DictConfig, force_mode: str | None) -> dict:
     trainer = Trainer(exp, run_dir)
     try:
         trainer.run()
-    except BaseException:
+    except BaseException as exc:
         trainer.abort()  # processes stopped, trace kept; no report from a broken run
+        note = stopped_note(exc, trainer.state.history, exp.grpo.steps, run_dir)
+        if note is not None:
+            print(note, file=sys.stderr)
         raise
     written = trainer.finish()
     for name, path in written.items():
         print(f"{name}: {path}")
     return {"run_dir": str(run_dir), "history": trainer.log.history}
+
+
+def stopped_note(exc: BaseException, history: list[dict], steps: int, run_dir) -> str | None:
+    """The line a run stopped from outside ends with (SIGTERM's SystemExit(143) from `terminate_as_exit`, Ctrl-C):
+    how many steps it had done (by its metrics: a step's evaluation or checkpoint may still have been under way),
+    what was closed, and where it can go on from; None for an error, whose own message says what went wrong.
+    Without it a SIGTERM'd run ended with no word at all."""
+    if isinstance(exc, KeyboardInterrupt):
+        how = "Ctrl-C (SIGINT)"
+    elif isinstance(exc, SystemExit) and exc.code == 143:
+        how = "SIGTERM"
+    else:
+        return None
+    from grpo.checkpoint import list_checkpoints
+
+    found = list_checkpoints(run_dir)
+    resume = (f"newest checkpoint {found[-1]}; continue with run.resume={run_dir} grpo.steps={steps} and this run's "
+              f"overrides" if found else "no checkpoint was written yet (run.checkpoint_every)")
+    done = max((record["step"] for record in history if record.get("kind") == "train"), default=0)
+    return f"stopped by {how} with {done} of {steps} steps done: env workers, engine and trace closed; {resume}"
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="grpo_main")

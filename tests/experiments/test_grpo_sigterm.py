@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from experiments.grpo import stopped_note
 from tests.experiments.test_grpo_runs import COUNTDOWN, ROOT
 
 SHM = Path("/dev/shm")
@@ -67,6 +68,8 @@ def stop_mid_run(tmp_path: Path, start_method: str, stop) -> tuple[int, str, Pat
 def test_a_sigterm_mid_run_exits_143_and_leaves_no_process_or_shared_memory(tmp_path, start_method):
     code, output, run_dir = stop_mid_run(tmp_path, start_method, lambda proc: proc.send_signal(signal.SIGTERM))
     assert code == 143, output[-3000:]
+    assert ("stopped by SIGTERM with 0 of 1000 steps done: env workers, engine and trace closed; no checkpoint"
+            in output), output[-3000:]
     driver = list((run_dir / "trace").glob("spans_*driver*.jsonl"))  # the spans so far, flushed by the close
     assert len(driver) == 1, sorted(p.name for p in (run_dir / "trace").iterdir())
     spans = [json.loads(line) for line in driver[0].read_text().splitlines()]
@@ -77,3 +80,22 @@ def test_a_sigterm_mid_run_exits_143_and_leaves_no_process_or_shared_memory(tmp_
 def test_ctrl_c_mid_run_stops_every_process_of_the_run(tmp_path):
     code, output, _ = stop_mid_run(tmp_path, "spawn", lambda proc: os.killpg(proc.pid, signal.SIGINT))
     assert code == -signal.SIGINT and "KeyboardInterrupt" in output, output[-3000:]
+    assert "stopped by Ctrl-C (SIGINT) with 0 of 1000 steps done" in output, output[-3000:]
+
+
+def test_the_stop_note_names_the_steps_done_and_the_newest_checkpoint(tmp_path):
+    history = [{"kind": "train", "step": 1}, {"kind": "eval", "step": 1}, {"kind": "train", "step": 2},
+               {"kind": "eval", "step": 3}]  # an evaluation record does not count as a step done
+    assert stopped_note(KeyboardInterrupt(), [], 10, tmp_path) == (
+        "stopped by Ctrl-C (SIGINT) with 0 of 10 steps done: env workers, engine and trace closed; no checkpoint "
+        "was written yet (run.checkpoint_every)")
+    (tmp_path / "checkpoints").mkdir()
+    for step in (1, 2):
+        (tmp_path / "checkpoints" / f"step_{step:06d}.pt").write_bytes(b"")
+    (tmp_path / "checkpoints" / "step_000003.pt.tmp").write_bytes(b"")  # a write the stop cut short
+    assert stopped_note(SystemExit(143), history, 10, tmp_path) == (
+        f"stopped by SIGTERM with 2 of 10 steps done: env workers, engine and trace closed; newest checkpoint "
+        f"{tmp_path / 'checkpoints' / 'step_000002.pt'}; continue with run.resume={tmp_path} grpo.steps=10 and this "
+        f"run's overrides")
+    for error in (ValueError("bad"), SystemExit(2), SystemExit(0), RuntimeError("worker died")):
+        assert stopped_note(error, history, 10, tmp_path) is None, error  # errors say what went wrong themselves
