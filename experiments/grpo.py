@@ -172,17 +172,21 @@ def _run(cfg: DictConfig, force_mode: str | None) -> dict:
         from profiler import write_meta
 
         write_meta(run_dir, provenance=provenance())  # git sha, device: report.json's "meta" carries them
-    print(f"run directory: {run_dir}")
     if exp.mode == "eval":
+        print(f"run directory: {run_dir}")
         return run_evaluation(exp, run_dir)
-    from grpo.trainer import Trainer
-
-    trainer = Trainer(exp, run_dir)
+    trainer = None
     try:
+        print(f"run directory: {run_dir}")  # from here on a stop ends with stopped_note's line
+        from grpo.trainer import Trainer
+
+        trainer = Trainer(exp, run_dir)  # what it starts it closes itself if it fails
         trainer.run()
     except BaseException as exc:
-        trainer.abort()  # processes stopped, trace kept; no report from a broken run
-        note = stopped_note(exc, trainer.state.history, exp.grpo.steps, run_dir)
+        if trainer is not None:
+            trainer.abort()  # processes stopped, trace kept; no report from a broken run
+        note = stopped_note(exc, None if trainer is None else trainer.state.history, exp.grpo.steps, run_dir,
+                            exp.run.resume)
         if note is not None:
             print(note, file=sys.stderr)
         raise
@@ -192,22 +196,30 @@ def _run(cfg: DictConfig, force_mode: str | None) -> dict:
     return {"run_dir": str(run_dir), "history": trainer.log.history}
 
 
-def stopped_note(exc: BaseException, history: list[dict], steps: int, run_dir) -> str | None:
+def stopped_note(exc: BaseException, history: list[dict] | None, steps: int, run_dir,
+                 resumed_from: str | None = None) -> str | None:
     """The line a run stopped from outside ends with (SIGTERM's SystemExit(143) from `terminate_as_exit`, Ctrl-C):
-    how many steps it had done (by its metrics: a step's evaluation or checkpoint may still have been under way),
-    what was closed, and where it can go on from; None for an error, whose own message says what went wrong.
-    Without it a SIGTERM'd run ended with no word at all."""
+    how many steps it had done (by its metrics, `history`; None while the trainer was still being built; a step's
+    evaluation or checkpoint may still have been under way), what was closed, and where it can go on from; None for
+    an error, whose own message says what went wrong. Without it a SIGTERM'd run ended with no word at all."""
     if isinstance(exc, KeyboardInterrupt):
         how = "Ctrl-C (SIGINT)"
     elif isinstance(exc, SystemExit) and exc.code == 143:
         how = "SIGTERM"
     else:
         return None
+    if history is None:
+        return f"stopped by {how} while the run was starting: what it had started was closed; run the command again"
     from grpo.checkpoint import list_checkpoints
 
     found = list_checkpoints(run_dir)
-    resume = (f"newest checkpoint {found[-1]}; continue with run.resume={run_dir} grpo.steps={steps} and this run's "
-              f"overrides" if found else "no checkpoint was written yet (run.checkpoint_every)")
+    if found:
+        resume = (f"newest checkpoint {found[-1]}; continue with run.resume={run_dir} grpo.steps={steps} and this "
+                  f"run's overrides")
+    elif resumed_from is not None:
+        resume = f"this run wrote no checkpoint; continue from run.resume={resumed_from} again"
+    else:
+        resume = "no checkpoint was written yet (run.checkpoint_every)"
     done = max((record["step"] for record in history if record.get("kind") == "train"), default=0)
     return f"stopped by {how} with {done} of {steps} steps done: env workers, engine and trace closed; {resume}"
 

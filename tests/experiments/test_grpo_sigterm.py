@@ -39,9 +39,10 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float) -> list[s
     raise AssertionError(f"no {text!r} within {timeout_s} s; the run printed:\n" + "".join(seen[-40:]))
 
 
-def stop_mid_run(tmp_path: Path, start_method: str, stop) -> tuple[int, str, Path]:
-    """Start a long run, call stop(proc) once a step is under way; (exit code, output, run dir), after checking
-    that no process of the run and no shared-memory segment it made are left."""
+def stop_mid_run(tmp_path: Path, start_method: str, stop, after: str = "rollout epoch",
+                 min_children: int = 4) -> tuple[int, str, Path]:
+    """Start a long run, call stop(proc) once it printed `after` (by default: a step is under way); (exit code,
+    output, run dir), after checking that no process of the run and no shared-memory segment it made are left."""
     run_dir, before = tmp_path / "run", shm_entries()
     overrides = [arg for arg in COUNTDOWN if not arg.startswith(("rollout.collector.in_process", "env.num_workers"))]
     proc = subprocess.Popen(
@@ -50,11 +51,12 @@ def stop_mid_run(tmp_path: Path, start_method: str, stop) -> tuple[int, str, Pat
          f"hydra.run.dir={tmp_path / 'hydra'}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        wait_for_line(proc, "rollout epoch", timeout_s=300)  # workers and ranks are up, a step is under way
+        seen = wait_for_line(proc, after, timeout_s=300)
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) >= 4, [c.name() for c in children]  # 2 env workers, 2 engine ranks (and helpers)
+        assert len(children) >= min_children, [c.name() for c in children]  # mid-run: 2 env workers, 2 engine ranks
         stop(proc)
         output, _ = proc.communicate(timeout=120)
+        output = "".join(seen) + output
     finally:
         proc.kill()
     _, alive = psutil.wait_procs(children, timeout=10)
@@ -83,6 +85,15 @@ def test_ctrl_c_mid_run_stops_every_process_of_the_run(tmp_path):
     assert "stopped by Ctrl-C (SIGINT) with 0 of 1000 steps done" in output, output[-3000:]
 
 
+
+@pytest.mark.slow
+def test_a_sigterm_while_the_run_starts_closes_what_it_started(tmp_path):
+    """The signal lands while the trainer builds its engine and env workers (a second or more here), or, on a very
+    fast machine, in the first step: either way nothing is left and the run says it stopped."""
+    code, output, _ = stop_mid_run(tmp_path, "spawn", lambda proc: proc.send_signal(signal.SIGTERM),
+                                   after="run directory", min_children=0)
+    assert code == 143 and "stopped by SIGTERM " in output, output[-3000:]
+
 def test_the_stop_note_names_the_steps_done_and_the_newest_checkpoint(tmp_path):
     history = [{"kind": "train", "step": 1}, {"kind": "eval", "step": 1}, {"kind": "train", "step": 2},
                {"kind": "eval", "step": 3}]  # an evaluation record does not count as a step done
@@ -97,5 +108,10 @@ def test_the_stop_note_names_the_steps_done_and_the_newest_checkpoint(tmp_path):
         f"stopped by SIGTERM with 2 of 10 steps done: env workers, engine and trace closed; newest checkpoint "
         f"{tmp_path / 'checkpoints' / 'step_000002.pt'}; continue with run.resume={tmp_path} grpo.steps=10 and this "
         f"run's overrides")
+    assert stopped_note(SystemExit(143), [], 10, tmp_path / "other", resumed_from="runs/old") == (
+        "stopped by SIGTERM with 0 of 10 steps done: env workers, engine and trace closed; this run wrote no "
+        "checkpoint; continue from run.resume=runs/old again")
+    assert stopped_note(KeyboardInterrupt(), None, 10, tmp_path) == (
+        "stopped by Ctrl-C (SIGINT) while the run was starting: what it had started was closed; run the command again")
     for error in (ValueError("bad"), SystemExit(2), SystemExit(0), RuntimeError("worker died")):
         assert stopped_note(error, history, 10, tmp_path) is None, error  # errors say what went wrong themselves
