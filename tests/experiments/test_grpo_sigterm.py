@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,8 +71,9 @@ def stop_mid_run(tmp_path: Path, start_method: str, stop, after: str = "rollout 
 def test_a_sigterm_mid_run_exits_143_and_leaves_no_process_or_shared_memory(tmp_path, start_method):
     code, output, run_dir = stop_mid_run(tmp_path, start_method, lambda proc: proc.send_signal(signal.SIGTERM))
     assert code == 143, output[-3000:]
-    assert ("stopped by SIGTERM with 0 of 1000 steps done: env workers, engine and trace closed; no checkpoint"
-            in output), output[-3000:]
+    # steps take ~0.1 s here: the first may have ended before the signal came
+    assert re.search(r"stopped by SIGTERM with \d+ of 1000 steps done: env workers, engine and trace closed; "
+                     r"(no checkpoint was written yet|newest checkpoint )", output), output[-3000:]
     driver = list((run_dir / "trace").glob("spans_*driver*.jsonl"))  # the spans so far, flushed by the close
     assert len(driver) == 1, sorted(p.name for p in (run_dir / "trace").iterdir())
     spans = [json.loads(line) for line in driver[0].read_text().splitlines()]
@@ -82,8 +84,7 @@ def test_a_sigterm_mid_run_exits_143_and_leaves_no_process_or_shared_memory(tmp_
 def test_ctrl_c_mid_run_stops_every_process_of_the_run(tmp_path):
     code, output, _ = stop_mid_run(tmp_path, "spawn", lambda proc: os.killpg(proc.pid, signal.SIGINT))
     assert code == -signal.SIGINT and "KeyboardInterrupt" in output, output[-3000:]
-    assert "stopped by Ctrl-C (SIGINT) with 0 of 1000 steps done" in output, output[-3000:]
-
+    assert re.search(r"stopped by Ctrl-C \(SIGINT\) with \d+ of 1000 steps done", output), output[-3000:]
 
 
 @pytest.mark.slow
@@ -93,6 +94,7 @@ def test_a_sigterm_while_the_run_starts_closes_what_it_started(tmp_path):
     code, output, _ = stop_mid_run(tmp_path, "spawn", lambda proc: proc.send_signal(signal.SIGTERM),
                                    after="run directory", min_children=0)
     assert code == 143 and "stopped by SIGTERM " in output, output[-3000:]
+
 
 def test_the_stop_note_names_the_steps_done_and_the_newest_checkpoint(tmp_path):
     history = [{"kind": "train", "step": 1}, {"kind": "eval", "step": 1}, {"kind": "train", "step": 2},
