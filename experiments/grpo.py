@@ -173,8 +173,14 @@ def _run(cfg: DictConfig, force_mode: str | None) -> dict:
 
         write_meta(run_dir, provenance=provenance())  # git sha, device: report.json's "meta" carries them
     if exp.mode == "eval":
-        print(f"run directory: {run_dir}")
-        return run_evaluation(exp, run_dir)
+        try:
+            print(f"run directory: {run_dir}")
+            return run_evaluation(exp, run_dir)  # closes its env workers and engine in any case
+        except BaseException as exc:
+            if (how := stop_cause(exc)) is not None:
+                print(f"stopped by {how} during the evaluation: env workers and engine closed, no "
+                      f"eval.json written; run the command again", file=sys.stderr)
+            raise
     trainer = None
     try:
         print(f"run directory: {run_dir}")  # from here on a stop ends with stopped_note's line
@@ -196,17 +202,23 @@ def _run(cfg: DictConfig, force_mode: str | None) -> dict:
     return {"run_dir": str(run_dir), "history": trainer.log.history}
 
 
+def stop_cause(exc: BaseException) -> str | None:
+    """What stopped a run from outside: Ctrl-C, or SIGTERM (`terminate_as_exit`'s SystemExit(143)); None: an error."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "Ctrl-C (SIGINT)"
+    if isinstance(exc, SystemExit) and exc.code == 143:
+        return "SIGTERM"
+    return None
+
+
 def stopped_note(exc: BaseException, history: list[dict] | None, steps: int, run_dir,
                  resumed_from: str | None = None) -> str | None:
     """The line a run stopped from outside ends with (SIGTERM's SystemExit(143) from `terminate_as_exit`, Ctrl-C):
     how many steps it had done (by its metrics, `history`; None while the trainer was still being built; a step's
     evaluation or checkpoint may still have been under way), what was closed, and where it can go on from; None for
     an error, whose own message says what went wrong. Without it a SIGTERM'd run ended with no word at all."""
-    if isinstance(exc, KeyboardInterrupt):
-        how = "Ctrl-C (SIGINT)"
-    elif isinstance(exc, SystemExit) and exc.code == 143:
-        how = "SIGTERM"
-    else:
+    how = stop_cause(exc)
+    if how is None:
         return None
     if history is None:
         return f"stopped by {how} while the run was starting: what it had started was closed; run the command again"

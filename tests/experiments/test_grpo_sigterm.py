@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from experiments.grpo import stopped_note
+from experiments.grpo import stop_cause, stopped_note
 from tests.experiments.test_grpo_runs import COUNTDOWN, ROOT
 
 SHM = Path("/dev/shm")
@@ -40,16 +40,16 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float) -> list[s
     raise AssertionError(f"no {text!r} within {timeout_s} s; the run printed:\n" + "".join(seen[-40:]))
 
 
-def stop_mid_run(tmp_path: Path, start_method: str, stop, after: str = "rollout epoch",
-                 min_children: int = 4) -> tuple[int, str, Path]:
+def stop_mid_run(tmp_path: Path, start_method: str, stop, after: str = "rollout epoch", min_children: int = 4,
+                 module: str = "experiments.grpo", extra: tuple[str, ...] = ()) -> tuple[int, str, Path]:
     """Start a long run, call stop(proc) once it printed `after` (by default: a step is under way); (exit code,
     output, run dir), after checking that no process of the run and no shared-memory segment it made are left."""
     run_dir, before = tmp_path / "run", shm_entries()
     overrides = [arg for arg in COUNTDOWN if not arg.startswith(("rollout.collector.in_process", "env.num_workers"))]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "experiments.grpo", *overrides, "rollout=local", "env.num_workers=2",
+        [sys.executable, "-m", module, *overrides, "rollout=local", "env.num_workers=2",
          f"env.start_method={start_method}", "grpo.steps=1000", "logger=none", f"run.dir={run_dir}",
-         f"hydra.run.dir={tmp_path / 'hydra'}"],
+         f"hydra.run.dir={tmp_path / 'hydra'}", *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         seen = wait_for_line(proc, after, timeout_s=300)
@@ -96,6 +96,15 @@ def test_a_sigterm_while_the_run_starts_closes_what_it_started(tmp_path):
     assert code == 143 and "stopped by SIGTERM " in output, output[-3000:]
 
 
+
+@pytest.mark.slow
+def test_a_sigterm_during_an_evaluation_closes_it_and_says_so(tmp_path):
+    code, output, run_dir = stop_mid_run(tmp_path, "spawn", lambda proc: proc.send_signal(signal.SIGTERM),
+                                         after="run directory", min_children=0, module="experiments.evaluate",
+                                         extra=("eval.init_states=6", "env.max_episode_steps=400"))
+    assert code == 143 and "stopped by SIGTERM during the evaluation" in output, output[-3000:]
+    assert not (run_dir / "eval.json").exists()
+
 def test_the_stop_note_names_the_steps_done_and_the_newest_checkpoint(tmp_path):
     history = [{"kind": "train", "step": 1}, {"kind": "eval", "step": 1}, {"kind": "train", "step": 2},
                {"kind": "eval", "step": 3}]  # an evaluation record does not count as a step done
@@ -116,4 +125,5 @@ def test_the_stop_note_names_the_steps_done_and_the_newest_checkpoint(tmp_path):
     assert stopped_note(KeyboardInterrupt(), None, 10, tmp_path) == (
         "stopped by Ctrl-C (SIGINT) while the run was starting: what it had started was closed; run the command again")
     for error in (ValueError("bad"), SystemExit(2), SystemExit(0), RuntimeError("worker died")):
-        assert stopped_note(error, history, 10, tmp_path) is None, error  # errors say what went wrong themselves
+        # errors say what went wrong themselves
+        assert stop_cause(error) is None and stopped_note(error, history, 10, tmp_path) is None, error
