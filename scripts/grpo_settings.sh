@@ -2,13 +2,14 @@
 #   bash scripts/grpo_settings.sh OUT_DIR BUDGET_S NAME="overrides" [NAME="overrides" ...]
 # e.g. (after `source scripts/device_prelude.sh` on the GPU machine)
 #   bash scripts/grpo_settings.sh $OUT 540 bf16="policy.frozen_dtype=bfloat16" base=""
-# Every run is the README's libero10_pi05 command cut to 2 steps of 1 rollout epoch (tasks 2 and 8,
+# Every run is the README's libero10_pi05 command (or $GRPO_EXPERIMENT's) cut to 2 steps of 1 rollout epoch (tasks 2 and 8,
 # 160 env steps; grpo.micro_batch=$GRPO_MICRO_BATCH, default 32, which fits an 80 GB H100 in every mode)
 # plus the setting's overrides. Each
 # keeps OUT_DIR/grpo_NAME_report.json (the profiler's step report) and its log and metrics in
 # OUT_DIR/grpo_NAME.tgz, so few files come back from the machine. Runs share BUDGET_S seconds: each
 # is stopped (timeout: SIGTERM, on which a run closes its processes, and SIGKILL 60 s later) at the budget's end,
 # later settings are then skipped (named in the output).
+# GRPO_EXPERIMENT=NAME starts every run from another preset (default libero10_pi05; e.g. libero10_pi05_fast).
 # GRPO_REPEATS=k runs the settings in turn k times (NAME.r1 .. NAME.rk: a setting's runs spread over the call);
 # `python -m experiments.compare_grpo_runs OUT_DIR` tabulates the runs and each setting's mean, min and max.
 # Each run leaves two files: past four runs a device call (8 files back) needs them packed into one tar.
@@ -31,7 +32,7 @@ done
 repeats=${GRPO_REPEATS:-1}
 case $repeats in ''|*[!0-9]*|0) echo "GRPO_REPEATS must be a positive integer, got '$repeats'" >&2; exit 2;; esac
 deadline=$(( $(date +%s) + budget ))
-base="+experiment=libero10_pi05 env.task_ids=[2,8,2,8,2,8,2,8] env.max_episode_steps=160 grpo.steps=2"
+base="+experiment=${GRPO_EXPERIMENT:-libero10_pi05} env.task_ids=[2,8,2,8,2,8,2,8] env.max_episode_steps=160 grpo.steps=2"
 base="$base grpo.rollout_epochs=1 grpo.filter_groups=false grpo.micro_batch=${GRPO_MICRO_BATCH:-32} logger=none"
 base="$base profiler.exports=[json] run.checkpoint_every=0 eval.every=0"
 for repeat in $(seq 1 "$repeats"); do for setting in "$@"; do

@@ -55,6 +55,7 @@ def test_repeats_alternate_the_settings_and_the_comparison_groups_them(tmp_path)
     assert runs == ["a.r1", "b.r1", "a.r2", "b.r2"]  # the settings in turn, each repeat a pass over them
     calls = (tmp_path / "calls").read_text().splitlines()
     assert calls[0].split()[-2:] == ["x=1", f"run.dir={out}/grpo_a.r1"]
+    assert calls[0].split()[2] == "+experiment=libero10_pi05"  # after `-m experiments.grpo`
     assert sorted(p.name for p in out.iterdir()) == sorted(
         f"grpo_{run}{suffix}" for run in runs for suffix in ("_report.json", ".tgz"))
 
@@ -74,6 +75,17 @@ def test_repeats_alternate_the_settings_and_the_comparison_groups_them(tmp_path)
     assert settings["a"]["step_s"] == {"mean": 2.0, "min": 1.0, "max": 3.0, "mean_vs_first": 0.0}
     assert settings["b"]["step_s"]["mean_vs_first"] == 1.0
     assert record["without_report"] == ["c"] and record["summary"]["runs_devices"] == ["fake"]
+
+
+def test_another_preset_starts_every_run(tmp_path):
+    bin_dir = fake_python_on_path(tmp_path, FAKE_PYTHON)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GRPO_EXPERIMENT": "libero10_pi05_fast",
+           "COUNTER": str(tmp_path / "count"), "CALLS": str(tmp_path / "calls")}
+    proc = subprocess.run(["bash", "scripts/grpo_settings.sh", str(tmp_path / "out"), "600", "a=", "b=y=2"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    calls = [line.split() for line in (tmp_path / "calls").read_text().splitlines()]
+    assert [call[2] for call in calls] == ["+experiment=libero10_pi05_fast"] * 2 and calls[1][-2] == "y=2"
 
 
 @pytest.mark.parametrize("repeats", ["0", "two", "-1"])

@@ -18,7 +18,7 @@ from grpo.run_config import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = str(ROOT / "conf")
-PRESETS = ["smoke", "libero10_pi05", "libero_spatial_pi05", "reach_tiny"]
+PRESETS = ["smoke", "libero10_pi05", "libero10_pi05_fast", "libero_spatial_pi05", "reach_tiny"]
 
 
 def composed(*overrides: str):
@@ -69,6 +69,25 @@ def test_libero10_preset_has_rlinf_recipe_values():
     assert clips == (0.2, 0.2, 3.0, 0.0, 0.1, 0.9)
     assert tuple(g.betas) == (0.9, 0.95) and g.weight_decay == 0.01 and g.grad_clip == 1.0
     assert exp.collector.stages == 1
+
+
+# What libero10_pi05_fast adds to the recipe (README "GRPO": the fastest step measured, log-prob gap 0)
+FAST_OVERRIDES = ["policy.fast.consistent_recompute=true", "policy.fast.attention=triton",
+                  "policy.fast.batch_buckets=[32]", "policy.fast.prompt_buckets=[128]", "grpo.prefix_cache=engine",
+                  "rollout.collector.stages=2", "policy.frozen_dtype=bfloat16", "policy.fast.recompute_backward=bf16",
+                  "policy.fast.recompute_graph=true"]
+
+
+def test_the_fast_preset_is_the_recipe_with_the_fast_settings_and_nothing_else():
+    fast = ExperimentConfig.from_hydra(composed("+experiment=libero10_pi05_fast", "run.dir=x")).to_dict()
+    spelled = ExperimentConfig.from_hydra(composed("+experiment=libero10_pi05", "run.dir=x", *FAST_OVERRIDES))
+    recipe = ExperimentConfig.from_hydra(composed("+experiment=libero10_pi05", "run.dir=x")).to_dict()
+    assert fast == spelled.to_dict()
+    assert fast != recipe and fast["grpo"]["lr"] == recipe["grpo"]["lr"] and fast["env"] == recipe["env"]
+    # the command line still overrides the preset's own values
+    fp32 = ExperimentConfig.from_hydra(composed("+experiment=libero10_pi05_fast",
+                                                "policy.fast.recompute_backward=fp32"))
+    assert fp32.policy.fast.recompute_backward == "fp32" and fp32.policy.fast.recompute_graph
 
 
 @pytest.mark.parametrize("override,match", [
