@@ -1,5 +1,5 @@
 """Whether this machine's EGL can make low-priority render contexts (the question behind the renders' toll on the
-predict: README, "End-to-end" under "Rollout backend": the env workers' EGL renders time-slice the GPU with the
+predict: docs/rollout.md: the env workers' EGL renders time-slice the GPU with the
 engine's CUDA work).
 
     MUJOCO_GL=egl python -m experiments.probe_egl_priority          # a GPU machine with EGL

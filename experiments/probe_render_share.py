@@ -6,7 +6,7 @@
     python -m experiments.probe_render_share env.image_size=224 'probe.renderers=[0,2,0]' \
         'probe.env_settings={libero:{},no_reflections:{render_reflections:false}}'  # settings side by side
 
-Round 38 (README, "End-to-end") found a 32-row predict at ~160 ms alone and ~300 ms beside 16 env
+Round 38 (docs/rollout.md) found a 32-row predict at ~160 ms alone and ~300 ms beside 16 env
 workers rendering, each worker with its own EGL context. Neither a low EGL priority (round 56) nor
 fewer workers rendering at once changed the predict's loss, but they did not test the mechanism: if
 the GPU time-slices between busy contexts, the CUDA context gets ~1 / (k + 1) of the GPU while k GL

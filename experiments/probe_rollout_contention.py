@@ -4,7 +4,7 @@
     python -m experiments.probe_rollout_contention policy=pi05 env.num_envs=32 env.num_workers=16 \
         env.group_size=8 env.image_size=224 env.chunk_size=10 'env.task_ids=[2,8,2,8]'   # GPU box
 
-bench_rollout (README, "End-to-end") found a 32-row predict taking 279 ms inside the pipeline against
+bench_rollout (docs/rollout.md) found a 32-row predict taking 279 ms inside the pipeline against
 176 ms alone, and named suspects it did not measure: the env workers' EGL rendering on the engine's
 GPU, their CPU work, torch's intra-op threads spinning against them. Here one stage's vector env
 (env.num_envs envs over env.num_workers worker processes, as one of bench_rollout's stages) runs

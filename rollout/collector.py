@@ -296,8 +296,8 @@ class RolloutCollector:
 @contextlib.contextmanager
 def driver_threads(threads: int | None) -> Iterator[None]:
     """torch's intra-op threads in this (driver) process for one epoch, restored afterwards: an inproc
-    engine predicts here beside the busy env workers, where spinning intra-op threads slow it (README,
-    "End-to-end": a 32-row predict 226 ms with 16 threads, 161 with one, on an H100). None: unchanged."""
+    engine predicts here beside the busy env workers, where spinning intra-op threads slow it (docs/rollout.md:
+    a 32-row predict 226 ms with 16 threads, 161 with one, on an H100). None: unchanged."""
     if threads is None:
         yield
         return
