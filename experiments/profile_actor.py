@@ -7,8 +7,9 @@ The rows are real: the engine (rollout.engine.PolicyEngine, the fast path on CUD
 LIBERO-like observations (two cameras in the preset's camera slots, as `+experiment=libero10_pi05` runs) in
 train mode after the trainer's fp32 weights were pushed into it, as in training (experiments.logprob_gap
 builds them the same way); their advantages are random normals, so every backward carries a gradient.
-After one untimed update of the same rows (warm-up), for each `--prefix-cache` setting a fresh
-`grpo.actor.Actor` (the trainer's class, unchanged) then runs, `--repeats` times (default 3; a fresh actor from the
+After one untimed update of the same rows (warm-up), for each `--prefix-cache` setting (and backward variant) one
+more untimed update in that setting (its graphs captured, its kernels compiled), then a fresh
+`grpo.actor.Actor` (the trainer's class, unchanged) runs, `--repeats` times (default 3; a fresh actor from the
 engine's weights each time; the JSON keeps each run's seconds and the medians: round 64 saw one eager update take
 0.955 s and then 1.351 s in two runs of one tree), timed with the device synchronised:
 - `recompute`: the no-grad old-log-prob pass alone;
@@ -143,13 +144,17 @@ def make_actor(policy, args: argparse.Namespace, prefix_cache: str, epochs: int,
 
 def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: str,
                  device: torch.device, engine_store: RowPrefixes | None = None) -> dict:
-    """The setting's update timed --repeats times, each from the engine's weights with a fresh actor (no optimiser
-    state carried over): the medians, each run's seconds, the first run's gap to the engine."""
+    """The setting's update timed --repeats times after one untimed run of it, each from the engine's weights with a
+    fresh actor (no optimiser state carried over): the medians, each run's seconds, the first timed run's gap to the
+    engine, and the warm-up's seconds (`warmup_train_s`: captures and compiles included)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     recomputes, trains, old, metrics = [], [], [], {}
-    for _ in range(args.repeats):
+    # one more run first, untimed: the setting's own warm-up. Its first update captures its graphs (a captured
+    # backward: 3.44 s against 0.25 s for the next in round 67, where a lone graphed variant had no warm-up and
+    # --repeats 2 timed the capture) and meets its own shapes (a kept prefix skips vision and the prefix stack)
+    for _ in range(1 + args.repeats):
         actor = make_actor(policy, args, prefix_cache, args.epochs, engine_store)
         try:
             with weights_restored(policy):
@@ -161,8 +166,11 @@ def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: 
             return {"out_of_memory": str(error).splitlines()[0]}
         finally:
             actor.optimizer.zero_grad(set_to_none=True)
+    warmup_train_s = trains[0]
+    recomputes, trains, old = recomputes[1:], trains[1:], old[1:]  # without the warm-up
     recompute_s, train_s = statistics.median(recomputes), statistics.median(trains)
     out = {"recompute_s": recompute_s, "train_s": train_s, "recompute_s_runs": recomputes, "train_s_runs": trains,
+           "warmup_train_s": warmup_train_s,
            "epoch_s_estimate": (train_s - recompute_s) / args.epochs,
            "recompute_ms_per_row": 1e3 * recompute_s / len(rows),
            # the engine's log-probs against this recompute's, before any update (grpo.actor.gap_metrics)
@@ -417,11 +425,9 @@ def main() -> None:
     timed = {}
     for mode, graph, backend in variants:
         with recompute_backward(policy, mode, graph, backend):
-            if len(variants) > 1 or backend != "off":  # each mode's first update pays for new kernels (its own
-                # warm-up: round 52's first run timed bf16 without one, 1.08 s against fp32's 0.89, where the GRPO step
-                # had it 27% faster), a captured backward for its capture, a compiled one for its compile
-                with weights_restored(policy):
-                    make_actor(policy, args, args.prefix_cache[0], 1, store).train(rows)
+            # time_setting warms each setting up first: a mode's first update pays for new kernels (round 52's first
+            # run timed bf16 without one, 1.08 s against fp32's 0.89, where the GRPO step had it 27% faster), a
+            # captured backward for its capture, a compiled one for its compile
             for setting in args.prefix_cache:
                 print(f"recompute_backward={mode}{' graphed' if graph else ''}"
                       f"{f' compiled by {backend}' if backend != 'off' else ''}:", end=" ")

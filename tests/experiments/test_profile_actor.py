@@ -36,6 +36,29 @@ def test_a_small_run_times_each_setting_and_labels_the_stages(monkeypatch, tmp_p
     assert record["timed"]["off"]["prefix_cache_rows"] is None and record["timed"]["host"]["prefix_cache_rows"] == 8
 
 
+def test_each_setting_runs_once_untimed_before_its_timed_runs(monkeypatch, tmp_path):
+    # round 67: a lone graphed variant had no warm-up of its own, so --repeats 2 timed its graph capture
+    trained = []  # (prefix_cache, epochs) of every update, in order
+    make_actor = profile_actor.make_actor
+
+    def logging_actor(policy, args, prefix_cache, epochs, engine_store=None):
+        actor = make_actor(policy, args, prefix_cache, epochs, engine_store)
+        train = actor.train
+        actor.train = lambda rows: (trained.append((prefix_cache, epochs)), train(rows))[1]
+        return actor
+
+    monkeypatch.setattr(profile_actor, "make_actor", logging_actor)
+    monkeypatch.setattr(profile_actor, "profile_update", lambda *args: {"wall_s": 1.0, "device_busy_s": 0.0})
+    run(monkeypatch, "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "2", "--repeats", "1",
+        "--prefix-cache", "off", "host", "--out", str(tmp_path))
+    # the run's warm-up, then per setting its own warm-up (a whole timed run, untimed) and the timed run
+    assert trained == [("off", 1), ("off", 2), ("off", 2), ("host", 2), ("host", 2)]
+    (path,) = tmp_path.glob("profile_actor_*.json")
+    for timed in json.loads(path.read_text())["timed"].values():
+        assert len(timed["train_s_runs"]) == len(timed["recompute_s_runs"]) == 1 and timed["warmup_train_s"] > 0
+        assert timed["train_s"] == timed["train_s_runs"][0]
+
+
 def test_the_host_profile_names_the_actors_functions(monkeypatch, tmp_path):
     run(monkeypatch, "--consistent", "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1",
         "--prefix-cache", "engine", "--profile-prefix-cache", "engine", "--host-profile", "--out", str(tmp_path))
