@@ -75,7 +75,7 @@ def test_libero10_preset_has_rlinf_recipe_values():
 FAST_OVERRIDES = ["policy.fast.consistent_recompute=true", "policy.fast.attention=triton",
                   "policy.fast.batch_buckets=[32]", "policy.fast.prompt_buckets=[128]", "grpo.prefix_cache=engine",
                   "rollout.collector.stages=2", "policy.frozen_dtype=bfloat16", "policy.fast.recompute_backward=bf16",
-                  "policy.fast.recompute_graph=true"]
+                  "policy.fast.recompute_graph=true", "grpo.prefix_cache_gib=16", "grpo.prefix_cache_spill_gib=40"]
 
 
 def test_the_fast_preset_is_the_recipe_with_the_fast_settings_and_nothing_else():
