@@ -135,18 +135,25 @@ class GRPOConfig:
         check_choice("grpo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("grpo.autocast", self.autocast, AUTOCAST_MODES)
         check_choice("grpo.prefix_cache", self.prefix_cache, PREFIX_CACHES)
+        # a preset's cap and spill (libero10_pi05_fast) stay when the cache is turned off on the command line: every
+        # key to drop is named at once
+        sizes = {key: value for key in ("prefix_cache_gib", "prefix_cache_spill_gib")
+                 if (value := getattr(self, key)) is not None}
         if self.prefix_cache_gib is not None:
             _check_range("grpo.prefix_cache_gib", self.prefix_cache_gib, 0.0, 2.0**20)  # finite: bytes are ints
             if self.prefix_cache == "off":
+                drop = " ".join(f"grpo.{key}=null" for key in sizes)
                 raise ValueError(f"grpo.prefix_cache_gib={self.prefix_cache_gib} caps kept prefix caches, but "
-                                 "grpo.prefix_cache is off: set grpo.prefix_cache=device (or host), or drop the cap")
+                                 f"grpo.prefix_cache is off: set grpo.prefix_cache=device (or host, engine), or drop "
+                                 f"the sizes ({drop})")
         if self.prefix_cache_spill_gib is not None:
             _check_range("grpo.prefix_cache_spill_gib", self.prefix_cache_spill_gib, 0.0, 2.0**20)
             if self.prefix_cache not in ("device", "engine") or self.prefix_cache_gib is None:
                 raise ValueError(
                     f"grpo.prefix_cache_spill_gib={self.prefix_cache_spill_gib} keeps the rows past "
                     f"grpo.prefix_cache_gib in host memory: it needs grpo.prefix_cache=device or engine (got "
-                    f"{self.prefix_cache!r}) and grpo.prefix_cache_gib set (got {self.prefix_cache_gib})")
+                    f"{self.prefix_cache!r}) and grpo.prefix_cache_gib set (got {self.prefix_cache_gib}); "
+                    "grpo.prefix_cache_spill_gib=null drops it")
         check_choice("grpo.prefix_cache_spill_read", self.prefix_cache_spill_read, SPILL_READS)
         for key in ("kl_coef", "weight_decay"):
             _check_range(f"grpo.{key}", getattr(self, key), 0.0, math.inf)

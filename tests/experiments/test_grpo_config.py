@@ -146,6 +146,15 @@ def test_prefix_cache_is_refused_where_it_cannot_hold(overrides, match):
         ExperimentConfig.from_hydra(composed(*overrides))
 
 
+def test_turning_the_fast_presets_cache_off_names_every_size_to_drop():
+    drop = r"or drop the sizes \(grpo.prefix_cache_gib=null grpo.prefix_cache_spill_gib=null\)"
+    with pytest.raises(ValueError, match=drop):
+        ExperimentConfig.from_hydra(composed("+experiment=libero10_pi05_fast", "grpo.prefix_cache=off"))
+    exp = ExperimentConfig.from_hydra(composed("+experiment=libero10_pi05_fast", "grpo.prefix_cache=off",
+                                               "grpo.prefix_cache_gib=null", "grpo.prefix_cache_spill_gib=null"))
+    assert exp.grpo.prefix_cache == "off" and exp.grpo.prefix_cache_gib is None
+
+
 def test_prefix_cache_composes_on_the_default_run():
     grpo = ExperimentConfig.from_hydra(composed("grpo.prefix_cache=device", "grpo.prefix_cache_gib=2.5",
                                                 "grpo.prefix_cache_spill_gib=4")).grpo
