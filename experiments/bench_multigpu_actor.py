@@ -7,7 +7,8 @@ bench_multigpu.observation_batches), grouped as trajectories of bench.actor_chun
 groups of bench.actor_group_size, with random advantages. Per configuration (mode "none" for
 K = 1, then bench.actor_modes x bench.actor_ranks):
 - start_s: spawning the workers, building their policies, broadcasting rank 0's weights, wrapping;
-- first_s, then train_s = median of bench.actor_iters more `train(samples)` calls (rows/s from it);
+- first_s, then (after one more untimed call) train_s = median of bench.actor_iters more `train(samples)` calls
+  (rows/s from it);
 - gather_s: the weights the push needs on rank 0 after an update (`weights_for_push(False)`:
   free for DDP, an all-gather of the trainable parameters for FSDP2);
 - against the single-process update from the same initial weights on this device (bf16 autocast
@@ -107,6 +108,9 @@ def measure_actor(bench: Any, policy_cfg: PolicyConfig, mode: str, devices: list
         if single is not None:
             out.update(update_agreement(delta, single["_delta"]))
             out["grad_norm_rel_diff"] = abs(out["grad_norm"] - single["grad_norm"]) / single["grad_norm"]
+        # one more call first, untimed: DDP rebuilds its gradient buckets once, at the first forward after the first
+        # synchronised backward, which the first call runs only on its last micro-batch (no_sync before it)
+        actor.train(samples)
         times = [timed(lambda: actor.train(samples), devices[0])[0] for _ in range(bench.actor_iters)]
     finally:
         actor.close()
