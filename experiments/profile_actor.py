@@ -19,22 +19,22 @@ Then one more update of one epoch runs under torch.profiler. The policy's stages
 (`Policy.inputs`, vision, the prefix stack, the expert's velocity, the prefix store), and the JSON keeps each
 label's CPU and device time, the device time of the top ops and of the top kernels by name, and the device's busy
 time against the wall time (a low share means the update waits on the host, not on the GPU).
-`--consistent`: the trainer re-scores through the fast path (policy.fast.consistent_recompute, pinned to --batch
-rows and --prompt-bucket tokens, sdpa attention; also on the CPU, through the kernels' PyTorch twins), labelled by
-its own stages (the fast path's vision/prefix graphs, the kept prefix restored into a bucket, the expert step's
-graphed forward and the plain fp32 reference its backward re-runs). `--prefix-cache engine` (with `--consistent`):
-the engine keeps each row's prefix K/V as it predicts them (PolicyEngine.keep_prefixes, grpo.prefix_cache=engine),
-and both the timed pass and the update read them. `--recompute-backward fp32 bf16 ...` (with `--consistent`): every
-`--prefix-cache` setting is timed under each policy.fast.recompute_backward (keys `SETTING/MODE`), and one
-micro-batch's gradients under each mode are compared with the fp32 backward's (`gradient_errors`: relative L2 per
-parameter, worst and median, and of all of them together). `--host-profile`: one more update of one epoch under
-experiments.host_profile (this repository's Python functions by cProfile, and on CUDA every call site that waited
-for the GPU, counted), kept as `host_profile`. `--recompute-graph off on` / `--recompute-compile off inductor` (with
-`--consistent`): each backward is also timed captured as CUDA graphs and/or with its reference velocity compiled
-(policy.fast.recompute_graph / recompute_compile; keys `SETTING/graph`, `SETTING/inductor`; a compiled setting's
-untimed warm-up update compiles it). `--precision fp8`: the engine's fast path and the consistent
-recompute run their FP8 GEMMs (policy.fast.precision).
-JSON `profile_actor_*` via experiments.results.
+`--consistent`: the trainer re-scores through the fast path (policy.fast.consistent_recompute, pinned to --batch rows
+and --prompt-bucket tokens, `--attention` sdpa (the default) or triton, the fast command's; also on the CPU, through
+the kernels' PyTorch twins), labelled by its own stages (the fast path's vision/prefix graphs, the kept prefix
+restored into a bucket, the expert step's graphed forward and the plain fp32 reference its backward re-runs).
+`--prefix-cache engine` (with `--consistent`): the engine keeps each row's prefix K/V as it predicts them
+(PolicyEngine.keep_prefixes, grpo.prefix_cache=engine), and both the timed pass and the update read them.
+`--recompute-backward fp32 bf16 ...` (with `--consistent`): every `--prefix-cache` setting is timed under each
+policy.fast.recompute_backward (keys `SETTING/MODE`), and one micro-batch's gradients under each mode are compared
+with the fp32 backward's (`gradient_errors`: relative L2 per parameter, worst and median, and of all of them
+together). `--host-profile`: one more update of one epoch under experiments.host_profile (this repository's Python
+functions by cProfile, and on CUDA every call site that waited for the GPU, counted), kept as `host_profile`.
+`--recompute-graph off on` / `--recompute-compile off inductor` (with `--consistent`): each backward is also timed
+captured as CUDA graphs and/or with its reference velocity compiled (policy.fast.recompute_graph / recompute_compile;
+keys `SETTING/graph`, `SETTING/inductor`; a compiled setting's untimed warm-up update compiles it). `--precision fp8`:
+the engine's fast path and the consistent recompute run their FP8 GEMMs (policy.fast.precision). JSON
+`profile_actor_*` via experiments.results.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from grpo.trainer import trainer_policy_config
 from policies import PolicyConfig, build_policy
 from policies.fast import recompute
 from policies.fast.autograd import CallRun, ChunkRun
-from policies.fast.config import PRECISIONS, RECOMPUTE_BACKWARDS, RECOMPUTE_COMPILES
+from policies.fast.config import BATCH_INVARIANT_ATTENTION, PRECISIONS, RECOMPUTE_BACKWARDS, RECOMPUTE_COMPILES
 from policies.fast.runner import FastSampler
 from policies.lerobot_bridge import relative_l2
 from policies.models.pi05 import PI05Model
@@ -333,6 +333,9 @@ def main() -> None:
     parser.add_argument("--consistent", action="store_true",
                         help="the trainer's recompute through the fast path (policy.fast.consistent_recompute)")
     parser.add_argument("--prompt-bucket", type=int, default=128, help="with --consistent: the pinned prompt bucket")
+    parser.add_argument("--attention", default="sdpa", choices=list(BATCH_INVARIANT_ATTENTION),
+                        help="with --consistent: policy.fast.attention of the engine and the recompute (the README's "
+                             "fast command runs triton)")
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS),
                         help="policy.fast.precision of the engine's fast path and the consistent recompute")
     parser.add_argument("--recompute-backward", nargs="+", default=["fp32"], choices=RECOMPUTE_BACKWARDS,
@@ -381,6 +384,8 @@ def main() -> None:
     if keep_engine and not args.consistent:
         parser.error("--prefix-cache engine needs --consistent (the trainer restores the engine's fast-path K/V)")
 
+    if args.attention != "sdpa" and not args.consistent:
+        parser.error(f"--attention {args.attention} picks the consistent recompute's attention: add --consistent")
     if args.prefix_cache_spill_gib is not None and args.prefix_cache_gib is None:
         parser.error("--prefix-cache-spill-gib keeps the rows past --prefix-cache-gib in host memory: set that cap")
     device = auto_device(args.device)
@@ -392,6 +397,8 @@ def main() -> None:
                                consistent="on" if args.consistent else "off", batch=args.batch,
                                prompt_bucket=args.prompt_bucket, precision=args.precision)
     cfg = policy_config(shape, cuda)
+    if args.consistent:
+        cfg = cfg.replace(fast={"attention": args.attention})
     if args.policy != "tiny":  # the GRPO recipe's camera slots (libero10_pi05: the preset's three, one empty)
         cfg = cfg.replace(cameras=PolicyConfig.preset(args.policy).cameras)
     overrides = {"train_expert_only": True}

@@ -93,6 +93,27 @@ def test_a_traced_backward_is_timed_beside_the_plain_one(monkeypatch, tmp_path):
         assert timed["rollout/logprob_gap"] == 0.0  # the forward stays the rollout's in both
 
 
+def test_the_consistent_recompute_runs_the_attention_asked_for(monkeypatch):
+    # the README's fast command runs the Triton attention (not usable on the CPU: the config is checked, then stopped);
+    # sdpa stays the default
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def record(cfg, device):
+        built.append(cfg)
+        raise Built
+
+    monkeypatch.setattr(profile_actor, "build_policy", record)
+    for extra, attention in ((["--attention", "triton"], "triton"), ([], "sdpa")):
+        with pytest.raises(Built):
+            run(monkeypatch, "--consistent", "--rows", "8", "--batch", "4", *extra)
+        assert built[-1].fast.attention == attention and built[-1].fast.consistent_recompute
+    with pytest.raises(SystemExit):
+        run(monkeypatch, "--attention", "triton")  # without --consistent it would pick nothing
+
+
 def test_a_budget_keeps_only_the_rows_that_fit(monkeypatch, tmp_path):
     run(monkeypatch, "--rows", "8", "--batch", "4", "--micro-batch", "4", "--epochs", "1", "--prefix-cache",
         "device", "--prefix-cache-gib", "0", "--out", str(tmp_path))
