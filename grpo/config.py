@@ -135,14 +135,13 @@ class GRPOConfig:
         check_choice("grpo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("grpo.autocast", self.autocast, AUTOCAST_MODES)
         check_choice("grpo.prefix_cache", self.prefix_cache, PREFIX_CACHES)
-        # a preset's cap and spill (libero10_pi05_fast) stay when the cache is turned off on the command line: every
-        # key to drop is named at once
-        sizes = {key: value for key in ("prefix_cache_gib", "prefix_cache_spill_gib")
-                 if (value := getattr(self, key)) is not None}
         if self.prefix_cache_gib is not None:
             _check_range("grpo.prefix_cache_gib", self.prefix_cache_gib, 0.0, 2.0**20)  # finite: bytes are ints
             if self.prefix_cache == "off":
-                drop = " ".join(f"grpo.{key}=null" for key in sizes)
+                # a preset's cap and spill (libero10_pi05_fast) stay when the cache is turned off on the command
+                # line: every size to drop is named at once
+                spill = "" if self.prefix_cache_spill_gib is None else " grpo.prefix_cache_spill_gib=null"
+                drop = f"grpo.prefix_cache_gib=null{spill}"
                 raise ValueError(f"grpo.prefix_cache_gib={self.prefix_cache_gib} caps kept prefix caches, but "
                                  f"grpo.prefix_cache is off: set grpo.prefix_cache=device (or host, engine), or drop "
                                  f"the sizes ({drop})")
