@@ -7,8 +7,8 @@ The rows are real: the engine (rollout.engine.PolicyEngine, the fast path on CUD
 LIBERO-like observations (two cameras in the preset's camera slots, as `+experiment=libero10_pi05` runs) in
 train mode after the trainer's fp32 weights were pushed into it, as in training (experiments.logprob_gap
 builds them the same way); their advantages are random normals, so every backward carries a gradient.
-After one untimed update of the same rows (warm-up), for each `--prefix-cache` setting (and backward variant) one
-more untimed update in that setting (its graphs captured, its kernels compiled), then a fresh
+For each `--prefix-cache` setting (and backward variant), after one untimed update of the same rows in that setting
+(its warm-up: its graphs captured, its kernels compiled), a fresh
 `grpo.actor.Actor` (the trainer's class, unchanged) runs, `--repeats` times (default 3; a fresh actor from the
 engine's weights each time; the JSON keeps each run's seconds and the medians: round 64 saw one eager update take
 0.955 s and then 1.351 s in two runs of one tree), timed with the device synchronised:
@@ -421,20 +421,17 @@ def main() -> None:
     finally:
         engine.close()
     rows.advantages = torch.randn(len(rows), generator=torch.Generator().manual_seed(args.seed))
-    # warm-up: one whole untimed update (forward, backward, optimizer) on the timed rows and shapes. With one
-    # micro-batch's forward as warm-up, the first setting's old-log-prob pass once took 2.27 s on the H200 against
-    # 1.06 s for the next setting's (round 47)
-    with weights_restored(policy):
-        make_actor(policy, args, "off", 1).train(rows)
     modes = args.recompute_backward
     variants = [(mode, graph == "on", backend) for mode in modes for graph in args.recompute_graph
                 for backend in args.recompute_compile]
     timed = {}
     for mode, graph, backend in variants:
         with recompute_backward(policy, mode, graph, backend):
-            # time_setting warms each setting up first: a mode's first update pays for new kernels (round 52's first
-            # run timed bf16 without one, 1.08 s against fp32's 0.89, where the GRPO step had it 27% faster), a
-            # captured backward for its capture, a compiled one for its compile
+            # time_setting warms each setting up with one whole untimed run of it: a mode's first update pays for new
+            # kernels (round 52's first run timed bf16 without one, 1.08 s against fp32's 0.89, where the GRPO step
+            # had it 27% faster), a captured backward for its capture, a compiled one for its compile; with one
+            # micro-batch's forward as warm-up, the first setting's old-log-prob pass once took 2.27 s on the H200
+            # against 1.06 s for the next setting's (round 47)
             for setting in args.prefix_cache:
                 print(f"recompute_backward={mode}{' graphed' if graph else ''}"
                       f"{f' compiled by {backend}' if backend != 'off' else ''}:", end=" ")
