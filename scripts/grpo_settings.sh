@@ -2,9 +2,9 @@
 #   bash scripts/grpo_settings.sh OUT_DIR BUDGET_S NAME="overrides" [NAME="overrides" ...]
 # e.g. (after `source scripts/device_prelude.sh` on the GPU machine)
 #   bash scripts/grpo_settings.sh $OUT 540 bf16="policy.frozen_dtype=bfloat16" base=""
-# Every run is the README's libero10_pi05 command (or $GRPO_EXPERIMENT's) cut to 2 steps of 1 rollout epoch (tasks 2 and 8,
-# 160 env steps; grpo.micro_batch=$GRPO_MICRO_BATCH, default 32, which fits an 80 GB H100 in every mode)
-# plus the setting's overrides. Each
+# Every run is the README's libero10_pi05 command (or $GRPO_EXPERIMENT's) cut to 2 steps of 1 rollout epoch
+# (tasks 2 and 8, 160 env steps; grpo.micro_batch=$GRPO_MICRO_BATCH, default 32, which fits an 80 GB H100 in every
+# mode) plus the setting's overrides. Each
 # keeps OUT_DIR/grpo_NAME_report.json (the profiler's step report) and its log and metrics in
 # OUT_DIR/grpo_NAME.tgz, so few files come back from the machine. Runs share BUDGET_S seconds: each
 # is stopped (timeout: SIGTERM, on which a run closes its processes, and SIGKILL 60 s later) at the budget's end,
