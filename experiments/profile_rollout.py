@@ -87,7 +87,9 @@ def result_summary(report, skip_first: int) -> dict:
     """The numbers the README quotes: mean step (after `skip_first` warm-up steps), PhyAI-style
     rows, control roofline."""
     mean = report.mean(skip_first)
-    summary = {"steps": len(report.steps), "mean_from_step": skip_first, "step_s": mean.total_s,
+    # with one step there is nothing after the warm-up: its compile and first-call costs are in every number
+    summary = {"steps": len(report.steps), "mean_from_step": skip_first, "includes_warmup_step": skip_first == 0,
+               "step_s": mean.total_s,
                "predict_max_s": mean.predict_max_s, "predict_share_step": mean.predict_share_step,
                "predict_share_rollout": mean.predict_share_rollout, "other_s": mean.other_s}
     for name in ("weight_sync", "rollout", "rollout/reset", "rollout/env_step", "rollout/predict"):
@@ -161,6 +163,9 @@ def main(cfg: DictConfig) -> None:
             lane.close()
         timeline.close()
     skip_first = 1 if rcfg.steps > 1 else 0
+    if not skip_first:
+        print("rollout.steps=1: the summary is of the warm-up step (first calls, compiles); use >= 2 steps to time "
+              "a warm one")
     report, written = build_exports(run_dir, prof, skip_first=skip_first)
     for name, path in written.items():
         print(f"{name}: {path}")

@@ -26,6 +26,7 @@ resume. FSDP2 shards the optimiser state: checkpoints are refused (config-time c
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -306,6 +307,7 @@ def worker_main(conn: Any, spec: RankSpec, policy_cfg: Any, cfg: GRPOConfig, tor
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides how ranks stop
     clean = False
+    actor = None
     try:
         threads = torch_threads or (1 if spec.device == "cpu" else None)
         if threads:
@@ -323,6 +325,11 @@ def worker_main(conn: Any, spec: RankSpec, policy_cfg: Any, cfg: GRPOConfig, tor
         where = f"actor rank {spec.rank} (pid {os.getpid()}, {spec.device})"
         send_quietly(conn, ("error", f"{where}:\n{traceback.format_exc()}"))
     finally:
+        # The DDP wrapper's reducer holds gloo work objects: freed after the group is destroyed (or at interpreter
+        # exit), their destructors can abort the process ("terminate called without an active exception", once in
+        # CI). So the actor goes first, collected now, then the rank leaves the group.
+        actor = None
+        gc.collect()
         try:
             if clean:
                 leave_group()

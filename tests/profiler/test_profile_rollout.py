@@ -23,7 +23,7 @@ def test_result_summary_holds_the_quoted_numbers():
     spans = pipelined_step(step=0, t0=0) + pipelined_step(step=1, t0=50) + pipelined_step(step=2, t0=100)
     report = StepReport.from_trace(spans)
     summary = result_summary(report, skip_first=1)
-    assert summary["steps"] == 3 and summary["mean_from_step"] == 1
+    assert summary["steps"] == 3 and summary["mean_from_step"] == 1 and not summary["includes_warmup_step"]
     assert summary["step_s"] == pytest.approx(0.040)
     assert summary["weight_sync_s"] == pytest.approx(0.001) and summary["rollout_s"] == pytest.approx(0.032)
     assert summary["predict_max_s"] == pytest.approx(0.016)
@@ -31,3 +31,9 @@ def test_result_summary_holds_the_quoted_numbers():
     assert summary["projected_step_s_amdahl"] < summary["step_s"]
     assert summary["control_median_x"] == pytest.approx(2.5)  # env 10 ms / predict 4 ms
     assert summary["control_overlap_efficiency"] <= 1.0
+
+
+def test_a_one_step_summary_says_it_is_the_warm_up_step():
+    report = StepReport.from_trace(pipelined_step(step=0, t0=0))
+    summary = result_summary(report, skip_first=0)
+    assert summary["steps"] == 1 and summary["mean_from_step"] == 0 and summary["includes_warmup_step"]
