@@ -11,7 +11,13 @@ bounded it (round 49's profile: 55 ms of host time a call against 7 ms of kernel
 - the trained weights are read where they live: the graph holds views of their storage, so optimizer steps and
   weight loads that write in place are seen without a re-capture; a weight whose storage moved (`param.data = ...`)
   is caught by its address and the shape captured again;
-- the gradients come back as copies (the graph overwrites its outputs at the next replay).
+- the gradients come back as copies (the graph overwrites its outputs at the next replay);
+- a call with fewer rows replays the smallest captured graph that holds them (same shapes past the row dimension),
+  its other rows copies of the call's first row with a zero incoming gradient: they add exact zeros to every
+  gradient. GRPO's micro-batches are full but for one tail a global batch, and with the kept prefix capped
+  (grpo.prefix_cache_gib) two, of sizes that change from batch to batch: captured each, they cost a capture apiece
+  (~0.6 s on an H100, round 68's profile_actor; two a global batch), padded a replay of the full shape. The real
+  rows' gradients then sum in the full shape's order, not the smaller shape's: the same update up to rounding.
 tests/policies/test_consistent_gpu.py compares them with the eager call's: equal with the bf16 backward (GRPO's); with
 the fp32 one they differ by about what the eager fp32 backward differs from itself run to run (~4e-5 relative L2 on an
 H100, round 63).
@@ -91,6 +97,10 @@ class ReferenceInputs:
         return [(source, None if index is None else _joined(index), rows) for source, index, rows in merged]
 
     @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+    @property
     def cache(self) -> PrefixCache:
         """The rows' prefix K/V as one cache (all of one source's rows in order: the source itself, no copy)."""
         return PrefixCache.cat([CacheRows(source, index).gather() for source, index, _ in self._sources()])
@@ -100,10 +110,10 @@ class ReferenceInputs:
         return [self.x, self.x_next, self.steps, self.constants, *_tensors(self.cache)]
 
     def shape_key(self) -> tuple:
-        """The joined tensors' shapes and dtypes (without joining them)."""
-        rows = sum(part.rows for part in self.caches)
-        cache = [((rows, *t.shape[1:]), t.dtype) for t in _tensors(self.caches[0].source)]
-        return (*((tuple(t.shape), t.dtype) for t in (self.x, self.x_next, self.steps, self.constants)), *cache)
+        """The joined tensors' shapes past the row dimension and their dtypes (without joining them): what a captured
+        graph's buffers must match, given at least `rows` rows."""
+        tensors = [self.x, self.x_next, self.steps, self.constants, *_tensors(self.caches[0].source)]
+        return tuple((tuple(t.shape[1:]), t.dtype) for t in tensors)
 
     def clone(self) -> ReferenceInputs:
         """A copy with every tensor joined (the graph's buffers)."""
@@ -111,11 +121,14 @@ class ReferenceInputs:
         return ReferenceInputs(x, x_next, steps, constants, [CacheRows(_cache(cache))])
 
     def copy_from(self, other: ReferenceInputs) -> None:
-        """Write `other`'s values into these joined buffers (`clone`'s; same shape_key): each source's rows gathered
-        straight into theirs, one index_select per tensor."""
-        mine = self.tensors()
+        """Write `other`'s values into these joined buffers (`clone`'s; same shape_key, at most as many rows): each
+        source's rows gathered straight into theirs, one index_select per tensor; rows past `other`'s repeat its
+        first (finite values: a zero gradient times a row left from an earlier call could be NaN)."""
+        mine, n = self.tensors(), other.rows
+        if n > self.rows:
+            raise ValueError(f"reference inputs of {n} rows do not fit buffers of {self.rows}")
         for buffer, value in zip(mine[:4], (other.x, other.x_next, other.steps, other.constants), strict=True):
-            buffer.copy_(value)
+            buffer[:n].copy_(value)
         start = 0
         for source, index, rows in other._sources():
             for buffer, value in zip(mine[4:], _tensors(source), strict=True):
@@ -124,6 +137,9 @@ class ReferenceInputs:
                 else:
                     torch.index_select(value, 0, index, out=buffer[start: start + rows])
             start += rows
+        if n < self.rows:
+            for buffer in mine:
+                buffer[n:].copy_(buffer[:1].expand_as(buffer[n:]))
 
 
 def _joined(parts: list[Tensor] | tuple[Tensor, ...]) -> Tensor:
@@ -151,23 +167,31 @@ class _Captured:
     out: list[Tensor | None]  # the gradients of the leaves that require grad, in order, written by each replay
     addresses: tuple[int, ...]  # the weights' data pointers at capture
 
+    @property
+    def rows(self) -> int:
+        return self.inputs.rows
+
     def replay(self, inputs: ReferenceInputs, table: Tensor, grad: Tensor) -> list[Tensor | None]:
+        n = inputs.rows
         with torch.no_grad():
-            self.inputs.copy_from(inputs)
+            self.inputs.copy_from(inputs)  # rows past n: copies of row 0
             self.table.copy_(table)
-            self.grad.copy_(grad)
+            self.grad[:n].copy_(grad)
+            self.grad[n:].zero_()  # the padding rows add exact zeros to every gradient
         self.graph.replay()
         return [None if g is None else g.clone() for g in self.out]
 
 
 class ReferenceGraphs:
-    """The captured reference calls of one sampler, by input shape."""
+    """The captured reference calls of one sampler, by input shape (rows apart: a call replays the smallest graph
+    with at least its rows)."""
 
     def __init__(self, capacity: int = CAPACITY):
         self.capacity = capacity
-        self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()  # by (shape past the rows, rows)
         self.captures = 0  # how many times a shape was captured (the tests read it)
         self.replays = 0
+        self.padded_replays = 0  # replays of a graph with more rows than the call's
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -176,22 +200,26 @@ class ReferenceGraphs:
               key: tuple = ()) -> list[Tensor | None]:
         """eager_grads(logprob, inputs, leaves, grad) by replaying the shape's graph, captured at the shape's first
         call. `key`: what else the call's kernels depend on (the backward's precision)."""
-        full_key = (key, inputs.shape_key(), tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in leaves),
-                    tuple(grad.shape), grad.dtype)
+        shape = (key, inputs.shape_key(), tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in leaves),
+                 tuple(grad.shape[1:]), grad.dtype)
         addresses = tuple(w.data_ptr() for w in leaves[1:])
-        captured = self._graphs.get(full_key)
-        if captured is not None and captured.addresses != addresses:
-            del self._graphs[full_key]  # a weight's storage was replaced: the graph would read the old one
-            captured = None
-        if captured is None:
-            captured = _capture(logprob, inputs, leaves, grad, addresses)
-            self._graphs[full_key] = captured
+        for stale in [k for k, g in self._graphs.items() if k[0] == shape and g.addresses != addresses]:
+            del self._graphs[stale]  # a weight's storage was replaced: the graph would read the old one
+        holding = sorted(k for k in self._graphs if k[0] == shape and k[1] >= inputs.rows)
+        if holding:
+            found = holding[0]
+            self._graphs.move_to_end(found)
+        else:
+            for smaller in [k for k in self._graphs if k[0] == shape]:
+                del self._graphs[smaller]  # the new graph holds their rows: a graph fewer to keep in memory
+            found = (shape, inputs.rows)
+            self._graphs[found] = _capture(logprob, inputs, leaves, grad, addresses)
             self.captures += 1
             while len(self._graphs) > self.capacity:
                 self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(full_key)
+        captured = self._graphs[found]
         self.replays += 1
+        self.padded_replays += captured.rows > inputs.rows
         return captured.replay(inputs, leaves[0], grad)
 
 

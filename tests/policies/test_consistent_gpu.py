@@ -325,6 +325,39 @@ def test_the_captured_backward_with_a_kept_prefix_gathers_the_eager_gradients():
     assert policy.fast_sampler().reference_graphs.replays >= 2
 
 
+def test_a_call_with_fewer_rows_replays_the_larger_graph_padded():
+    """policy.fast.recompute_graph: a micro-batch with fewer rows than a captured shape (GRPO's tail micro-batches, two
+    a global batch with a capped kept prefix) replays that graph with padding rows of zero incoming gradient instead of
+    capturing its own: no capture, and the gradients the eager backward's up to the summation order (bf16 backward;
+    printed, bounded at 1e-3 relative L2 per parameter)."""
+    policy = build_policy(config("small", "sdpa", consistent_recompute=True, recompute_backward="bf16",
+                                 recompute_graph=True), device="cuda")
+    (inputs, chains, inds), buckets = one_prompt_bucket(rollout(policy))
+    with torch.no_grad():
+        kept = policy.log_prob(inputs, chains, inds, consistent=True, fast_buckets=buckets, return_prefix=True).prefix
+    weights = torch.randn(len(buckets), generator=torch.Generator().manual_seed(2)).cuda()
+    graphs = policy.fast_sampler().reference_graphs
+
+    def gradients(rows: torch.Tensor, graphed: bool) -> dict:
+        policy.cfg = policy.cfg.replace(fast={"recompute_graph": graphed})
+        policy.model.zero_grad(set_to_none=True)
+        at = rows.cuda()
+        sub = ModelInputs(*(t[at] for t in (inputs.images, inputs.image_masks, inputs.tokens, inputs.token_mask)))
+        out = policy.log_prob(sub, chains[at], inds[at], consistent=True, fast_buckets=buckets[rows],
+                              prefix=kept.index_select(at))
+        (out.chunk_logprob * weights[at]).sum().backward()
+        policy.settle_checks()
+        return {n: p.grad.float().clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+
+    everything, tail = torch.arange(len(buckets)), torch.arange(len(buckets) - 5)
+    gradients(everything, graphed=True)  # captures the full shape
+    captured, padded = graphs.captures, graphs.padded_replays
+    got = gradients(tail, graphed=True)
+    assert (graphs.captures, graphs.padded_replays) == (captured, padded + 1), "the tail captured its own graph"
+    _, worst = gradient_errors(got, gradients(tail, graphed=False), "padded graphed bf16 backward vs eager (tail)")
+    assert worst <= 1e-3, worst
+
+
 def test_a_wrong_kept_prefix_is_refused_on_cuda_at_the_next_call_or_settle():
     """The restored-prefix check on CUDA is read back without a wait (common/deferred_checks.py): a call given other
     rows' prefix returns, and the error comes at Policy.settle_checks or at the sampler's next consistent call."""

@@ -37,8 +37,9 @@ def split(inp: ReferenceInputs, rows: list[int], seed: int = 0) -> ReferenceInpu
 
 
 def logprob(inp: ReferenceInputs, table: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-    """A stand-in reference call that reads every input, the table and the weights."""
-    keys = sum(k.float().mean() for k in inp.cache.keys)
+    """A stand-in reference call that reads every input, the table and the weights; each row's log-prob from its own
+    inputs only, as the model's (the padding of a graph with more rows relies on it)."""
+    keys = sum(k.float().mean(dim=(1, 2, 3))[:, None, None] for k in inp.cache.keys)
     scale = table[inp.steps].sum(-1)[:, None, None] * weights[0].sum() + weights[1].sum()
     return (inp.x * scale + inp.x_next * inp.constants[:, :1, None] + keys + inp.cache.offsets[:, None, None]) ** 2
 
@@ -57,11 +58,17 @@ class FakeCaptured:
         self.table_grad = leaves[0].requires_grad
         self.buffers = inp.clone()
 
+    @property
+    def rows(self):
+        return self.buffers.rows
+
     def replay(self, inp, table, grad):
         self.buffers.copy_from(inp)
+        padded = grad.new_zeros(self.rows, *grad.shape[1:])  # as _Captured.replay: zero past the call's rows
+        padded[: inp.rows] = grad
         table = table.detach().requires_grad_(self.table_grad)
         weights = [w.detach().requires_grad_(True) for w in self.weights]
-        return eager(self.buffers, [table, *weights], grad)
+        return eager(self.buffers, [table, *weights], padded)
 
 
 @pytest.fixture
@@ -83,7 +90,20 @@ def test_inputs_clone_and_copy_every_tensor():
     copy.copy_from(b)
     assert all(torch.equal(x, y) for x, y in zip(copy.tensors(), b.tensors(), strict=True))
     assert len(a.tensors()) == 4 + 2 * 2 + 2
-    assert a.shape_key() == b.shape_key() != inputs(4, 6).shape_key() != inputs(3, 7).shape_key()
+    # rows apart: a graph with more rows holds a call with fewer
+    assert a.shape_key() == b.shape_key() == inputs(4, 6).shape_key() != inputs(3, 7).shape_key()
+
+
+def test_fewer_rows_fill_the_buffers_and_the_rest_repeat_the_first_row():
+    buffers, small = inputs(5, 6, seed=0).clone(), split(inputs(3, 6, seed=1), [2, 1])
+    for t in buffers.tensors():
+        if t.is_floating_point():
+            t.fill_(float("nan"))  # an earlier call's rows: whatever they held must not stay
+    buffers.copy_from(small)
+    for got, want in zip(buffers.tensors(), small.tensors(), strict=True):
+        assert torch.equal(got[:3], want) and all(torch.equal(got[r], want[0]) for r in (3, 4))
+    with pytest.raises(ValueError, match="reference inputs of 5 rows do not fit buffers of 3"):
+        small.clone().copy_from(inputs(5, 6))
 
 
 def test_cache_parts_are_gathered_straight_into_the_joined_buffers():
@@ -123,6 +143,20 @@ def test_the_key_the_shapes_and_which_leaves_need_grad_each_capture_their_own(gr
     assert len(graphs) == 2  # the least recently used shape was dropped
     graphs.grads(logprob, inputs(3, 6), ls, grad, key=("bf16",))
     assert graphs.captures == 4, "the dropped shape was captured again"
+
+
+def test_fewer_rows_replay_the_graph_that_holds_them_and_more_rows_replace_it(graphs):
+    ls = leaves()
+    graphs.grads(logprob, inputs(4, 6, seed=0), ls, torch.randn(4, 3, 2))
+    tail, grad = split(inputs(2, 6, seed=1), [1, 1]), torch.randn(2, 3, 2)
+    for a, b in zip(graphs.grads(logprob, tail, ls, grad), eager(tail, ls, grad), strict=True):
+        torch.testing.assert_close(a, b)  # the padding rows add zeros (another summation order: rounding apart)
+    assert (graphs.captures, graphs.replays, graphs.padded_replays, len(graphs)) == (1, 2, 1, 1)
+    graphs.grads(logprob, inputs(6, 6, seed=2), ls, torch.randn(6, 3, 2))
+    assert (graphs.captures, len(graphs)) == (2, 1), "the larger graph replaces the one it holds"
+    graphs.grads(logprob, inputs(5, 6, seed=3), ls, torch.randn(5, 3, 2))
+    graphs.grads(logprob, inputs(6, 7, seed=3), ls, torch.randn(6, 3, 2))  # another prefix length: its own graph
+    assert (graphs.captures, graphs.padded_replays, len(graphs)) == (3, 2, 2)
 
 
 def test_a_weight_in_new_storage_is_captured_again(graphs):
