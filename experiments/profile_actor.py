@@ -154,10 +154,9 @@ def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: 
     # one more run first, untimed: the setting's own warm-up. Its first update captures its graphs (a captured
     # backward: 3.44 s against 0.25 s for the next in round 67, where a lone graphed variant had no warm-up and
     # --repeats 2 timed the capture) and meets its own shapes (a kept prefix skips vision and the prefix stack)
-    graphs = reference_graphs(policy)
     for run in range(1 + args.repeats):
         if run == 1:
-            counted = graph_counts(graphs)  # the timed runs' captures and padded replays counted from here
+            counted = policy.reference_graph_counts()  # the timed runs' captures and padded replays from here
         actor = make_actor(policy, args, prefix_cache, args.epochs, engine_store)
         try:
             with weights_restored(policy):
@@ -184,11 +183,10 @@ def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: 
         # outside any tensor allocation, so peak_memory_gib leaves them out (the pools of an earlier variant's
         # captures too: they stay with the sampler)
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
-    if graphs is not None:
-        # a capture in a timed run is in its seconds (~0.6 s each for 128 rows in round 68, before a micro-batch
-        # with fewer rows replayed the full shape's graph padded)
-        out["timed_reference_captures"], out["timed_padded_replays"] = (
-            after - before for after, before in zip(graph_counts(graphs), counted, strict=True))
+    # a capture in a timed run is in its seconds (~0.6 s each for 128 rows in round 68, before a micro-batch with
+    # fewer rows replayed the full shape's graph padded)
+    out["timed_reference_captures"], out["timed_padded_replays"] = (
+        after - before for after, before in zip(policy.reference_graph_counts(), counted, strict=True))
     out["prefix_cache_rows"] = metrics.get("train/prefix_cache_rows")
     out["prefix_cache_spilled_rows"] = metrics.get("train/prefix_cache_spilled_rows")
     print(f"prefix_cache={prefix_cache}: recompute {recompute_s:.2f} s, train {train_s:.2f} s "
@@ -196,18 +194,6 @@ def time_setting(policy, rows: Samples, args: argparse.Namespace, prefix_cache: 
           f"gap to the engine {out['rollout/logprob_gap']:.4f} nats"
           + ("" if out["prefix_cache_rows"] is None else f", {out['prefix_cache_rows']} rows kept"))
     return out
-
-
-def reference_graphs(policy):
-    """The consistent recompute's captured backward calls (policies/fast/reference_graph.py), where it has them."""
-    fast = policy.cfg.fast
-    if not (fast.enabled and fast.consistent_recompute):
-        return None
-    return policy.fast_sampler().reference_graphs  # None off CUDA graphs
-
-
-def graph_counts(graphs) -> tuple[int, int]:
-    return (0, 0) if graphs is None else (graphs.captures, graphs.padded_replays)
 
 
 def event_device_us(event, own: bool) -> float:

@@ -206,6 +206,7 @@ class Actor:
         if len(samples) == 0:
             return {"train/rows": 0, "train/optimizer_steps": 0}
         self.policy.train()
+        graphs_before = self.policy.reference_graph_counts()
         samples = samples.without_prompt_padding()  # one width for the old-log-prob pass and every epoch
         # vision and prefix are frozen: with grpo.prefix_cache their K/V come from this pass in every epoch
         prefixes = None
@@ -269,6 +270,11 @@ class Actor:
             metrics["train/prefix_cache_spilled_rows"] = prefixes.spilled
             metrics["train/prefix_cache_spill_wait_s"] = prefixes.spill_wait_s  # the host slots made meanwhile
         metrics["train/rows"] = len(samples)
+        if self.policy.cfg.fast.recompute_graph:
+            # a capture costs ~0.6 s (128 rows, an H100): after the first update there should be none (round 68)
+            after = self.policy.reference_graph_counts()
+            metrics["train/reference_graph_captures"] = after[0] - graphs_before[0]
+            metrics["train/reference_graph_padded_replays"] = after[1] - graphs_before[1]
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]  # what the steps used (not the config)
         return metrics
 

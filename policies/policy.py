@@ -182,6 +182,12 @@ class Policy(nn.Module):
         if self._fast is not None:
             self._fast.layout_checks.settle()
 
+    def reference_graph_counts(self) -> tuple[int, int]:
+        """(captures, padded replays) of the consistent recompute's captured backward so far
+        (policies/fast/reference_graph.py; (0, 0) where nothing was captured: no fast path yet, or no CUDA graphs)."""
+        graphs = None if self._fast is None else self._fast.reference_graphs
+        return (0, 0) if graphs is None else (graphs.captures, graphs.padded_replays)
+
     def fast_buckets(self) -> list[dict]:
         """The fast path's built buckets, each with its building call's seconds (FastSampler.bucket_report);
         [] before the fast path's first call."""

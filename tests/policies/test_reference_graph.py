@@ -10,6 +10,7 @@ from policies.fast import reference_graph
 from policies.fast.config import FastConfig
 from policies.fast.reference_graph import CacheRows, ReferenceGraphs, ReferenceInputs
 from policies.models.pi05 import PrefixCache
+from tests.policies.reference_graph_fake import FakeCaptured
 
 
 def inputs(rows: int, prefix: int, seed: int = 0) -> ReferenceInputs:
@@ -47,28 +48,6 @@ def logprob(inp: ReferenceInputs, table: torch.Tensor, weights: list[torch.Tenso
 def eager(inp, leaves, grad):
     wanted = [leaf for leaf in leaves if leaf.requires_grad]
     return list(torch.autograd.grad(logprob(inp, leaves[0], leaves[1:]), wanted, grad, allow_unused=True))
-
-
-class FakeCaptured:
-    """What _capture returns, without CUDA: the inputs copied into buffers kept from the capture and the weights read
-    where they lived at capture, like the graph does."""
-
-    def __init__(self, logprob_fn, inp, leaves, grad, addresses):
-        self.addresses, self.weights, self.fn = addresses, [w.detach() for w in leaves[1:]], logprob_fn
-        self.table_grad = leaves[0].requires_grad
-        self.buffers = inp.clone()
-
-    @property
-    def rows(self):
-        return self.buffers.rows
-
-    def replay(self, inp, table, grad):
-        self.buffers.copy_from(inp)
-        padded = grad.new_zeros(self.rows, *grad.shape[1:])  # as _Captured.replay: zero past the call's rows
-        padded[: inp.rows] = grad
-        table = table.detach().requires_grad_(self.table_grad)
-        weights = [w.detach().requires_grad_(True) for w in self.weights]
-        return eager(self.buffers, [table, *weights], padded)
 
 
 @pytest.fixture
