@@ -77,7 +77,8 @@ class FastConfig:
     model's velocity, the flow log-density and their gradients) is captured as one CUDA graph per input shape and
     replayed (policies/fast/reference_graph.py): the same kernels, without their Python launches, which bounded it
     (round 49: 55 ms of host time a call against 7 ms of kernels). Each shape's graph keeps its memory: at most
-    reference_graph.CAPACITY shapes are kept (GRPO with one pinned bucket and a fixed micro-batch has one).
+    reference_graph.CAPACITY shapes are kept, and a call with fewer rows replays a kept graph that holds them,
+    padded (GRPO with one pinned bucket and a fixed micro-batch captures one: its tails replay it).
     recompute_compile: with consistent_recompute, that reference velocity through torch.compile: "inductor" fuses
     its element-wise work (norms, RoPE, GeGLU, residuals and their backward) into fewer kernels, compiled once per
     process at a shape's first call (pi0.5 on an H100, round 65: ~65 s cold, ~16 s from a warm compile cache, for

@@ -36,8 +36,8 @@ from common.devices import graph_capture
 from policies.models.pi05 import PrefixCache
 
 # Shapes whose graph is kept (each holds its activations' memory; least recently used dropped first). GRPO's
-# consistent training pins one bucket and one micro-batch size: one shape, the tail micro-batch of a ragged global
-# batch a second.
+# consistent training pins one bucket and one micro-batch size: one shape, whose graph its tail micro-batches replay
+# padded; a second prefix length (another pinned prompt bucket) would be a second.
 CAPACITY = 2
 WARMUP_CALLS = 2  # eager runs on the capture stream before capturing (cuBLAS workspaces, autocast, allocator)
 
@@ -205,9 +205,9 @@ class ReferenceGraphs:
         addresses = tuple(w.data_ptr() for w in leaves[1:])
         for stale in [k for k, g in self._graphs.items() if k[0] == shape and g.addresses != addresses]:
             del self._graphs[stale]  # a weight's storage was replaced: the graph would read the old one
-        holding = sorted(k for k in self._graphs if k[0] == shape and k[1] >= inputs.rows)
+        holding = [k for k in self._graphs if k[0] == shape and k[1] >= inputs.rows]
         if holding:
-            found = holding[0]
+            found = min(holding, key=lambda k: k[1])  # the fewest padding rows
             self._graphs.move_to_end(found)
         else:
             for smaller in [k for k in self._graphs if k[0] == shape]:
