@@ -33,21 +33,22 @@ printf 'step 2/2 | fake\n'
 """
 
 
-def fake_python_on_path(tmp_path: Path, script: str) -> str:
-    """A folder holding `script` as an executable `python`, for the front of PATH."""
+def fake_python_env(tmp_path: Path, script: str, **variables: str) -> dict[str, str]:
+    """This process's environment with `script` as an executable `python` at the front of PATH, the fake's CALLS and
+    COUNTER files in tmp_path, and `variables` set; VLA_GIT_SHA left out (a run names its commit itself)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python").write_text(script)
     (bin_dir / "python").chmod(0o755)
-    return str(bin_dir)
+    env = {k: v for k, v in os.environ.items() if k != "VLA_GIT_SHA"}
+    return {**env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
+            "COUNTER": str(tmp_path / "count"), **variables}
 
 
 def test_repeats_alternate_the_settings_and_the_comparison_groups_them(tmp_path):
-    bin_dir = fake_python_on_path(tmp_path, FAKE_PYTHON)
+    env = fake_python_env(tmp_path, FAKE_PYTHON, GRPO_REPEATS="2")
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GRPO_REPEATS": "2",
-           "COUNTER": str(tmp_path / "count"), "CALLS": str(tmp_path / "calls")}
     proc = subprocess.run(["bash", "scripts/grpo_settings.sh", str(out), "600", "a=x=1", "b="], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -78,9 +79,7 @@ def test_repeats_alternate_the_settings_and_the_comparison_groups_them(tmp_path)
 
 
 def test_another_preset_starts_every_run(tmp_path):
-    bin_dir = fake_python_on_path(tmp_path, FAKE_PYTHON)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "GRPO_EXPERIMENT": "libero10_pi05_fast",
-           "COUNTER": str(tmp_path / "count"), "CALLS": str(tmp_path / "calls")}
+    env = fake_python_env(tmp_path, FAKE_PYTHON, GRPO_EXPERIMENT="libero10_pi05_fast")
     proc = subprocess.run(["bash", "scripts/grpo_settings.sh", str(tmp_path / "out"), "600", "a=", "b=y=2"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -123,13 +122,11 @@ echo "$PWD|${VLA_GIT_SHA:-unset}|${PYTHONPATH%%:*}" >> "$CALLS"
 
 
 def test_a_setting_runs_in_its_own_tree_under_that_trees_commit(tmp_path):
-    bin_dir = fake_python_on_path(tmp_path, TREE_PYTHON)
+    env = fake_python_env(tmp_path, TREE_PYTHON)
     tree = tmp_path / "base"
     tree.mkdir()
     (tree / "GIT_SHA").write_text("3b25dc9\n")
     out = tmp_path / "not" / "yet"  # made by the script
-    env = {k: v for k, v in os.environ.items() if k != "VLA_GIT_SHA"}
-    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", CALLS=str(tmp_path / "calls"))
     proc = subprocess.run(["bash", "scripts/grpo_settings.sh", str(out), "600", f"old@{tree}=x=1", "new="], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
