@@ -129,8 +129,9 @@ class RowPrefixes:
         again = rows[self._seen[rows]]
         if len(again):
             raise ValueError(f"rows {again[:8].tolist()} were already added to this update's store")
-        if len(rows.unique()) != len(rows):
-            raise ValueError(f"row ids named twice in one cache: {rows[:8].tolist()}")
+        _, inverse, counts = rows.unique(return_inverse=True, return_counts=True)
+        if bool((counts > 1).any()):  # named: the repeated ids themselves, wherever they sit
+            raise ValueError(f"row ids named twice in one cache: {rows[counts[inverse] > 1][:8].tolist()}")
         if not len(rows):
             return
         if self.capacity is None:
@@ -310,7 +311,12 @@ class StoreView:
         return self.store.kept(self.ids[torch.as_tensor(rows, dtype=torch.long).cpu()])  # -1: never kept
 
     def gather(self, rows: Tensor, device: torch.device) -> PrefixCache:
-        return self.store.gather(self.ids[torch.as_tensor(rows, dtype=torch.long).cpu()], device)
+        rows = torch.as_tensor(rows, dtype=torch.long).cpu()
+        known = self.kept(rows)
+        if not bool(known.all()):  # named as the caller's rows (the store's ids: -1 for a row the engine never kept)
+            raise KeyError(f"no kept prefix cache for rows {rows[~known][:8].tolist()} of this update (store rows "
+                           f"{self.ids[rows[~known]][:8].tolist()})")
+        return self.store.gather(self.ids[rows], device)
 
 
 def _buffers(like: PrefixCache, dtypes: list[torch.dtype], capacity: int, device: torch.device,
