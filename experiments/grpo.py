@@ -39,6 +39,7 @@ OPERATIONAL_KEYS = frozenset({
     "env.start_method", "env.restart_on_crash", "env.render_backend", "env.render_culling",
 })
 OPERATIONAL_PREFIXES = ("policy.fast.",)  # the fast path's options: kernels, buckets, graphs, caches
+COMPARED_KEYS = ("run.seed",)  # outside env / policy: every later step's init-state draws and episode seeds use it
 
 
 def _flatten(node: object, prefix: str) -> dict[str, object]:
@@ -115,6 +116,11 @@ def checkpoint_run_differences(exp) -> tuple[str, str, list[str], list[str]] | N
                 differences.append(f"{name} {old[name]!r} -> {new[name]!r}")
                 if name in RUN_IDENTITY_KEYS:
                     identity.append(differences[-1])
+    for name in COMPARED_KEYS:
+        group, field = name.split(".", 1)
+        old_value, new_value = (saved.get(group) or {}).get(field), (exp.raw.get(group) or {}).get(field)
+        if old_value is not None and new_value is not None and old_value != new_value:
+            differences.append(f"{name} {old_value!r} -> {new_value!r}")
     return (key, str(run_dir), differences, identity) if differences else None
 
 

@@ -95,6 +95,8 @@ def eval_env_config(env_cfg: EnvConfig, eval_cfg: EvalConfig) -> tuple[EnvConfig
                              f"init states of {slot.label}")
     return cfg, tasks, per_task
 
+EVAL_NOISE_SEED = 7919  # added to the run's seed: the evaluations' noise, apart from the rollouts' (engine seed)
+
 
 class Evaluator:
     def __init__(self, env_cfg: EnvConfig, eval_cfg: EvalConfig, collector_cfg: CollectorConfig, engine,
@@ -103,11 +105,26 @@ class Evaluator:
         self.env_cfg, self.tasks, self.per_task = eval_env_config(env_cfg, eval_cfg)
         col = CollectorConfig.from_mapping(collector_cfg.to_dict(), stages=1, workers_per_stage=None, group_size=1,
                                            record_images=eval_cfg.videos > 0)
-        self.seed = seed
+        self.seed, self.engine = seed, engine
         self.collector = RolloutCollector(self.env_cfg, engine, col, policy_cfg=policy_cfg, timeline=NULL_TIMELINE)
         self.slots = env_slots(self.env_cfg)
 
     def run(self, video_dir: Path | None = None) -> EvalResult:
+        """Every evaluation runs the same episodes with the same noise (comparable across steps, and after a resume,
+        whose checkpoint holds no evaluator state) and leaves the engine's noise stream as it found it: a training
+        run continues as if it had not evaluated (a resumed finished run, `run.resume=RUN grpo.steps=N`, too)."""
+        self.collector.epochs = 0
+        for stage in self.collector.stages:
+            stage.vec.reset_count = 0  # episode seeds derive from (seed, reset count)
+        generator = self.engine.generator
+        training_noise = generator.get_state()
+        generator.manual_seed(self.seed + EVAL_NOISE_SEED)
+        try:
+            return self._run(video_dir)
+        finally:
+            generator.set_state(training_noise)
+
+    def _run(self, video_dir: Path | None) -> EvalResult:
         rounds = math.ceil(self.cfg.init_states / self.per_task)
         successes = {t: 0 for t in self.tasks}
         episodes = {t: 0 for t in self.tasks}
