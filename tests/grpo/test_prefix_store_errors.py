@@ -6,13 +6,7 @@ import pytest
 import torch
 
 from grpo.prefix_store import RowPrefixes
-from policies.models.pi05 import PrefixCache
-
-
-def cache_of(rows: int, fill: float = 0.0, length: int = 6) -> PrefixCache:
-    value = fill + torch.arange(rows, dtype=torch.float32)[:, None, None, None].expand(rows, 1, length, 4)
-    return PrefixCache([value.clone(), value.clone()], [value.clone(), value.clone()],
-                       torch.ones(rows, length, dtype=torch.bool), torch.full((rows,), length))
+from tests.grpo.test_engine_prefixes import cache_of
 
 
 def test_a_row_named_twice_past_the_eighth_id_is_named_in_the_error():
